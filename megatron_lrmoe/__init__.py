@@ -1,0 +1,19 @@
+"""megatron-lrmoe: quota-limited, compacted MoE backward for Megatron-Core.
+
+Importing this package changes nothing in Megatron; build layers through the spec helpers.
+"""
+
+from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.experts import LRGroupedMLP
+from megatron_lrmoe.layer import LRMoELayer
+from megatron_lrmoe.specs import get_lrmoe_moe_spec, lrmoe_decoder_block_spec, lrmoe_layer_spec
+
+__all__ = [
+    "LRMoEConfig",
+    "LRGroupedMLP",
+    "LRMoELayer",
+    "get_lrmoe_moe_spec",
+    "lrmoe_decoder_block_spec",
+    "lrmoe_layer_spec",
+]
+__version__ = "0.1.0"

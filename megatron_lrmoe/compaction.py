@@ -1,0 +1,59 @@
+"""Index plans that pack, reorder and scatter rows; no communication.
+
+Shape legend: A x B chunk grids (e.g. P source ranks x L local experts); rows of chunk (a, b)
+are contiguous. "a-major" means all chunks of a=0 first, then a=1, ...
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    """``[n] -> [n]``: start offset of each chunk."""
+    return torch.cumsum(counts, 0) - counts
+
+
+def chunk_transpose_index(counts: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Gather index that reorders rows from a-major to b-major chunk order.
+
+    Args:
+        counts: ``[A, B]`` int64 on the host, rows per chunk in the a-major source layout.
+        device: Where the index is needed.
+
+    Returns:
+        ``idx`` of length ``counts.sum()`` with ``b_major = a_major[idx]``. Rows keep their order
+        inside a chunk. Invariant: ``idx`` is a permutation.
+    """
+    counts = counts.to(torch.int64).cpu()
+    total = int(counts.sum())
+    if total == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    src_start = exclusive_cumsum(counts.reshape(-1)).reshape(counts.shape)  # a-major offsets
+    counts_t = counts.t().reshape(-1)  # b-major chunk sizes
+    src_start_t = src_start.t().reshape(-1)
+    dst_start_t = exclusive_cumsum(counts_t)
+    # Per chunk in b-major order: shift = where its rows live in the a-major layout minus where
+    # they land; one repeat_interleave turns it into a per-row index.
+    shift = (src_start_t - dst_start_t).to(device)
+    per_row_shift = torch.repeat_interleave(shift, counts_t.to(device), output_size=total)
+    return torch.arange(total, device=device) + per_row_shift
+
+
+def row_chunk_ids(counts: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``[n] -> [sum]``: chunk id of every row, for chunks laid out in order."""
+    counts = counts.to(torch.int64).reshape(-1).cpu()
+    total = int(counts.sum())
+    ids = torch.arange(counts.numel(), device=device)
+    return torch.repeat_interleave(ids, counts.to(device), output_size=total)
+
+
+def scatter_rows(rows: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Place ``rows[i]`` at ``out[index[i]]`` in a zero ``[num_rows, ...]`` tensor.
+
+    ``index`` is strictly increasing (kept positions), so every row lands once; rows not in
+    ``index`` (dropped pairs) stay zero.
+    """
+    out = rows.new_zeros((num_rows,) + tuple(rows.shape[1:]))
+    out.index_copy_(0, index, rows)
+    return out

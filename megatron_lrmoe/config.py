@@ -1,0 +1,198 @@
+"""LRMoE configuration: one frozen dataclass, validated against Megatron's ``TransformerConfig``.
+
+Every field has a default that means "stock behaviour or the documented default"; ``keep_ratio=1.0``
+makes the backward numerically the stock Megatron-Core path (all pairs kept, no reweighting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Optional
+
+Selection = Literal["sample", "topk"]
+Scope = Literal["local", "global"]
+ActivationMode = Literal["save", "recompute"]
+
+SELECTIONS: tuple[str, ...] = ("sample", "topk")
+SCOPES: tuple[str, ...] = ("local", "global")
+ACTIVATION_MODES: tuple[str, ...] = ("save", "recompute")
+
+
+@dataclass(frozen=True)
+class LRMoEConfig:
+    """How an LRMoE layer trims its backward pass.
+
+    Attributes:
+        keep_ratio: Fraction of each expert's token-expert pairs ("pairs") that survive the backward
+            pass: quota ``Q[e] = ceil(keep_ratio * N[e])`` for an expert that received ``N[e]``
+            pairs in this layer call. ``1.0`` keeps every pair (numerically the stock backward);
+            ``0.0`` gives the experts no gradient while the router gradient stays exact.
+        selection: Which pairs survive. ``"sample"`` (default): an unbiased importance sample of
+            exactly ``Q[e]`` pairs, inclusion probability proportional to ``sqrt(score)`` capped at
+            1, kept rows weighted by ``1/probability`` (systematic sampling from a seeded stream).
+            ``"topk"``: the ``Q[e]`` highest LRM scores, the published rule; biased, see
+            docs/design.md for the convergence probe that made ``sample`` the default.
+        scope: Over which pairs an expert's quota is applied. ``"local"`` (default): the quota is
+            split over source ranks in forward (largest remainder, proportional to each source's
+            pairs) and every source selects among its own pairs: no extra exchange and no extra
+            device-to-host sync in backward. ``"global"``: the expert's owner selects among the
+            pairs of all sources, which costs one exchange of one fp32 score per pair, one
+            exchange of one weight per pair back, and one device-to-host sync.
+        activation_mode: What the expert side keeps for backward. ``"save"`` (stock-like): the
+            received token rows and the fc1 output of every pair. ``"recompute"``: nothing on the
+            expert side; the source re-sends the kept pairs' token rows with their gradient rows
+            and the expert recomputes fc1 for kept rows only.
+        seed: Seed of the sampling stream; the stream is also keyed by layer number and call
+            index, so every rank and every rerun draws the same sample.
+        record_stats: Keep per-call statistics on ``layer.last_call_stats`` (counts, bytes, and
+            timings of scoring/selection/packing). Timing uses CUDA events on GPU.
+        debug_record_selection: Also keep the kept mask of each call (per source rank, in the
+            source's permuted pair order) in the statistics. Costs memory; for tests and debugging.
+        debug_check_invariants: Check the integer plan's invariants at run time (quota sums, kept
+            counts, split sums). Adds device-to-host syncs; for debugging.
+    """
+
+    keep_ratio: float = 1.0
+    selection: Selection = "sample"
+    scope: Scope = "local"
+    activation_mode: ActivationMode = "save"
+    seed: int = 1234
+    record_stats: bool = True
+    debug_record_selection: bool = False
+    debug_check_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep_ratio, (int, float)) or not math.isfinite(self.keep_ratio):
+            raise ValueError(f"LRMoEConfig.keep_ratio ({self.keep_ratio!r}) must be a finite number")
+        if not 0.0 <= float(self.keep_ratio) <= 1.0:
+            raise ValueError(
+                f"LRMoEConfig.keep_ratio ({self.keep_ratio}) must be in [0, 1]; use 1.0 for the "
+                "stock backward"
+            )
+        _check_choice("selection", self.selection, SELECTIONS)
+        _check_choice("scope", self.scope, SCOPES)
+        _check_choice("activation_mode", self.activation_mode, ACTIVATION_MODES)
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"LRMoEConfig.seed ({self.seed!r}) must be a non-negative int")
+
+    @property
+    def is_exact(self) -> bool:
+        """True when every pair is kept, i.e. the backward equals the stock one."""
+        return float(self.keep_ratio) >= 1.0
+
+    def validate_against(self, config: Any, layer_name: str = "LRMoELayer") -> None:
+        """Raise ``ValueError`` if ``config`` (a ``TransformerConfig``) uses settings LRMoE lacks.
+
+        Args:
+            config: The Megatron ``TransformerConfig`` of the MoE layer.
+            layer_name: Named in error messages so a user can find the layer.
+        """
+        validate_transformer_config(config, layer_name)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "LRMoEConfig":
+        """Build from parsed ``--lrmoe-*`` flags (see ``megatron_lrmoe.add_lrmoe_args``)."""
+        kwargs = {}
+        for f in fields(cls):
+            name = f"lrmoe_{f.name}"
+            if hasattr(args, name) and getattr(args, name) is not None:
+                kwargs[f.name] = getattr(args, name)
+        return cls(**kwargs)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"LRMoEConfig.{name} ({value!r}) must be one of {list(choices)}")
+
+
+def _fail(layer_name: str, what: str, fix: str) -> None:
+    raise ValueError(f"{layer_name}: {what} is not supported by LRMoE; {fix}")
+
+
+def validate_transformer_config(config: Any, layer_name: str = "LRMoELayer") -> None:
+    """Reject Megatron settings that the LRMoE layer does not implement.
+
+    Each rule names the offending value and the fix. Rules are listed in docs/config.md.
+    """
+    # Imported here so the config module stays importable without torch-heavy imports.
+    from megatron_lrmoe.ops.activation import activation_spec_from_config
+
+    num_experts: Optional[int] = config.num_moe_experts
+    if not num_experts:
+        _fail(layer_name, f"num_moe_experts={num_experts!r}", "set --num-experts (MoE layers only)")
+    ep = config.expert_model_parallel_size or 1
+    if num_experts % ep != 0:
+        raise ValueError(
+            f"{layer_name}: num_moe_experts ({num_experts}) must be divisible by "
+            f"expert_model_parallel_size ({ep})"
+        )
+    rules: list[tuple[bool, str, str]] = [
+        (
+            config.moe_token_dispatcher_type != "alltoall",
+            f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}",
+            "use --moe-token-dispatcher-type alltoall",
+        ),
+        (
+            (config.expert_tensor_parallel_size or 1) != 1,
+            f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}",
+            "use --expert-tensor-parallel-size 1",
+        ),
+        (
+            bool(config.moe_pad_expert_input_to_capacity),
+            "moe_pad_expert_input_to_capacity=True (drop-and-pad)",
+            "drop --moe-pad-expert-input-to-capacity",
+        ),
+        (
+            config.moe_expert_capacity_factor is not None,
+            f"moe_expert_capacity_factor={config.moe_expert_capacity_factor}",
+            "LRMoE is dropless in forward; drop --moe-expert-capacity-factor and use "
+            "--lrmoe-keep-ratio to trim the backward instead",
+        ),
+        (
+            bool(config.moe_apply_probs_on_input),
+            "moe_apply_probs_on_input=True",
+            "drop --moe-apply-probs-on-input",
+        ),
+        (
+            bool(config.overlap_moe_expert_parallel_comm),
+            "overlap_moe_expert_parallel_comm=True (EP A2A overlap)",
+            "drop --overlap-moe-expert-parallel-comm",
+        ),
+        (
+            bool(config.overlap_dispatch_backward_with_experts_wgrad),
+            "overlap_dispatch_backward_with_experts_wgrad=True",
+            "drop --overlap-dispatch-backward-with-experts-wgrad",
+        ),
+        (
+            bool(config.delay_wgrad_compute),
+            "delay_wgrad_compute=True",
+            "drop --delay-wgrad-compute",
+        ),
+        (
+            bool(config.moe_router_padding_for_quantization),
+            "moe_router_padding_for_quantization=True",
+            "drop --moe-router-padding-for-quantization",
+        ),
+        (
+            bool(config.fp8) or bool(config.fp4),
+            f"fp8={config.fp8!r} / fp4={config.fp4!r} experts",
+            "train the MoE layers in bf16 or fp32",
+        ),
+        (config.moe_latent_size is not None, "moe_latent_size", "drop --moe-latent-size"),
+        (
+            bool(config.add_bias_linear),
+            "add_bias_linear=True (expert biases)",
+            "use --disable-bias-linear",
+        ),
+        (
+            bool(config.moe_permute_fusion),
+            "moe_permute_fusion=True",
+            "drop --moe-permute-fusion (the LRMoE path permutes with the unfused kernels)",
+        ),
+    ]
+    for bad, what, fix in rules:
+        if bad:
+            _fail(layer_name, what, fix)
+    activation_spec_from_config(config)

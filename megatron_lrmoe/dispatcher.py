@@ -1,0 +1,71 @@
+"""Megatron's six-stage alltoall dispatcher, with LRMoE's metadata and a fused middle.
+
+Shape legend: T tokens on this rank, E experts, P EP ranks, L local experts.
+
+Stages 1 and 6 (``dispatch_preprocess``: count + permute; ``combine_postprocess``: unpermute +
+shared-expert output) are stock. ``preprocess`` keeps the all-gathered ``[P, E]`` pair counts,
+which the quota controller needs. Stages 2-5 (the two all-to-alls and the chunk sorts) run inside
+``LRMoEExpertsFunction`` because its backward must differ from the autograd of the forward
+exchanges; here they only drive the shared-expert overlap hooks at the same points as stock.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from megatron_lrmoe import comm
+
+
+class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """Alltoall dispatcher whose exchanges are done by LRMoE's fused expert op."""
+
+    global_counts: torch.Tensor | None = None
+
+    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+        """Gather the global pair counts and set the stock split metadata from them.
+
+        Returns:
+            ``[L]`` host int64: pairs each local expert receives.
+        """
+        num_local_tokens_per_expert = routing_map.sum(dim=0).long()  # [E]
+        global_counts = comm.all_gather_counts(num_local_tokens_per_expert, self.ep_group)
+        # NOTE: device-to-host sync: split sizes and the quota plan are host integers (stock
+        # syncs for its split sizes too; this is the one sync of the forward metadata).
+        global_counts = global_counts.cpu()
+        self.global_counts = global_counts
+        lo = self.local_expert_indices[0]
+        local = global_counts[:, lo : lo + self.num_local_experts].contiguous()
+        self.num_out_tokens = int(global_counts[self.ep_rank].sum())
+        self.input_splits = (
+            global_counts[self.ep_rank].reshape(self.ep_size, self.num_local_experts).sum(1).numpy()
+        )
+        self.output_splits = local.sum(1).numpy()
+        self.output_splits_tp = self.output_splits.sum(keepdims=True)
+        self.num_global_tokens_per_local_expert = local
+        return local.sum(0)
+
+    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        """Stage 2, no communication here (the fused op exchanges); shared-expert fc1 hook."""
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+            self.shared_experts.linear_fc1_forward_and_act()
+        return permutated_local_input_tokens, permuted_probs
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        """Stage 3, pass-through: the fused op sorts rows by local expert itself."""
+        tokens_per_expert = self.tokens_per_expert
+        self.tokens_per_expert = None
+        return hidden_states, tokens_per_expert, probs
+
+    def combine_preprocess(self, hidden_states):
+        """Stage 4, pass-through."""
+        return hidden_states
+
+    def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
+        """Stage 5, no communication here; shared-expert fc2 hooks at the stock point."""
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+            self.shared_experts.linear_fc2_forward()
+            self.shared_experts.post_forward_comm()
+        return hidden_states

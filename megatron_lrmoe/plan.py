@@ -1,0 +1,116 @@
+"""The per-call plan: integer decisions made once per MoE layer call, before expert compute.
+
+Shape legend: P EP ranks, E experts, L = E / P local experts per rank.
+Everything here is host-side int64 and deterministic: every rank computes the same plan from the
+same all-gathered counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional
+
+import torch
+
+from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.planner import expert_quotas, split_quota_over_sources
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What one layer call exchanges and keeps.
+
+    Attributes:
+        ep_rank: This rank's index in the EP group.
+        ep_size: P.
+        num_local_experts: L; rank r owns experts ``[r*L, (r+1)*L)``.
+        global_counts: ``[P, E]`` pairs from source rank r to expert e (``N[r, e]``), host int64.
+        quota: ``[E]`` pairs of expert e that survive backward, ``ceil(keep_ratio * N[e])``.
+        source_quota: ``[P, E]`` the quota split over source ranks (scope "local"), else None.
+            Invariants: ``source_quota <= global_counts`` and ``source_quota.sum(0) == quota``.
+        layer_number: Megatron's layer number (keys the sampling stream).
+        call_index: Forward call counter of the layer (keys the sampling stream).
+    """
+
+    ep_rank: int
+    ep_size: int
+    num_local_experts: int
+    global_counts: torch.Tensor
+    quota: torch.Tensor
+    source_quota: Optional[torch.Tensor]
+    layer_number: int
+    call_index: int
+
+    @classmethod
+    def build(
+        cls,
+        global_counts: torch.Tensor,
+        ep_rank: int,
+        num_local_experts: int,
+        lrmoe: LRMoEConfig,
+        layer_number: int,
+        call_index: int,
+    ) -> "CallPlan":
+        """Fix quotas (and their split over sources) from the global counts."""
+        global_counts = global_counts.to(torch.int64).cpu()
+        quota = expert_quotas(global_counts.sum(0), float(lrmoe.keep_ratio))
+        source_quota = None
+        if lrmoe.scope == "local" and not lrmoe.is_exact:
+            source_quota = split_quota_over_sources(global_counts, quota)
+        plan = cls(
+            ep_rank=ep_rank,
+            ep_size=global_counts.shape[0],
+            num_local_experts=num_local_experts,
+            global_counts=global_counts,
+            quota=quota,
+            source_quota=source_quota,
+            layer_number=layer_number,
+            call_index=call_index,
+        )
+        if lrmoe.debug_check_invariants:
+            plan.check_invariants()
+        return plan
+
+    @cached_property
+    def local_experts(self) -> slice:
+        """Global ids of this rank's experts."""
+        lo = self.ep_rank * self.num_local_experts
+        return slice(lo, lo + self.num_local_experts)
+
+    @cached_property
+    def send_counts(self) -> torch.Tensor:
+        """``[P, L]`` pairs this rank sends to (destination rank, its local expert)."""
+        return self.global_counts[self.ep_rank].reshape(self.ep_size, self.num_local_experts)
+
+    @cached_property
+    def recv_counts(self) -> torch.Tensor:
+        """``[P, L]`` pairs this rank's experts receive from each source rank."""
+        return self.global_counts[:, self.local_experts].contiguous()
+
+    @cached_property
+    def send_splits(self) -> list[int]:
+        return self.send_counts.sum(1).tolist()
+
+    @cached_property
+    def recv_splits(self) -> list[int]:
+        return self.recv_counts.sum(1).tolist()
+
+    @cached_property
+    def tokens_per_local_expert(self) -> torch.Tensor:
+        """``[L]`` rows each local expert computes in forward."""
+        return self.recv_counts.sum(0)
+
+    @cached_property
+    def local_quota(self) -> torch.Tensor:
+        """``[L]`` quota of this rank's experts."""
+        return self.quota[self.local_experts].contiguous()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an integer invariant is violated (debug flag)."""
+        n = self.global_counts.sum(0)
+        assert bool((self.quota >= 0).all()) and bool((self.quota <= n).all()), "quota range"
+        if self.source_quota is not None:
+            assert bool((self.source_quota <= self.global_counts).all()), "source quota > N"
+            assert bool((self.source_quota >= 0).all()), "negative source quota"
+            assert torch.equal(self.source_quota.sum(0), self.quota), "source quota sum"

@@ -1,0 +1,130 @@
+"""Per-call statistics of an LRMoE layer (``layer.last_call_stats``).
+
+Counts are exact integers; byte counts assume the dtype actually sent. Timings use CUDA events
+on GPU (read lazily, so recording them never syncs) and ``time.perf_counter`` on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class ExchangeStats:
+    """One backward all-to-all: what LRMoE sent next to what stock Megatron would send."""
+
+    rows: int
+    bytes: int
+    remote_rows: int
+    remote_bytes: int
+    stock_rows: int
+    stock_bytes: int
+
+
+class SpanTimer:
+    """Measures named spans without forcing a device sync at record time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._spans: dict[str, list] = {}
+
+    def start(self, name: str) -> None:
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._spans[name] = [ev, None]
+        else:
+            self._spans[name] = [time.perf_counter(), None]
+
+    def stop(self, name: str) -> None:
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._spans[name][1] = ev
+        else:
+            self._spans[name][1] = time.perf_counter()
+
+    def milliseconds(self) -> dict[str, float]:
+        """Elapsed ms per span. NOTE: device-to-host sync on GPU (event.synchronize)."""
+        out = {}
+        for name, (a, b) in self._spans.items():
+            if b is None:
+                continue
+            if self._cuda:
+                b.synchronize()
+                out[name] = float(a.elapsed_time(b))
+            else:
+                out[name] = (b - a) * 1e3
+        return out
+
+
+@dataclass
+class CallStats:
+    """Statistics of one layer call; the backward half is filled when backward runs.
+
+    Attributes:
+        layer_number: Megatron layer number.
+        call_index: Forward call counter of the layer.
+        total_pairs: Pairs of this layer call over all EP ranks (sum of N).
+        pairs_sent: Pairs this rank sent to experts in forward.
+        quota_per_expert: ``[E]`` quota of every expert (kept pairs per expert, by construction).
+        tokens_per_expert: ``[E]`` pairs each expert received (N summed over sources).
+        kept_pairs_sent: Pairs of this rank that survived (known after backward).
+        kept_per_local_expert: ``[L]`` surviving pairs of this rank's experts (after backward).
+        exchanges: Backward exchanges by name ("grad", "dgrad", "scores", "weights",
+            "positions").
+        score_total / score_kept: Sum of LRM scores of this rank's pairs and of the kept ones
+            (device tensors until read; ``dropped_score_fraction`` reads them).
+        kept_mask: ``[S]`` bool in this rank's permuted pair order (``debug_record_selection``).
+        kept_weight: ``[S]`` gradient multiplier of each pair, 0 when dropped (same flag).
+        backward_done: Whether backward has filled the rest.
+    """
+
+    layer_number: int
+    call_index: int
+    total_pairs: int
+    pairs_sent: int
+    quota_per_expert: list[int]
+    tokens_per_expert: list[int]
+    kept_pairs_sent: Optional[int] = None
+    kept_per_local_expert: Optional[list[int]] = None
+    exchanges: dict[str, ExchangeStats] = field(default_factory=dict)
+    score_total: Optional[torch.Tensor] = None
+    score_kept: Optional[torch.Tensor] = None
+    kept_mask: Optional[torch.Tensor] = None
+    kept_weight: Optional[torch.Tensor] = None
+    backward_done: bool = False
+    timer: Optional[SpanTimer] = None
+
+    @property
+    def kept_ratio(self) -> float:
+        """Kept pairs over all pairs, over all experts."""
+        return sum(self.quota_per_expert) / max(1, self.total_pairs)
+
+    @property
+    def dropped_score_fraction(self) -> float:
+        """Share of this rank's LRM score mass that was dropped (0 when nothing was dropped).
+
+        NOTE: device-to-host sync when first read on GPU.
+        """
+        if self.score_total is None or self.score_kept is None:
+            return 0.0
+        total = float(self.score_total)
+        return 0.0 if total <= 0.0 else max(0.0, 1.0 - float(self.score_kept) / total)
+
+    @property
+    def timings_ms(self) -> dict[str, float]:
+        """Milliseconds spent in scoring, selection and packing (and the exchanges)."""
+        return {} if self.timer is None else self.timer.milliseconds()
+
+    @property
+    def backward_bytes(self) -> int:
+        return sum(x.bytes for x in self.exchanges.values())
+
+    @property
+    def stock_backward_bytes(self) -> int:
+        return sum(x.stock_bytes for x in self.exchanges.values())
