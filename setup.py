@@ -18,6 +18,8 @@ setup(
         "megatron-core==0.19.2",
         "torch>=2.11",
         "numpy",
+        # megatron.core's torch_dist checkpoint writer imports psutil on every save.
+        "psutil",
         # megatron.core imports triton unconditionally but does not declare it.
         "triton",
     ],

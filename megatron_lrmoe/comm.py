@@ -55,6 +55,8 @@ def all_gather_counts(local_counts: torch.Tensor, group: Optional[dist.ProcessGr
     p = group_size(group)
     if p == 1:
         return local_counts.reshape(1, -1)
-    out = local_counts.new_empty((p,) + tuple(local_counts.shape))
-    dist.all_gather_into_tensor(out, local_counts.contiguous(), group=group)
-    return out
+    local_counts = local_counts.reshape(-1).contiguous()
+    # Flat output: gloo's all_gather_into_tensor accepts only the concatenated 1-D layout.
+    out = local_counts.new_empty(p * local_counts.numel())
+    dist.all_gather_into_tensor(out, local_counts, group=group)
+    return out.view(p, -1)

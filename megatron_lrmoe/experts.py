@@ -48,6 +48,7 @@ class LRGroupedMLP(MegatronModule):
             pg_collection = get_default_pg_collection()
         self.num_local_experts = num_local_experts
         self.ep_group = pg_collection.ep
+        self.tp_group = pg_collection.expt_tp
         self.dp_group = pg_collection.expt_dp
         self.name = name
         self.spec = activation_spec_from_config(config)
@@ -108,3 +109,9 @@ class LRGroupedMLP(MegatronModule):
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in backward (no delayed wgrad)."""
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """SequentialMLP's sharded layout (keys, offsets, SwiGLU factory); see ``checkpoint.py``."""
+        from megatron_lrmoe.checkpoint import sequential_mlp_sharded_state_dict
+
+        return sequential_mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata)

@@ -1,0 +1,89 @@
+"""Shared set-up for the GPU benchmark scripts (torchrun, NCCL, one process per GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any, Callable
+
+import torch
+
+QWEN3_30B_A3B_MOE = dict(
+    hidden_size=2048,
+    num_moe_experts=128,
+    moe_router_topk=8,
+    moe_ffn_hidden_size=768,
+    ffn_hidden_size=6144,
+    num_attention_heads=32,
+)
+
+
+def init_distributed(ep: int) -> Any:
+    """NCCL process group from torchrun's environment and Megatron's parallel state (EP=ep)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    return get_default_pg_collection()
+
+
+def moe_config(ep: int, dtype: torch.dtype = torch.bfloat16, **overrides: Any) -> Any:
+    """``TransformerConfig`` of one Qwen3-30B-A3B MoE layer (no TE: local spec)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields: dict[str, Any] = dict(
+        QWEN3_30B_A3B_MOE,
+        num_layers=1,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-3,
+        moe_router_dtype="fp32",
+        moe_router_pre_softmax=False,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        expert_model_parallel_size=ep,
+        transformer_impl="local",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+class CudaTimer:
+    """Median of CUDA-event timings."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = {}
+
+    def time(self, name: str, fn: Callable[[], Any]) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        self.samples.setdefault(name, []).append(start.elapsed_time(end))
+        return out
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.samples[name])
+
+
+def write_json(path: str, payload: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)

@@ -1,0 +1,54 @@
+"""Expert math on rows grouped by expert: grouped GEMMs, activation, expert MLP.
+
+Shape legend:
+    N: rows grouped by expert (contiguous per group, in group order, no padding).
+    G: local experts; H: hidden; F: expert FFN width; F1: ``2F`` if gated else ``F``.
+    Weights: ``w1: [G, F1, H]``, ``w2: [G, H, F]`` (Megatron's ``[out, in]`` stacked on dim 0).
+
+Set ``LRMOE_GROUPED_MM=loop`` to force the per-group ``torch.mm`` loop instead of
+``torch.nn.functional.grouped_mm`` (see ``grouped_gemm.py``).
+"""
+
+from megatron_lrmoe.ops.activation import (
+    ActivationKind,
+    GluSpec,
+    act_backward,
+    act_forward,
+    activation_spec_from_config,
+)
+from megatron_lrmoe.ops.expert_mlp import (
+    GroupedExpertMLP,
+    expert_mlp_backward,
+    expert_mlp_forward,
+    grouped_expert_mlp,
+)
+from megatron_lrmoe.ops.grouped_gemm import (
+    GROUPED_MM_ENV,
+    Counts,
+    GroupedMMBackend,
+    GroupSizes,
+    grouped_mm_backend,
+    grouped_mm_nn,
+    grouped_mm_nt,
+    grouped_mm_tn,
+)
+
+__all__ = [
+    "ActivationKind",
+    "Counts",
+    "GROUPED_MM_ENV",
+    "GluSpec",
+    "GroupSizes",
+    "GroupedExpertMLP",
+    "GroupedMMBackend",
+    "act_backward",
+    "act_forward",
+    "activation_spec_from_config",
+    "expert_mlp_backward",
+    "expert_mlp_forward",
+    "grouped_expert_mlp",
+    "grouped_mm_backend",
+    "grouped_mm_nn",
+    "grouped_mm_nt",
+    "grouped_mm_tn",
+]

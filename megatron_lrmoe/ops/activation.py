@@ -1,0 +1,195 @@
+"""Expert activation (plain or gated) with an analytic backward.
+
+Shape legend:
+    N: rows (token-expert rows).
+    F: expert FFN hidden width (activation output).
+    F1: fc1 output width, ``2F`` when gated, else ``F``.
+
+Gated layout follows Megatron's ``glu`` with ``glu_linear_offset == 0`` and no interleaving:
+``h = [gate | up]`` split in halves along the last dim, ``a = act(gate) * up``.
+
+All math runs in fp32 (fp64 for fp64 inputs, so ``gradcheck`` works) and results are cast
+back to ``h``'s dtype, so bf16 inputs get one rounding per output instead of one per
+intermediate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ActivationKind",
+    "GluSpec",
+    "act_backward",
+    "act_forward",
+    "activation_spec_from_config",
+]
+
+ActivationKind = Literal["silu", "gelu"]
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+@dataclass(frozen=True)
+class GluSpec:
+    """Describes the expert activation.
+
+    Attributes:
+        gated: ``True`` for GLU-style ``act(gate) * up`` (fc1 is twice as wide).
+        kind: ``"silu"`` or ``"gelu"`` (exact erf GELU, ``torch.nn.functional.gelu``'s default).
+    """
+
+    gated: bool
+    kind: ActivationKind
+
+    def __post_init__(self) -> None:
+        """Rejects unsupported kinds early, at construction."""
+        if self.kind not in ("silu", "gelu"):
+            raise ValueError(f"GluSpec.kind must be 'silu' or 'gelu', got {self.kind!r}")
+
+    @property
+    def fc1_multiplier(self) -> int:
+        """Ratio ``F1 / F``: 2 when gated, else 1."""
+        return 2 if self.gated else 1
+
+
+def _act_and_grad(g: torch.Tensor, kind: ActivationKind) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(act(g), act'(g))`` for fp32/fp64 ``g``."""
+    if kind == "silu":
+        s = torch.sigmoid(g)
+        y = g * s
+        # d/dg [g * s(g)] = s + g * s * (1 - s) = s * (1 + g * (1 - s))
+        dy = s * (1.0 + g * (1.0 - s))
+        return y, dy
+    # Exact GELU: g * Phi(g); derivative Phi(g) + g * phi(g).
+    cdf = 0.5 * (1.0 + torch.erf(g * _INV_SQRT2))
+    pdf = torch.exp(-0.5 * g * g) * _INV_SQRT_2PI
+    return g * cdf, cdf + g * pdf
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 for fp32/bf16/fp16; keep fp64 so double-precision checks stay meaningful.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _act(g: torch.Tensor, kind: ActivationKind) -> torch.Tensor:
+    return F.silu(g) if kind == "silu" else F.gelu(g)
+
+
+def _check_width(h: torch.Tensor, spec: GluSpec) -> None:
+    if h.dim() < 1:
+        raise ValueError("activation input must have at least one dim")
+    if spec.gated and h.shape[-1] % 2 != 0:
+        raise ValueError(f"gated activation needs an even fc1 width, got {h.shape[-1]}")
+
+
+def act_forward(h: torch.Tensor, spec: GluSpec) -> torch.Tensor:
+    """Applies the activation.
+
+    Args:
+        h: ``[N, F1]`` fc1 output.
+        spec: Activation description.
+
+    Returns:
+        ``[N, F]`` in ``h``'s dtype.
+    """
+    _check_width(h, spec)
+    hf = h.to(_compute_dtype(h.dtype))
+    if spec.gated:
+        gate, up = hf.chunk(2, dim=-1)
+        a = _act(gate, spec.kind) * up
+    else:
+        a = _act(hf, spec.kind)
+    return a.to(h.dtype)
+
+
+def act_backward(d_a: torch.Tensor, h: torch.Tensor, spec: GluSpec) -> torch.Tensor:
+    """Gradient of :func:`act_forward` w.r.t. ``h``, computed analytically (no autograd).
+
+    Args:
+        d_a: ``[N, F]`` gradient of the activation output.
+        h: ``[N, F1]`` the fc1 output the forward used.
+        spec: Activation description.
+
+    Returns:
+        ``[N, F1]`` gradient w.r.t. ``h``, in ``h``'s dtype.
+
+    Raises:
+        ValueError: If ``d_a``'s shape does not match ``h`` under ``spec``.
+    """
+    _check_width(h, spec)
+    f = h.shape[-1] // spec.fc1_multiplier
+    if d_a.shape[:-1] != h.shape[:-1] or d_a.shape[-1] != f:
+        raise ValueError(
+            f"act_backward: d_a {tuple(d_a.shape)} does not match h {tuple(h.shape)} "
+            f"(gated={spec.gated})"
+        )
+    cdt = _compute_dtype(h.dtype)
+    daf = d_a.to(cdt)
+    if not spec.gated:
+        _, dact = _act_and_grad(h.to(cdt), spec.kind)
+        return (daf * dact).to(h.dtype)
+    gate, up = h.to(cdt).chunk(2, dim=-1)
+    act, dact = _act_and_grad(gate, spec.kind)
+    # Write both halves straight into an h-dtype buffer: no fp32 [N, F1] concatenation.
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+    dh[..., :f].copy_(daf * up * dact)
+    dh[..., f:].copy_(daf * act)
+    return dh
+
+
+def activation_spec_from_config(config: Any) -> GluSpec:
+    """Reads the expert activation from a Megatron ``TransformerConfig``.
+
+    Supported: ``activation_func`` in {``F.silu``, ``F.gelu``}, gated or not, with
+    ``glu_linear_offset == 0``, no ``activation_func_clamp_value`` and no
+    ``moe_mlp_glu_interleave_size``.
+
+    Args:
+        config: A ``megatron.core.transformer.TransformerConfig`` (or any object with the same
+            attributes; missing optional ones count as their Megatron defaults).
+
+    Returns:
+        The matching :class:`GluSpec`.
+
+    Raises:
+        ValueError: Naming the unsupported setting and how to change it.
+    """
+    func = getattr(config, "activation_func", None)
+    if func is F.silu:
+        kind: ActivationKind = "silu"
+    elif func is F.gelu:
+        kind = "gelu"
+    else:
+        name = getattr(func, "__qualname__", None) or repr(func)
+        raise ValueError(
+            f"activation_func={name} is not supported by the LRMoE expert ops; set "
+            "activation_func to torch.nn.functional.silu (SwiGLU with gated_linear_unit=True) "
+            "or torch.nn.functional.gelu"
+        )
+    gated = bool(getattr(config, "gated_linear_unit", False))
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    if clamp is not None:
+        raise ValueError(
+            f"activation_func_clamp_value={clamp} is not supported by the LRMoE expert ops; "
+            "set activation_func_clamp_value=None"
+        )
+    offset = getattr(config, "glu_linear_offset", 0.0)
+    if offset is not None and float(offset) != 0.0:
+        raise ValueError(
+            f"glu_linear_offset={offset} is not supported by the LRMoE expert ops; "
+            "set glu_linear_offset=0.0"
+        )
+    interleave = getattr(config, "moe_mlp_glu_interleave_size", None)
+    if gated and interleave is not None:
+        raise ValueError(
+            f"moe_mlp_glu_interleave_size={interleave} is not supported by the LRMoE expert "
+            "ops (they expect fc1 as [gate | up] halves); set moe_mlp_glu_interleave_size=None"
+        )
+    return GluSpec(gated=gated, kind=kind)

@@ -1,0 +1,590 @@
+"""LRM scores of token-expert pairs and the per-segment selection of the pairs that get a backward.
+
+Shapes: N rows (token-expert pairs), G segments (contiguous runs of rows sharing one quota), H hidden.
+
+A *segment* is the set of rows that compete for one quota (for instance all pairs routed to one
+expert). Segments are contiguous and in order, described by ``counts[G]`` (rows per segment) and
+``quota[G]`` (rows to keep per segment). Inside a segment the row order is the canonical order
+(source rank, then token index) that breaks ties.
+
+Two selection policies:
+
+* ``topk``: the ``quota`` highest scores per segment, every kept row with weight 1 (the paper's rule;
+  biased, see ``shared/measurements/convergence_probe.md``).
+* ``sample``: an unbiased fixed-size importance sample, inclusion probability proportional to
+  ``sqrt(score)`` capped at 1, systematic sampling, weight ``1 / probability``.
+
+Exactness and determinism. All sums that decide a selection are done in int64 fixed point, never
+with floating-point scans: CUDA's float ``cumsum`` and atomics may sum in a different order from run
+to run, while integer sums are exact in any order. Inclusion probabilities are multiples of
+``2**-PROB_BITS`` that add up to exactly ``quota`` per segment; systematic sampling runs on that
+integer grid, so every draw keeps exactly ``quota`` rows per segment, the probability that a row is
+kept is exactly its reported probability, and the weights ``1 / probability`` make the estimate
+exactly unbiased. The same scores, counts, quota and uniforms give bit-identical selections on every
+device and run.
+
+Device-to-host syncs: none when ``counts`` and ``quota`` are CPU tensors (the controller plans on
+the host). When they live on an accelerator they are copied to the host once per call to validate
+them and to size the outputs (marked ``NOTE: device-to-host sync``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "PROB_BITS",
+    "Selection",
+    "draw_uniforms",
+    "inclusion_probabilities",
+    "lrm_scores",
+    "nonfinite_poison",
+    "row_sq_norms",
+    "sanitize",
+    "select",
+    "select_sample",
+    "select_topk",
+]
+
+# Inclusion probabilities are integers in units of 2**-PROB_BITS (a probability of 1 is 2**32).
+PROB_BITS = 32
+_PROB_ONE = 1 << PROB_BITS
+# sqrt-score weights are rounded to integers in units of 2**-32 of a reference weight per segment.
+_WEIGHT_ONE = float(1 << 32)
+# Keeps every int64 product and prefix sum below 2**63: N * 2**32, quota * 2**32 and
+# quota * (weight <= 2**32) all stay under 2**63 when N < 2**31.
+_MAX_ROWS = 1 << 31
+_POLICIES = ("topk", "sample")
+
+
+# --------------------------------------------------------------------------------------------- #
+# Scores
+# --------------------------------------------------------------------------------------------- #
+
+
+def row_sq_norms(x: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm of every row, accumulated in fp32 (fp64 for fp64 input).
+
+    ``vector_norm`` with an fp32 ``dtype`` upcasts inside the reduction kernel on CUDA, so no fp32
+    copy of a bf16/fp16 ``x`` is materialised, and unlike a matmul-based dot product it never runs
+    in TF32. Squaring the norm costs at most two fp32 roundings, far below the accumulation error.
+
+    Args:
+        x: ``[N, H]`` floating tensor.
+
+    Returns:
+        ``[N]`` float32 tensor of ``sum_h x[n, h]**2``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"row_sq_norms expects a [N, H] tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"row_sq_norms expects a floating tensor, got {x.dtype}")
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    norms = torch.linalg.vector_norm(x, ord=2, dim=-1, dtype=acc)
+    return norms.square().to(torch.float32)
+
+
+def lrm_scores(
+    probs: torch.Tensor, grad_sq_norm: torch.Tensor, input_sq_norm: torch.Tensor
+) -> torch.Tensor:
+    """LRM score ``p**2 * ||g||**2 * ||x||**2`` of every pair, in fp32.
+
+    This is the squared Frobenius norm of the pair's rank-one weight-gradient contribution
+    ``(p * g) x^T``, since ``||u v^T||_F**2 = ||u||**2 * ||v||**2``.
+
+    Args:
+        probs: ``[N]`` routing probability of each pair.
+        grad_sq_norm: ``[N]`` squared norm of the output gradient row of each pair.
+        input_sq_norm: ``[N]`` squared norm of the projection input row of each pair.
+
+    Returns:
+        ``[N]`` float32 scores.
+    """
+    shape = probs.shape
+    if probs.dim() != 1 or grad_sq_norm.shape != shape or input_sq_norm.shape != shape:
+        raise ValueError(
+            "lrm_scores expects three [N] tensors, got shapes "
+            f"{tuple(probs.shape)}, {tuple(grad_sq_norm.shape)}, {tuple(input_sq_norm.shape)}"
+        )
+    p = probs.to(torch.float32)
+    return (p * p) * grad_sq_norm.to(torch.float32) * input_sq_norm.to(torch.float32)
+
+
+def nonfinite_poison(scores: torch.Tensor) -> torch.Tensor:
+    """0-dim float32 tensor: 0 when every score is finite, NaN otherwise; no host sync.
+
+    Callers add it to a gradient so that Megatron's NaN check flags the step. ``score * 0`` is 0 for
+    any finite score and NaN for inf/NaN, and a sum of zeros cannot overflow, so large but finite
+    scores never raise a false alarm (unlike ``scores.sum() * 0``).
+
+    Args:
+        scores: ``[N]`` scores of any floating dtype (empty allowed).
+
+    Returns:
+        0-dim float32 tensor on the scores' device.
+    """
+    return (scores.detach() * 0).sum().to(torch.float32)
+
+
+def sanitize(scores: torch.Tensor) -> torch.Tensor:
+    """Scores with NaN, +-inf and negative values replaced by 0, for the selection itself.
+
+    Scores are non-negative by construction; a non-finite one is reported through
+    :func:`nonfinite_poison`, and mapping it to 0 here keeps the selection well formed (exactly
+    ``quota`` rows per segment) for the step that Megatron will then skip.
+
+    Args:
+        scores: ``[N]`` floating tensor.
+
+    Returns:
+        ``[N]`` tensor of the same dtype with values in ``[0, max finite]``.
+    """
+    return torch.nan_to_num(scores, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Selection result
+# --------------------------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Rows kept for the backward and the gradient multiplier of each.
+
+    Attributes:
+        kept_index: ``[K]`` int64 positions of the kept rows, strictly ascending.
+        weight: ``[K]`` float32 gradient multiplier of each kept row: 1 for ``topk`` and for rows
+            kept with probability 1, ``1 / inclusion_probability`` for sampled rows.
+        kept_per_segment: ``[G]`` int64 number of kept rows per segment (always equal to quota).
+    """
+
+    kept_index: torch.Tensor
+    weight: torch.Tensor
+    kept_per_segment: torch.Tensor
+
+    @property
+    def num_kept(self) -> int:
+        """Number of kept rows K (a host int: the shape is known without a sync)."""
+        return self.kept_index.numel()
+
+    def kept_mask(self, n: int) -> torch.Tensor:
+        """``[n]`` bool mask, True at kept rows.
+
+        Args:
+            n: number of rows N of the selection's input.
+
+        Returns:
+            ``[n]`` bool tensor on the selection's device.
+        """
+        mask = torch.zeros(n, dtype=torch.bool, device=self.kept_index.device)
+        return mask.index_fill_(0, self.kept_index, True)
+
+    def dense_weight(self, n: int) -> torch.Tensor:
+        """``[n]`` float32 weights: the kept rows' weight, 0 for dropped rows.
+
+        Args:
+            n: number of rows N of the selection's input.
+
+        Returns:
+            ``[n]`` float32 tensor on the selection's device.
+        """
+        dense = torch.zeros(n, dtype=torch.float32, device=self.kept_index.device)
+        return dense.index_copy_(0, self.kept_index, self.weight)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Segment bookkeeping (private)
+# --------------------------------------------------------------------------------------------- #
+
+
+class _Segments(NamedTuple):
+    """Segment layout on the scores' device."""
+
+    seg: torch.Tensor  # [N] segment of each row
+    start: torch.Tensor  # [G] first row of each segment
+    counts: torch.Tensor  # [G] rows per segment
+    quota: torch.Tensor  # [G] rows to keep per segment
+    total_quota: int  # K = sum(quota), on the host
+
+
+def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.device) -> _Segments:
+    """Validates ``counts`` / ``quota`` against ``n`` rows and lays the segments out on ``device``."""
+    if counts.dim() != 1 or quota.shape != counts.shape:
+        raise ValueError(
+            "counts and quota must be [G] tensors of one shape, got "
+            f"{tuple(counts.shape)} and {tuple(quota.shape)}"
+        )
+    for name, t in (("counts", counts), ("quota", quota)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    if n >= _MAX_ROWS:
+        raise ValueError(f"at most {_MAX_ROWS - 1} rows are supported, got {n}")
+    if counts.device.type == "cpu" and quota.device.type == "cpu":
+        host = torch.stack([counts.to(torch.int64), quota.to(torch.int64)])
+    else:
+        # NOTE: device-to-host sync: validating the segments and sizing the kept-row outputs need
+        # the values on the host; pass CPU counts/quota (as the planner produces them) to avoid it.
+        where = counts.device if counts.device.type != "cpu" else quota.device
+        host = torch.stack([counts.to(where, torch.int64), quota.to(where, torch.int64)]).cpu()
+    counts_h, quota_h = host[0], host[1]
+    bad = torch.nonzero(counts_h < 0).flatten()
+    if bad.numel():
+        g = int(bad[0])
+        raise ValueError(f"segment {g}: count {int(counts_h[g])} is negative")
+    bad = torch.nonzero((quota_h < 0) | (quota_h > counts_h)).flatten()
+    if bad.numel():
+        g = int(bad[0])
+        raise ValueError(
+            f"segment {g}: quota {int(quota_h[g])} is outside [0, count={int(counts_h[g])}]"
+        )
+    total = int(counts_h.sum())
+    if total != n:
+        raise ValueError(f"segment counts add up to {total}, but there are {n} rows")
+
+    # Non-blocking host-to-device copies do not wait for the device; no copy when already there.
+    counts_d = counts.to(device=device, dtype=torch.int64, non_blocking=True)
+    quota_d = quota.to(device=device, dtype=torch.int64, non_blocking=True)
+    num_segments = counts_d.numel()
+    # output_size makes repeat_interleave skip its own device-to-host read of sum(counts).
+    seg = torch.repeat_interleave(
+        torch.arange(num_segments, device=device), counts_d, output_size=n
+    )
+    start = torch.cumsum(counts_d, 0) - counts_d
+    return _Segments(seg, start, counts_d, quota_d, int(quota_h.sum()))
+
+
+def _check_scores(scores: torch.Tensor) -> torch.Tensor:
+    if scores.dim() != 1 or not scores.is_floating_point():
+        raise ValueError(
+            f"scores must be a [N] floating tensor, got {scores.dtype} {tuple(scores.shape)}"
+        )
+    # Scores are fp32 by contract (lrm_scores); ordering and probabilities work at fp32 resolution
+    # so that the sort key and the weights agree.
+    return scores.detach().to(torch.float32)
+
+
+def _order_within_segments(clean: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """Permutation listing rows segment by segment, score descending, ties by lower position.
+
+    One stable int64 sort on the key ``(segment, inverted fp32 bit pattern)``: the bit pattern of a
+    non-negative float orders like the float itself, so the key is exact and no second sort is
+    needed. The result keeps every segment at its own place, so ``seg`` is also the segment of each
+    entry of the permutation.
+
+    Args:
+        clean: ``[N]`` float32 sanitized (finite, non-negative) scores.
+        seg: ``[N]`` segment of each row.
+
+    Returns:
+        ``[N]`` int64 permutation.
+    """
+    bits = clean.view(torch.int32).to(torch.int64)
+    bits = bits.clamp_min(0)  # -0.0 has the sign bit set; it is the same score as +0.0
+    key = seg * (1 << 31) + ((1 << 31) - 1 - bits)
+    return torch.argsort(key, stable=True)
+
+
+def _segment_sums(x: torch.Tensor, lay: _Segments) -> torch.Tensor:
+    """``[G]`` exact per-segment sums of an int64 ``[N]`` tensor (empty segments give 0)."""
+    ext = torch.nn.functional.pad(torch.cumsum(x, 0), (1, 0))
+    return ext[lay.start + lay.counts] - ext[lay.start]
+
+
+def _segment_exclusive_cumsum(x: torch.Tensor, lay: _Segments) -> torch.Tensor:
+    """``[N]`` exact sum of the earlier rows of the same segment, for an int64 ``[N]`` tensor."""
+    ext = torch.nn.functional.pad(torch.cumsum(x, 0), (1, 0))
+    return ext[:-1] - ext[lay.start][lay.seg]
+
+
+def _fixed_point(w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Rounds ``w / ref`` to int64 units of 2**-32; positive weights never round to 0."""
+    ratio = torch.where(ref > 0, w / torch.where(ref > 0, ref, 1.0), 0.0).clamp_max(1.0)
+    units = torch.round(ratio * _WEIGHT_ONE).to(torch.int64)
+    # A tiny positive weight keeps a positive probability so that the sample stays unbiased.
+    return torch.where(w > 0, units.clamp(1, 1 << 32), 0)
+
+
+def _compact(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending positions of the True entries of ``mask``, known to be exactly ``k``; no sync."""
+    n = mask.numel()
+    slot = torch.cumsum(mask, 0) - 1
+    # Dropped rows all write into one spare slot k that is cut off afterwards.
+    slot = torch.where(mask, slot.clamp_max(k), k)
+    out = torch.empty(k + 1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, slot, torch.arange(n, device=mask.device))
+    return out[:k]
+
+
+def _fixed_point_probabilities(clean: torch.Tensor, lay: _Segments) -> torch.Tensor:
+    """Capped-PPS inclusion probabilities in int64 units of ``2**-PROB_BITS``, canonical order.
+
+    Capped PPS: ``pi_i = min(1, c * w_i)`` with ``w = sqrt(score)`` and the scale ``c`` such that
+    ``sum_i pi_i = quota``. With the rows of a segment sorted by ``w`` descending (ties by
+    position), the capped rows are a prefix: row j (0-based rank) is capped while
+    ``(quota - j) * w_j >= sum_{i >= j} w_i``. The test is monotone (once it fails it fails for all
+    later ranks), so the number of capped rows ``c*`` is the first failing rank. The uncapped rows
+    then get ``pi_i = (quota - c*) * w_i / sum_uncapped w``.
+
+    Weights are first rounded to integers (units of 2**-32 of the segment's largest weight) so the
+    suffix sums and the capping test are exact; the uncapped rows are rounded again relative to
+    the largest uncapped weight so that a huge capped row does not cost them precision. The
+    probabilities ``a_i / 2**32`` are then repaired by whole units so that every segment adds up to
+    exactly ``quota * 2**32``, with ``1 <= a_i <= 2**32`` for every row of positive probability.
+
+    Segments with fewer positive weights than quota: every positive row is capped (the test holds
+    for them), and so are the first zero-weight rows in canonical order until the quota is full;
+    their gradient contribution is zero anyway, so weight 1 is harmless.
+
+    Args:
+        clean: ``[N]`` sanitized scores.
+        lay: segment layout.
+
+    Returns:
+        ``[N]`` int64 ``a`` with ``pi = a / 2**PROB_BITS``; per segment ``sum(a) == quota * 2**32``.
+    """
+    n = clean.numel()
+    device = clean.device
+    order = _order_within_segments(clean, lay.seg)
+    seg = lay.seg  # segment of every sorted position too (segments keep their place)
+    rank = torch.arange(n, device=device) - lay.start[seg]
+    quota = lay.quota[seg]
+    w = clean[order].to(torch.float64).sqrt()  # descending within each segment
+
+    # Pass 1: exact capping decision on integer weights relative to the segment maximum.
+    w_int = _fixed_point(w, w[lay.start[seg]])
+    suffix = _segment_sums(w_int, lay)[seg] - _segment_exclusive_cumsum(w_int, lay)
+    left = quota - rank  # quota not yet taken by the rows ranked before this one
+    # Exact in integers. It also guarantees that an unfinished segment keeps more than
+    # (quota - c*) positive uncapped rows (suffix <= positive rows * w at the first uncapped
+    # rank), which is what the repair below needs to reach the exact total.
+    capped_test = (left > 0) & (left * w_int >= suffix)
+    first_fail = torch.where(capped_test, lay.counts[seg], rank)
+    num_capped = lay.counts.clone().scatter_reduce_(0, seg, first_fail, "amin", include_self=True)
+    capped = rank < num_capped[seg]
+    remaining = (lay.quota - num_capped)[seg]  # quota left for the uncapped rows
+
+    # Pass 2: uncapped weights relative to the largest uncapped one (the row at rank c*).
+    head = (lay.start + num_capped).clamp_max(max(n - 1, 0))[seg]
+    w2 = torch.where(capped, 0, _fixed_point(w, w[head]))
+    w2_sum = _segment_sums(w2, lay)[seg]
+    active = (~capped) & (w2 > 0) & (remaining > 0)
+    ideal = (remaining * w2).to(torch.float64) / w2_sum.clamp_min(1).to(torch.float64)
+    lo = torch.where(capped, _PROB_ONE, active.to(torch.int64))
+    hi = torch.where(capped | active, _PROB_ONE, 0)
+    a = torch.floor(ideal * float(_PROB_ONE)).to(torch.int64)
+    a = torch.minimum(torch.maximum(a, lo), hi)
+
+    # Repair: move whole units so every segment adds up to exactly quota * 2**32. Flooring loses
+    # less than one unit per row, so one unit per row (largest weights first) normally settles it
+    # and keeps every probability within a few units of its ideal; a second pass over the full
+    # room/slack covers whatever is left. Room suffices because more than (quota - c*) positive
+    # rows stay uncapped, slack because their count is far below 2**32.
+    for limit in (1, _PROB_ONE):
+        deficit = (lay.quota * _PROB_ONE - _segment_sums(a, lay))[seg]
+        room = (hi - a).clamp_max(limit)
+        slack = (a - lo).clamp_max(limit)
+        a = (
+            a
+            + _spread(deficit.clamp_min(0), room, lay)
+            - _spread((-deficit).clamp_min(0), slack, lay)
+        )
+    return torch.empty_like(a).scatter_(0, order, a)
+
+
+def _spread(amount: torch.Tensor, capacity: torch.Tensor, lay: _Segments) -> torch.Tensor:
+    """Fills each segment's ``amount`` into its rows' ``capacity`` in row order (int64, exact).
+
+    Args:
+        amount: ``[N]`` amount to place, the same for every row of a segment.
+        capacity: ``[N]`` non-negative room of each row.
+        lay: segment layout.
+
+    Returns:
+        ``[N]`` per-row share, ``0 <= share <= capacity``, adding up to ``min(amount, sum capacity)``.
+    """
+    before = _segment_exclusive_cumsum(capacity, lay)
+    return torch.minimum((amount - before).clamp_min(0), capacity)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Public selection API
+# --------------------------------------------------------------------------------------------- #
+
+
+def select_topk(scores: torch.Tensor, counts: torch.Tensor, quota: torch.Tensor) -> Selection:
+    """Keeps the ``quota`` highest-scoring rows of every segment, weight 1.
+
+    Ties are broken by lower row position (the canonical order). Non-finite and negative scores
+    count as 0 (see :func:`sanitize`). Vectorized over segments: one stable sort.
+
+    Args:
+        scores: ``[N]`` scores.
+        counts: ``[G]`` rows per segment (CPU or device), sum N.
+        quota: ``[G]`` rows to keep per segment, ``0 <= quota <= counts``.
+
+    Returns:
+        The selection; ``kept_per_segment == quota``.
+
+    Raises:
+        ValueError: malformed shapes, counts not adding up to N, or a quota out of range.
+    """
+    scores = _check_scores(scores)
+    n = scores.numel()
+    device = scores.device
+    lay = _segments(counts, quota, n, device)
+    order = _order_within_segments(sanitize(scores), lay.seg)
+    rank = torch.arange(n, device=device) - lay.start[lay.seg]
+    keep_sorted = rank < lay.quota[lay.seg]
+    mask = torch.empty(n, dtype=torch.bool, device=device).scatter_(0, order, keep_sorted)
+    kept = _compact(mask, lay.total_quota)
+    weight = torch.ones(lay.total_quota, dtype=torch.float32, device=device)
+    return Selection(kept, weight, lay.quota.clone())
+
+
+def inclusion_probabilities(
+    scores: torch.Tensor, counts: torch.Tensor, quota: torch.Tensor
+) -> torch.Tensor:
+    """Capped-PPS inclusion probabilities used by :func:`select_sample`.
+
+    ``pi_i`` is proportional to ``sqrt(score_i)``, capped at 1, and adds up to exactly ``quota`` per
+    segment. The values are multiples of ``2**-PROB_BITS`` (fixed point, see the module docstring):
+    they match the real-valued capped-PPS solution to about ``1e-9`` absolute, and they are exactly
+    the probabilities with which :func:`select_sample` keeps each row. A positive score never gets
+    probability 0 (at least ``2**-32``). Segments with fewer positive scores than quota: all
+    positive rows get 1, and the remaining quota goes to zero-score rows in canonical order, with
+    probability 1 (their gradient is zero, so their weight does not matter).
+
+    Args:
+        scores: ``[N]`` scores.
+        counts: ``[G]`` rows per segment (CPU or device), sum N.
+        quota: ``[G]`` rows to keep per segment, ``0 <= quota <= counts``.
+
+    Returns:
+        ``[N]`` float64 probabilities in ``[0, 1]`` on the scores' device.
+
+    Raises:
+        ValueError: malformed shapes, counts not adding up to N, or a quota out of range.
+    """
+    scores = _check_scores(scores)
+    lay = _segments(counts, quota, scores.numel(), scores.device)
+    a = _fixed_point_probabilities(sanitize(scores), lay)
+    return a.to(torch.float64) / float(_PROB_ONE)
+
+
+def select_sample(
+    scores: torch.Tensor, counts: torch.Tensor, quota: torch.Tensor, uniforms: torch.Tensor
+) -> Selection:
+    """Unbiased fixed-size sample of exactly ``quota`` rows per segment.
+
+    Inclusion probabilities are :func:`inclusion_probabilities`. Systematic sampling per segment,
+    on the integer grid of the fixed-point probabilities: with ``A_i`` the running sum of ``a`` over
+    the segment in canonical order and ``v = floor(u * 2**32)``, row i is kept iff some integer m
+    has ``A_{i-1} <= v + m * 2**32 < A_i``. Rows with probability 1 fill a whole period and are
+    always kept, which is the same as running systematic sampling over the uncapped rows only. As
+    the segment's total is exactly ``quota * 2**32`` and each ``a_i <= 2**32``, exactly ``quota``
+    rows are kept for every ``u``, and row i is kept with probability exactly ``a_i / 2**32`` over a
+    uniform ``u``; weights are ``2**32 / a_i``, so the Horvitz-Thompson estimate
+    ``sum_kept weight * value`` is exactly unbiased.
+
+    Args:
+        scores: ``[N]`` scores.
+        counts: ``[G]`` rows per segment (CPU or device), sum N.
+        quota: ``[G]`` rows to keep per segment, ``0 <= quota <= counts``.
+        uniforms: ``[G]`` float64 uniforms in ``[0, 1)``, one per segment (see
+            :func:`draw_uniforms`); values outside are clamped into ``[0, 1)``.
+
+    Returns:
+        The selection; ``kept_per_segment == quota``; weight 1 for rows with probability 1.
+
+    Raises:
+        ValueError: malformed shapes, counts not adding up to N, or a quota out of range.
+    """
+    scores = _check_scores(scores)
+    n = scores.numel()
+    device = scores.device
+    lay = _segments(counts, quota, n, device)
+    if uniforms.shape != lay.counts.shape or not uniforms.is_floating_point():
+        raise ValueError(
+            f"uniforms must be a [G] = [{lay.counts.numel()}] floating tensor, got "
+            f"{uniforms.dtype} {tuple(uniforms.shape)}"
+        )
+    a = _fixed_point_probabilities(sanitize(scores), lay)
+    # Each segment's a adds up to exactly quota * 2**32, so the segment offset of the global
+    # running sum is known without another scan.
+    quota_before = torch.cumsum(lay.quota, 0) - lay.quota
+    upper = torch.cumsum(a, 0) - (quota_before * _PROB_ONE)[lay.seg]  # A_i within the segment
+    lower = upper - a  # A_{i-1}
+    grid = torch.floor(uniforms.to(device=device, dtype=torch.float64) * float(_PROB_ONE))
+    offset = grid.clamp(0, _PROB_ONE - 1).to(torch.int64)[lay.seg]
+    # points(x) = number of grid points offset + m * 2**32 (m >= 0) below x; x - offset > -2**32.
+    shift = _PROB_ONE - 1 - offset
+    keep = torch.div(upper + shift, _PROB_ONE, rounding_mode="floor") > torch.div(
+        lower + shift, _PROB_ONE, rounding_mode="floor"
+    )
+    kept = _compact(keep, lay.total_quota)
+    weight = (float(_PROB_ONE) / a[kept].to(torch.float64)).to(torch.float32)
+    return Selection(kept, weight, lay.quota.clone())
+
+
+def draw_uniforms(
+    seed: int, stream: tuple[int, ...], n: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Deterministic uniforms in ``[0, 1)`` for ``(seed, *stream)``, the same on every rank and run.
+
+    The generator seed is the first 8 bytes of a SHA-256 digest of the decimal integers, so it does
+    not depend on Python's per-process string hashing. The values come from a CPU
+    ``torch.Generator`` (the same on every machine for a given PyTorch version) and are then moved
+    to ``device``.
+
+    Args:
+        seed: base seed (e.g. the training seed).
+        stream: integers naming the use, e.g. ``(layer, step, micro_batch)``.
+        n: number of uniforms.
+        device: target device (CPU when None).
+
+    Returns:
+        ``[n]`` float64 tensor.
+    """
+    if n < 0:
+        raise ValueError(f"n must be non-negative, got {n}")
+    text = ",".join(str(int(v)) for v in (seed, *stream))
+    digest = hashlib.sha256(b"megatron_lrmoe.draw_uniforms:" + text.encode("ascii")).digest()
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int.from_bytes(digest[:8], "little"))
+    values = torch.rand(n, generator=generator, dtype=torch.float64)
+    return values.to(device) if device is not None else values
+
+
+def select(
+    policy: str,
+    scores: torch.Tensor,
+    counts: torch.Tensor,
+    quota: torch.Tensor,
+    uniforms: torch.Tensor | None = None,
+) -> Selection:
+    """Dispatches to :func:`select_topk` (``"topk"``) or :func:`select_sample` (``"sample"``).
+
+    Args:
+        policy: ``"topk"`` or ``"sample"``.
+        scores: ``[N]`` scores.
+        counts: ``[G]`` rows per segment.
+        quota: ``[G]`` rows to keep per segment.
+        uniforms: ``[G]`` uniforms, required by ``"sample"``, ignored by ``"topk"``.
+
+    Returns:
+        The selection.
+
+    Raises:
+        ValueError: unknown policy, or ``"sample"`` without uniforms.
+    """
+    if policy == "topk":
+        return select_topk(scores, counts, quota)
+    if policy == "sample":
+        if uniforms is None:
+            raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
+        return select_sample(scores, counts, quota, uniforms)
+    raise ValueError(f"unknown selection policy {policy!r}; expected one of {_POLICIES}")

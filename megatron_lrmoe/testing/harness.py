@@ -1,0 +1,352 @@
+"""Multi-process test harness: run a function on ``world_size`` local ranks over loopback.
+
+Typical use in a test::
+
+    def _check_layer(rank: int, world_size: int, ep: int) -> float:   # module level!
+        pg_collection = init_megatron_parallel(ep=ep)
+        ...
+        return loss.item()
+
+    def test_layer() -> None:
+        losses = run_distributed(_check_layer, 2, 2)
+
+``fn`` is sent to the children with pickle (``spawn`` start method), so it must be a module-level
+function of an importable module (no lambdas, closures or nested functions), and its arguments
+and return value must be picklable.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_module
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DistributedTestError", "init_megatron_parallel", "run_distributed"]
+
+# How long the parent keeps draining the result queue after noticing that a child exited, since
+# a child can put its result and exit before the queue's feeder thread has delivered it.
+_EXIT_GRACE_S = 2.0
+# Poll period of the parent loop; bounds how late a crash or timeout is noticed.
+_POLL_S = 0.1
+
+
+class DistributedTestError(RuntimeError):
+    """A rank of :func:`run_distributed` failed, crashed or did not finish in time.
+
+    Attributes:
+        failed_ranks: ranks that raised, crashed or timed out.
+        tracebacks: rank -> formatted traceback (or a short reason) for each failed rank.
+    """
+
+    def __init__(self, message: str, failed_ranks: list[int], tracebacks: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+        self.tracebacks = tracebacks
+
+
+def _free_loopback_port() -> int:
+    """Ask the kernel for a free TCP port on 127.0.0.1 (never a public interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _loopback_ifname() -> str | None:
+    """Name of the loopback interface, so gloo does not pick an interface from the hostname."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # pragma: no cover - platform without if_nameindex
+        return None
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def _cleanup_child() -> None:
+    """Tear down megatron parallel state and the process group; never raises."""
+    try:
+        # Only touch megatron if the test imported it: importing it just to clean up costs seconds.
+        if "megatron.core.parallel_state" in sys.modules:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+    except Exception:
+        logger.exception("destroy_model_parallel failed")
+    try:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    except Exception:
+        logger.exception("destroy_process_group failed")
+
+
+def _child_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    payload: bytes,
+    results: Any,
+) -> None:
+    """Entry point of one rank (runs in a spawned process)."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    ifname = _loopback_ifname()
+    if ifname is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    try:
+        # CI has two cores shared by all ranks; intra-op threads would only oversubscribe them.
+        torch.set_num_threads(1)
+        if torch.cuda.is_available():
+            # One GPU per rank, as torchrun + megatron's initialize would do.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:
+            from megatron_lrmoe.testing.cpu_shim import install_cpu_shim
+
+            install_cpu_shim()
+        fn, args, kwargs = pickle.loads(payload)
+        torch.distributed.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            # Collectives of surviving ranks must not outlive the parent's own deadline.
+            timeout=datetime.timedelta(seconds=max(timeout, 1.0)),
+        )
+        result = fn(rank, world_size, *args, **kwargs)
+        # Pickle here rather than in the queue's feeder thread, where a failure would only be
+        # printed and the parent would wait for a result that never comes.
+        message = (rank, True, pickle.dumps(result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        # Report first, clean up afterwards: peers may be blocked in a collective, and the parent
+        # should not wait for our teardown to learn about the failure.
+        results.put((rank, False, traceback.format_exc()))
+        _cleanup_child()
+        return
+    _cleanup_child()
+    results.put(message)
+
+
+def _stop(processes: list[Any]) -> None:
+    """Terminate, then kill, every child that is still alive."""
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 5.0
+    for proc in processes:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5.0)
+
+
+def _drain(results: Any, wait_s: float) -> list[tuple[int, bool, Any]]:
+    """Read every message available within ``wait_s`` seconds."""
+    messages: list[tuple[int, bool, Any]] = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            messages.append(results.get(timeout=max(0.0, deadline - time.monotonic())))
+        except queue_module.Empty:
+            return messages
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned local processes.
+
+    Each child sets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free loopback port),
+    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; installs the CPU shim when CUDA is unavailable;
+    sets ``torch.set_num_threads(1)``; calls ``torch.distributed.init_process_group(backend)``;
+    runs ``fn``; then destroys megatron's parallel state and the process group.
+
+    Args:
+        fn: a **module-level** function (it is pickled by reference for the ``spawn`` start
+            method), called as ``fn(rank, world_size, *args, **kwargs)``. Its return value must be
+            picklable.
+        world_size: number of ranks.
+        *args: extra positional arguments for ``fn`` (picklable).
+        timeout: seconds for the whole run, process start-up included.
+        backend: ``torch.distributed`` backend.
+        **kwargs: extra keyword arguments for ``fn`` (picklable).
+
+    Returns:
+        The per-rank return values, in rank order.
+
+    Raises:
+        TypeError: ``fn`` or its arguments cannot be pickled.
+        DistributedTestError: a rank raised (the message holds its traceback), a rank exited
+            without reporting, or the run exceeded ``timeout`` (the message names the ranks that
+            did not finish). The other ranks are terminated in every case.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except Exception as exc:  # pickle raises several unrelated exception types
+        raise TypeError(
+            f"run_distributed needs a module-level function and picklable arguments; could not "
+            f"pickle {fn!r}: {exc}"
+        ) from exc
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_loopback_port()
+    processes = [
+        ctx.Process(
+            target=_child_main,
+            args=(rank, world_size, port, backend, timeout, payload, results),
+            name=f"run_distributed-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    start = time.monotonic()
+    deadline = start + timeout
+    values: dict[int, Any] = {}
+    try:
+        for proc in processes:
+            proc.start()
+        while len(values) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [r for r in range(world_size) if r not in values]
+                raise DistributedTestError(
+                    f"run_distributed({getattr(fn, '__qualname__', fn)!r}) timed out after "
+                    f"{timeout:.1f}s; ranks that did not finish: {missing}",
+                    failed_ranks=missing,
+                    tracebacks={r: "timed out" for r in missing},
+                )
+            messages = _drain(results, min(remaining, _POLL_S))
+            if not messages:
+                messages = _check_dead_children(processes, values, results)
+            _absorb(messages, values, results, fn)
+    finally:
+        _stop(processes)
+        results.cancel_join_thread()
+        results.close()
+    logger.debug("run_distributed(%s) finished in %.1fs", fn, time.monotonic() - start)
+    return [values[rank] for rank in range(world_size)]
+
+
+def _check_dead_children(
+    processes: list[Any], values: dict[int, Any], results: Any
+) -> list[tuple[int, bool, Any]]:
+    """Turn a child that exited without reporting into an error message for that rank."""
+    dead = [
+        rank
+        for rank, proc in enumerate(processes)
+        if rank not in values and not proc.is_alive() and proc.exitcode is not None
+    ]
+    if not dead:
+        return []
+    # Its result may still be in flight in the queue's pipe.
+    messages = _drain(results, _EXIT_GRACE_S)
+    reported = {rank for rank, _, _ in messages} | set(values)
+    for rank in dead:
+        if rank not in reported:
+            messages.append(
+                (
+                    rank,
+                    False,
+                    (
+                        f"rank {rank} exited with code {processes[rank].exitcode} without "
+                        "reporting a result (crashed or killed; see its stderr). If it died at "
+                        "start-up, check that fn's module is importable and that a script calling "
+                        "run_distributed guards it with `if __name__ == '__main__':` (spawn "
+                        "re-imports __main__)."
+                    ),
+                )
+            )
+    return messages
+
+
+def _absorb(
+    messages: list[tuple[int, bool, Any]],
+    values: dict[int, Any],
+    results: Any,
+    fn: Callable[..., Any],
+) -> None:
+    """Store successful results; raise DistributedTestError on the first failure."""
+    failures: dict[int, str] = {}
+    for rank, ok, data in messages:
+        if ok:
+            values[rank] = pickle.loads(data)
+        else:
+            failures[rank] = data
+    if not failures:
+        return
+    # Peers of a failed rank usually fail right after it (broken collectives); pick up what is
+    # already there so the message shows the root cause first, without waiting any longer.
+    for rank, ok, data in _drain(results, 0.0):
+        if not ok:
+            failures.setdefault(rank, data)
+    first = min(failures)
+    ranks = sorted(failures)
+    body = "\n".join(f"----- rank {r} -----\n{failures[r]}" for r in ranks)
+    raise DistributedTestError(
+        f"run_distributed({getattr(fn, '__qualname__', fn)!r}): rank {first} failed "
+        f"(failed ranks: {ranks}); other ranks were terminated.\n{body}",
+        failed_ranks=ranks,
+        tracebacks=failures,
+    )
+
+
+def init_megatron_parallel(ep: int, tp: int = 1, seed: int = 1234) -> ProcessGroupCollection:
+    """Initialise megatron model parallelism inside a :func:`run_distributed` child.
+
+    Calls ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+    expert_model_parallel_size=ep)`` and ``model_parallel_cuda_manual_seed(seed)`` (which works
+    on CPU through the shim), then returns the process groups a ``MoELayer`` built without an
+    explicit ``pg_collection`` would use (``moe_utils.get_default_pg_collection()``).
+
+    Args:
+        ep: expert-model-parallel size.
+        tp: tensor-model-parallel size.
+        seed: base seed of megatron's RNG tracker (also seeds the default generator).
+
+    Returns:
+        The MoE ``ProcessGroupCollection`` (ep, tp, cp, expt_tp, expt_dp, tp_ep, tp_cp, tp_dp_cp).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "init_megatron_parallel must run inside run_distributed (no process group)"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep
+    )
+    # On a GPU this seeds only the CUDA generator; seed the CPU one too so that CPU-side draws in
+    # tests are reproducible on both.
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return get_default_pg_collection()

@@ -1,0 +1,299 @@
+"""Per-rank bodies of the multi-process layer tests (module level so that spawn can pickle them).
+
+Every rank builds the same seeded problem, runs its shard through a real megatron-core layer and
+returns what the test compares. Shape legend: T tokens per rank, H hidden, E experts, L local.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+from megatron_lrmoe.testing import (
+    init_megatron_parallel,
+    moe_transformer_config,
+    skewed_routing_inputs,
+    stock_moe_layer,
+)
+
+TOKENS = 24
+
+
+def _forced_routing(name: str, num_experts: int, ep_rank: int, ep: int):
+    """A ``TopKRouter.routing`` replacement that forces a degenerate routing map.
+
+    Probabilities stay differentiable functions of the router logits (softmax restricted to the
+    forced experts), so the router gradient is still exercised.
+    """
+    local = num_experts // ep
+
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        logits = logits.view(-1, num_experts)
+        t = logits.shape[0]
+        routing_map = torch.zeros(t, num_experts, dtype=torch.bool)
+        if name == "one_expert":  # every token of every rank to expert 0; the rest get nothing
+            routing_map[:, 0] = True
+        elif name == "stay_home":  # each rank routes only to its own experts: sends nothing away
+            routing_map[:, ep_rank * local] = True
+            routing_map[: t // 2, ep_rank * local + local - 1] = True
+        elif (
+            name == "first_rank_only"
+        ):  # only rank 0's experts receive: other ranks receive nothing
+            routing_map[:, 0] = True
+            routing_map[::3, local - 1] = True
+        else:
+            raise ValueError(name)
+        scores = torch.softmax(logits.float(), dim=-1) * routing_map
+        probs = scores / scores.sum(-1, keepdim=True)
+        return probs, routing_map
+
+    return routing
+
+
+def _apply_routing(router, name: Optional[str], num_experts: int, ep_rank: int, ep: int) -> None:
+    import types
+
+    if name is not None:
+        router.routing = types.MethodType(_forced_routing(name, num_experts, ep_rank, ep), router)
+
+
+def _config(ep: int, **overrides: Any):
+    return moe_transformer_config(expert_model_parallel_size=ep, **overrides)
+
+
+def _copy_stock_into_lrmoe(stock, lr) -> None:
+    """Give the LRMoE layer the stock layer's weights (experts through the checkpoint hooks)."""
+    missing, unexpected = lr.load_state_dict(stock.state_dict(), strict=False)
+    bad = [k for k in missing + unexpected if "_extra_state" not in k]
+    assert not bad, f"state dict keys do not line up: {bad}"
+
+
+def _inputs(rank: int, hidden: int, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    x = skewed_routing_inputs(TOKENS, hidden, seed=seed, rank=rank)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    upstream = torch.randn(x.shape, generator=gen)
+    return x, upstream
+
+
+def _run(layer, x: torch.Tensor, upstream: torch.Tensor) -> dict[str, Any]:
+    x = x.clone().requires_grad_(True)
+    out, _ = layer(x)
+    (out * upstream).sum().backward()
+    return {"out": out.detach(), "dx": x.grad.detach()}
+
+
+def stock_vs_lrmoe_keep1_cases(
+    rank: int, world: int, ep: int, cases: list[dict]
+) -> list[dict[str, float]]:
+    """``stock_vs_lrmoe_keep1`` for several config overrides."""
+    pg = init_megatron_parallel(ep=ep)
+    return [stock_vs_lrmoe_keep1(pg, ep, overrides) for overrides in cases]
+
+
+def stock_vs_lrmoe_keep1(pg, ep: int, overrides: dict) -> dict[str, float]:
+    """Max abs differences (and scales) between the stock MoELayer and LRMoE at keep 1.0."""
+    cfg = _config(ep, **overrides)
+    stock = stock_moe_layer(cfg, pg)
+    lr = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=1.0))(
+        config=cfg, pg_collection=pg, layer_number=1
+    )
+    _copy_stock_into_lrmoe(stock, lr)
+    x, up = _inputs(torch.distributed.get_rank(), cfg.hidden_size)
+    a = _run(stock, x, up)
+    b = _run(lr, x, up)
+    diffs = {
+        "out": (a["out"] - b["out"]).abs().max().item(),
+        "dx": (a["dx"] - b["dx"]).abs().max().item(),
+        "router": (stock.router.weight.grad - lr.router.weight.grad).abs().max().item(),
+        "scale_out": a["out"].abs().max().item(),
+        "scale_dx": a["dx"].abs().max().item(),
+        "scale_router": stock.router.weight.grad.abs().max().item(),
+        "scale_fc1": max(
+            e.linear_fc1.weight.grad.abs().max().item() for e in stock.experts.local_experts
+        ),
+        "scale_fc2": max(
+            e.linear_fc2.weight.grad.abs().max().item() for e in stock.experts.local_experts
+        ),
+    }
+    for i, expert in enumerate(stock.experts.local_experts):
+        diffs["fc1"] = max(
+            diffs.get("fc1", 0.0),
+            (expert.linear_fc1.weight.grad - lr.experts.weight1.grad[i]).abs().max().item(),
+        )
+        diffs["fc2"] = max(
+            diffs.get("fc2", 0.0),
+            (expert.linear_fc2.weight.grad - lr.experts.weight2.grad[i]).abs().max().item(),
+        )
+    if stock.use_shared_expert:
+        for (n, p), (_, q) in zip(
+            stock.shared_experts.named_parameters(), lr.shared_experts.named_parameters()
+        ):
+            diffs["shared"] = max(diffs.get("shared", 0.0), (p.grad - q.grad).abs().max().item())
+    return diffs
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies row i of the gradient by ``weight[i]``."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return g * weight.to(g.dtype).unsqueeze(-1), None
+
+
+def _dense_reference(
+    router_state: dict,
+    cfg,
+    w1_full: torch.Tensor,
+    w2_full: torch.Tensor,
+    xs: list[torch.Tensor],
+    ups: list[torch.Tensor],
+    pair_weights: list[torch.Tensor],
+    pg,
+    routing: Optional[str] = None,
+) -> dict[str, Any]:
+    """Every pair computed densely, gradient of pair i scaled by its weight (0 = dropped).
+
+    The routing weight multiplies the expert output outside the gradient scaling, so the router
+    gradient stays exact, as LRMoE promises.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_lrmoe.ops.activation import activation_spec_from_config
+    from megatron_lrmoe.ops.reference import reference_activation
+
+    spec = activation_spec_from_config(cfg)
+    w1 = w1_full.clone().requires_grad_(True)
+    w2 = w2_full.clone().requires_grad_(True)
+    result: dict[str, Any] = {"dx": [], "router": [], "out": []}
+    for src, (x, up, pw) in enumerate(zip(xs, ups, pair_weights)):
+        router = TopKRouter(config=cfg, pg_collection=pg)
+        router.load_state_dict(router_state)
+        _apply_routing(router, routing, cfg.num_moe_experts, src, len(xs))
+        x = x.clone().requires_grad_(True)
+        flat = x.reshape(-1, x.shape[-1])
+        probs, routing_map = router(flat)
+        expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)  # the permuted order
+        out = torch.zeros_like(flat)
+        for i, (e, t) in enumerate(zip(expert_ids.tolist(), token_ids.tolist())):
+            h = flat[t] @ w1[e].t()
+            z = reference_activation(h.unsqueeze(0), spec) @ w2[e].t()
+            z = _ScaleGrad.apply(z, pw[i : i + 1])
+            out[t] = out[t] + (probs[t, e] * z[0]).to(out.dtype)
+        out = out.view_as(x)
+        (out * up).sum().backward()
+        result["dx"].append(x.grad.detach())
+        result["router"].append(router.weight.grad.detach())
+        result["out"].append(out.detach())
+    result["w1"] = w1.grad.detach()
+    result["w2"] = w2.grad.detach()
+    return result
+
+
+def lrmoe_vs_dense_reference_cases(
+    rank: int, world: int, ep: int, cases: list[tuple[dict, dict, Optional[str]]]
+) -> list[dict[str, Any]]:
+    """``lrmoe_vs_dense_reference`` for several (lrmoe kwargs, config overrides, routing) cases."""
+    pg = init_megatron_parallel(ep=ep)
+    return [lrmoe_vs_dense_reference(pg, ep, *case) for case in cases]
+
+
+def lrmoe_vs_dense_reference(
+    pg, ep: int, lrmoe_kwargs: dict, overrides: dict, routing: Optional[str] = None
+) -> dict[str, Any]:
+    """LRMoE at keep < 1 against the dense masked reference with the same selection."""
+    cfg = _config(ep, **overrides)
+    lrmoe = LRMoEConfig(debug_record_selection=True, **lrmoe_kwargs)
+    lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
+    ep_rank = pg.ep.rank() if ep > 1 else 0
+    _apply_routing(lr.router, routing, cfg.num_moe_experts, ep_rank, ep)
+    x, up = _inputs(torch.distributed.get_rank(), cfg.hidden_size)
+    got = _run(lr, x, up)
+    stats = lr.last_call_stats
+    group = pg.ep
+    # Everything the reference needs, from every rank of the EP group.
+    xs = _all_gather_list(x, group)
+    ups = _all_gather_list(up, group)
+    weights = _all_gather_list(stats.kept_weight, group)
+    w1_full = torch.cat(_all_gather_list(lr.experts.weight1.detach(), group))
+    w2_full = torch.cat(_all_gather_list(lr.experts.weight2.detach(), group))
+    ref = _dense_reference(
+        lr.router.state_dict(), cfg, w1_full, w2_full, xs, ups, weights, pg, routing
+    )
+    src = pg.ep.rank() if ep > 1 else 0
+    L = lr.num_local_experts
+    sl = slice(src * L, (src + 1) * L)
+    scale = lambda t: t.abs().max().item()  # noqa: E731
+    return {
+        "case": (lrmoe_kwargs, overrides, routing),
+        "scales": {
+            "out": scale(ref["out"][src]),
+            "dx": scale(ref["dx"][src]),
+            "router": scale(ref["router"][src]),
+            "fc1": scale(ref["w1"]),
+            "fc2": scale(ref["w2"]),
+        },
+        "w1_grad": lr.experts.weight1.grad.clone(),
+        "global_counts": lr.token_dispatcher.global_counts.clone(),
+        "out": (got["out"] - ref["out"][src]).abs().max().item(),
+        "dx": (got["dx"] - ref["dx"][src]).abs().max().item(),
+        "router": (lr.router.weight.grad - ref["router"][src]).abs().max().item(),
+        "fc1": (lr.experts.weight1.grad - ref["w1"][sl]).abs().max().item(),
+        "fc2": (lr.experts.weight2.grad - ref["w2"][sl]).abs().max().item(),
+        "kept": int((stats.kept_weight > 0).sum()),
+        "pairs": stats.pairs_sent,
+        "quota": stats.quota_per_expert,
+        "kept_mask": stats.kept_mask,
+        "kept_per_local_expert": stats.kept_per_local_expert,
+        "grad_rows": stats.exchanges["grad"].rows,
+        "dgrad_rows": stats.exchanges["dgrad"].rows,
+    }
+
+
+def _all_gather_list(t: torch.Tensor, group: Optional[Any]) -> list[torch.Tensor]:
+    """Every rank's ``t`` (shapes may differ across ranks), in rank order."""
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return [t]
+    out: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(out, t, group=group)
+    return out
+
+
+def sample_mean_gradient(rank: int, world: int, n: int, scope: str) -> dict[str, torch.Tensor]:
+    """Expert weight gradients: full backward, mean/std over ``n`` sampling seeds at keep 0.5,
+    and top-k at keep 0.5."""
+    import dataclasses
+
+    pg = init_megatron_parallel(ep=world)
+    cfg = _config(world, moe_aux_loss_coeff=0.0)
+    lr = get_lrmoe_moe_spec(LRMoEConfig())(config=cfg, pg_collection=pg, layer_number=1)
+    x, up = _inputs(torch.distributed.get_rank(), cfg.hidden_size)
+
+    def grads(lrmoe: LRMoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        lr.lrmoe_config = lrmoe
+        lr.zero_grad(set_to_none=True)
+        _run(lr, x, up)
+        return lr.experts.weight1.grad.clone(), lr.experts.weight2.grad.clone()
+
+    w1_full, w2_full = grads(LRMoEConfig(keep_ratio=1.0))
+    base = LRMoEConfig(keep_ratio=0.5, selection="sample", scope=scope)
+    draws = [grads(dataclasses.replace(base, seed=s)) for s in range(n)]
+    w1s = torch.stack([d[0] for d in draws]).double()
+    w2s = torch.stack([d[1] for d in draws]).double()
+    w1_topk, _ = grads(LRMoEConfig(keep_ratio=0.5, selection="topk", scope=scope))
+    return {
+        "w1_full": w1_full.double(),
+        "w2_full": w2_full.double(),
+        "w1_sample_mean": w1s.mean(0),
+        "w1_sample_std": w1s.std(0),
+        "w2_sample_mean": w2s.mean(0),
+        "w2_sample_std": w2s.std(0),
+        "w1_topk": w1_topk.double(),
+    }

@@ -1,0 +1,210 @@
+"""LRMoELayer against stock Megatron-Core and against a dense masked reference (CPU, gloo).
+
+Each test spawns one process group and runs several cases inside it (process start-up dominates
+on CI's two cores). fp32 throughout; tolerances are relative to each quantity's scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lrmoe_workers as w
+from megatron_lrmoe.testing import run_distributed
+
+RTOL = 1e-5  # fp32, a handful of re-associated sums per element
+ATOL = 1e-8  # quantities that are zero in exact arithmetic (e.g. a router grad through p == 1)
+
+
+def _assert_close_keep1(results: list[list[dict]], cases: list[dict]) -> None:
+    for rank, per_rank in enumerate(results):
+        for case, d in zip(cases, per_rank):
+            for key in ("out", "dx", "router", "fc1", "fc2"):
+                scale = max(d[f"scale_{key}"], 1e-12)
+                assert (
+                    d[key] <= RTOL * scale + ATOL
+                ), f"rank {rank} {case}: {key} {d[key]:.3e} vs {scale:.3e}"
+            if "shared" in d:
+                assert d["shared"] <= 1e-6, f"rank {rank} {case}: shared experts {d['shared']:.3e}"
+
+
+KEEP1_CASES = [
+    dict(moe_router_topk=1, moe_router_pre_softmax=True),
+    dict(moe_router_topk=2, moe_shared_expert_intermediate_size=40),
+    dict(
+        moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True
+    ),
+    dict(moe_router_topk=2, moe_shared_expert_intermediate_size=40, moe_shared_expert_overlap=True),
+]
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_keep1_equals_stock(ep: int) -> None:
+    """Keep ratio 1.0: output, input grad, router grad and every expert grad equal stock's."""
+    cases = KEEP1_CASES if ep != 4 else KEEP1_CASES[1:3]
+    results = run_distributed(w.stock_vs_lrmoe_keep1_cases, ep, ep, cases, timeout=240)
+    _assert_close_keep1(results, cases)
+
+
+def _assert_matches_reference(results: list[list[dict]]) -> None:
+    for rank, per_rank in enumerate(results):
+        for d in per_rank:
+            for key in ("out", "dx", "router", "fc1", "fc2"):
+                scale = max(d["scales"][key], 1e-12)
+                assert (
+                    d[key] <= RTOL * scale + ATOL
+                ), f"rank {rank} {d['case']}: {key} differs by {d[key]:.3e} (scale {scale:.3e})"
+
+
+def _check_counts(results: list[list[dict]]) -> None:
+    """Kept pairs per expert == quota, counted independently from the recorded kept masks."""
+    for i, d0 in enumerate(results[0]):
+        quota = torch.tensor(d0["quota"])
+        kept = torch.zeros_like(quota)
+        for rank, per_rank in enumerate(results):
+            d = per_rank[i]
+            mask = d["kept_mask"]
+            # The mask is in send order (sorted by expert); split it by this rank's pair counts.
+            per_expert = torch.split(mask, d["global_counts"][rank].tolist())
+            kept += torch.tensor([int(m.sum()) for m in per_expert])
+            assert d["grad_rows"] == int(mask.sum()), f"{d['case']}: exchange rows != kept rows"
+        assert torch.equal(
+            kept, quota
+        ), f"{d0['case']}: kept {kept.tolist()} != quota {quota.tolist()}"
+
+
+REF_CASES = [
+    (
+        dict(keep_ratio=kr, selection=sel, scope=scope, activation_mode=mode),
+        dict(moe_aux_loss_coeff=0.0),
+        None,
+    )
+    for kr, sel, scope, mode in [
+        (0.5, "sample", "local", "save"),
+        (0.5, "sample", "local", "recompute"),
+        (0.5, "sample", "global", "save"),
+        (0.5, "sample", "global", "recompute"),
+        (0.5, "topk", "local", "save"),
+        (0.3, "topk", "global", "recompute"),
+        (0.7, "topk", "global", "save"),
+        (0.25, "topk", "local", "recompute"),
+    ]
+]
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_keep_below_one_matches_dense_reference(ep: int) -> None:
+    """Both policies, both scopes, both activation modes: compaction never changes the math."""
+    results = run_distributed(w.lrmoe_vs_dense_reference_cases, ep, ep, REF_CASES, timeout=300)
+    _assert_matches_reference(results)
+    _check_counts(results)
+
+
+def test_keep_below_one_ep4_and_shared_sigmoid() -> None:
+    cases = [
+        (dict(keep_ratio=0.5), dict(moe_aux_loss_coeff=0.0, moe_router_topk=4), None),
+        (
+            dict(keep_ratio=0.4, scope="global", selection="topk"),
+            dict(
+                moe_aux_loss_coeff=0.0,
+                moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True,
+            ),
+            None,
+        ),
+    ]
+    results = run_distributed(w.lrmoe_vs_dense_reference_cases, 4, 4, cases, timeout=300)
+    _assert_matches_reference(results)
+    _check_counts(results)
+
+
+DEGENERATE_CASES = [
+    # All tokens to one expert: every other expert has zero tokens, one rank receives nothing.
+    (
+        dict(keep_ratio=0.5, scope="global"),
+        dict(moe_aux_loss_coeff=0.0, moe_router_topk=1, moe_router_pre_softmax=True),
+        "one_expert",
+    ),
+    (
+        dict(keep_ratio=0.5, scope="local"),
+        dict(moe_aux_loss_coeff=0.0, moe_router_topk=1, moe_router_pre_softmax=True),
+        "one_expert",
+    ),
+    # Each rank routes only to its own experts: it sends nothing to the other rank.
+    (
+        dict(keep_ratio=0.5, scope="global", activation_mode="recompute"),
+        dict(moe_aux_loss_coeff=0.0),
+        "stay_home",
+    ),
+    (dict(keep_ratio=0.6, selection="topk"), dict(moe_aux_loss_coeff=0.0), "first_rank_only"),
+    # Keep ratio 0: experts get zero gradient, the router's stays exact.
+    (dict(keep_ratio=0.0), dict(moe_aux_loss_coeff=0.0), None),
+    (
+        dict(keep_ratio=0.0, scope="global", activation_mode="recompute"),
+        dict(moe_aux_loss_coeff=0.0),
+        None,
+    ),
+    # A keep ratio that leaves one pair per (non-empty) expert.
+    (dict(keep_ratio=1e-6), dict(moe_aux_loss_coeff=0.0), None),
+    (dict(keep_ratio=1e-6, scope="global", selection="topk"), dict(moe_aux_loss_coeff=0.0), None),
+    # Keep ratio 1 through the same reference.
+    (dict(keep_ratio=1.0), dict(moe_aux_loss_coeff=0.0), None),
+]
+
+
+def test_degenerate_routing() -> None:
+    results = run_distributed(w.lrmoe_vs_dense_reference_cases, 2, 2, DEGENERATE_CASES, timeout=300)
+    _assert_matches_reference(results)
+    _check_counts(results)
+    for per_rank in results:
+        for d in per_rank:
+            kr = d["case"][0]["keep_ratio"]
+            if kr == 0.0:
+                assert d["kept"] == 0 and d["grad_rows"] == 0
+                assert float(d["w1_grad"].abs().max()) == 0.0
+            if kr == 1e-6:
+                n = d["global_counts"].sum(0)
+                assert d["quota"] == [int(x > 0) for x in n.tolist()]
+
+
+def test_selection_deterministic_across_runs_and_ranks() -> None:
+    """Same seed and inputs -> bit-identical selection on every rank and every run."""
+    cases = [
+        (
+            dict(keep_ratio=0.5, selection="sample", scope="global"),
+            dict(moe_aux_loss_coeff=0.0),
+            None,
+        ),
+        (
+            dict(keep_ratio=0.5, selection="sample", scope="local"),
+            dict(moe_aux_loss_coeff=0.0),
+            None,
+        ),
+    ]
+    first = run_distributed(w.lrmoe_vs_dense_reference_cases, 2, 2, cases, timeout=300)
+    second = run_distributed(w.lrmoe_vs_dense_reference_cases, 2, 2, cases, timeout=300)
+    for a_rank, b_rank in zip(first, second):
+        for a, b in zip(a_rank, b_rank):
+            assert torch.equal(a["kept_mask"], b["kept_mask"])
+            assert torch.equal(a["w1_grad"], b["w1_grad"])
+
+
+@pytest.mark.parametrize("scope", ["local", "global"])
+def test_sample_is_unbiased_and_topk_is_not(scope: str) -> None:
+    """Mean expert weight gradient over many seeds -> the full gradient, for ``sample`` only.
+
+    Bound: every element of the mean over n draws is within 5 standard errors (the sample std
+    over draws / sqrt(n)) of the full-backward gradient, plus 1e-7 absolute for elements whose
+    variance is ~0. ``topk`` is deterministic, so its bias shows up as a violated bound.
+    """
+    n = 400
+    res = run_distributed(w.sample_mean_gradient, 2, n, scope, timeout=300)
+    for d in res:
+        for name in ("w1", "w2"):
+            full, mean, std = d[f"{name}_full"], d[f"{name}_sample_mean"], d[f"{name}_sample_std"]
+            err = (mean - full).abs()
+            bound = 5 * std / n**0.5 + 1e-7
+            worst = float((err / bound).max())
+            assert worst <= 1.0, f"{name}: mean deviates by {worst:.2f}x the 5-sigma bound"
+        topk_err = (d["w1_topk"] - d["w1_full"]).abs()
+        assert float((topk_err / (5 * d["w1_sample_std"] / n**0.5 + 1e-7)).max()) > 1.0

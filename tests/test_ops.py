@@ -1,0 +1,575 @@
+"""Tests for ``megatron_lrmoe.ops`` against the slow references in ``ops/reference.py``.
+
+Shape legend: N rows grouped by expert, G experts, H hidden, F FFN width, F1 = 2F if gated.
+
+Tolerances (stated once, used below):
+    fp32 GEMM paths vs fp32 references: atol 1e-5 / rtol 1e-5 for single products, 1e-4 for the
+        whole MLP (two GEMMs plus activation in different summation orders).
+    bf16: atol/rtol 2e-2 against fp32/fp64 ground truth (bf16 epsilon is 2^-8 ~ 3.9e-3; a few
+        roundings accumulate), and 1 bf16 ulp-ish (1e-2) against autograd of the same bf16 op.
+        The CUDA tests (larger shapes, long wgrad sums) use a norm-relative error below 1.5e-2.
+
+The CUDA tests are skipped on CPU-only machines; they also assert that the expert MLP forward
+and backward issue no synchronising CUDA call (``torch.cuda.set_sync_debug_mode("error")``).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megatron_lrmoe.ops.grouped_gemm as gg
+from megatron_lrmoe.ops import (
+    GluSpec,
+    GroupedExpertMLP,
+    GroupSizes,
+    act_backward,
+    act_forward,
+    activation_spec_from_config,
+    expert_mlp_backward,
+    expert_mlp_forward,
+    grouped_expert_mlp,
+    grouped_mm_backend,
+    grouped_mm_nn,
+    grouped_mm_nt,
+    grouped_mm_tn,
+)
+from megatron_lrmoe.ops.reference import (
+    reference_activation,
+    reference_expert_mlp,
+    reference_grouped_mm_nn,
+    reference_grouped_mm_nt,
+    reference_grouped_mm_tn,
+)
+
+HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+# Group-size patterns: empty groups in the middle and at the ends, all rows in one group,
+# zero rows in total, a single group.
+COUNT_CASES = {
+    "mixed_with_empty": [3, 0, 5, 2],
+    "empty_ends": [0, 4, 3, 0],
+    "all_in_one": [0, 9, 0],
+    "zero_rows": [0, 0, 0],
+    "single_group": [6],
+}
+
+# (K, M) feature widths: fp32 needs multiples of 4 elements (16 bytes) for torch's grouped_mm.
+ALIGNED = (16, 8)
+ODD = (5, 7)
+
+SPECS = [
+    GluSpec(gated=True, kind="silu"),
+    GluSpec(gated=False, kind="silu"),
+    GluSpec(gated=True, kind="gelu"),
+    GluSpec(gated=False, kind="gelu"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    monkeypatch.delenv(gg.GROUPED_MM_ENV, raising=False)
+
+
+@pytest.fixture
+def grouped_mm_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls into torch.nn.functional.grouped_mm to prove which path ran."""
+    calls: list[int] = []
+    if not HAS_GROUPED_MM:
+        return calls
+    real = F.grouped_mm
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "grouped_mm", spy)
+    return calls
+
+
+def _spec_id(spec: GluSpec) -> str:
+    return f"{spec.kind}{'-glu' if spec.gated else ''}"
+
+
+# --------------------------------------------------------------------------------------------
+# grouped GEMMs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("counts", list(COUNT_CASES.values()), ids=list(COUNT_CASES))
+@pytest.mark.parametrize("widths", [ALIGNED, ODD], ids=["aligned", "odd"])
+@pytest.mark.parametrize("counts_as", ["list", "tensor", "group_sizes"])
+def test_grouped_mm_matches_reference(
+    counts: list[int], widths: tuple[int, int], counts_as: str, grouped_mm_calls: list[int]
+) -> None:
+    k, m = widths
+    g, n = len(counts), sum(counts)
+    c: Any = {
+        "list": counts,
+        "tensor": torch.tensor(counts, dtype=torch.long),
+        "group_sizes": GroupSizes(counts),
+    }[counts_as]
+    x = torch.randn(n, k)
+    w = torch.randn(g, m, k)
+    dy = torch.randn(n, m)
+
+    expected_backend = "torch_grouped_mm" if widths == ALIGNED and HAS_GROUPED_MM else "loop"
+    assert grouped_mm_backend(x, w) == expected_backend
+    assert grouped_mm_backend(dy, x) == expected_backend
+
+    y = grouped_mm_nt(x, w, c)
+    dx = grouped_mm_nn(dy, w, c)
+    dw = grouped_mm_tn(dy, x, c)
+    torch.testing.assert_close(y, reference_grouped_mm_nt(x, w, counts), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx, reference_grouped_mm_nn(dy, w, counts), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dw, reference_grouped_mm_tn(dy, x, counts), atol=1e-5, rtol=1e-5)
+    assert y.shape == (n, m) and dx.shape == (n, k) and dw.shape == (g, m, k)
+    for gi, cnt in enumerate(counts):
+        if cnt == 0:
+            assert torch.count_nonzero(dw[gi]) == 0, "empty group must get an exact zero wgrad"
+
+    if expected_backend == "torch_grouped_mm" and n > 0:
+        assert len(grouped_mm_calls) == 3, "torch grouped_mm path was not exercised"
+    else:
+        assert not grouped_mm_calls
+
+
+@pytest.mark.parametrize("widths", [ALIGNED, ODD], ids=["aligned", "odd"])
+def test_grouped_mm_torch_path_equals_forced_loop(
+    widths: tuple[int, int], monkeypatch: pytest.MonkeyPatch, grouped_mm_calls: list[int]
+) -> None:
+    k, m = widths
+    counts = [4, 0, 7, 1]
+    x, w, dy = torch.randn(12, k), torch.randn(4, m, k), torch.randn(12, m)
+    auto = (grouped_mm_nt(x, w, counts), grouped_mm_nn(dy, w, counts), grouped_mm_tn(dy, x, counts))
+    n_auto_calls = len(grouped_mm_calls)
+    monkeypatch.setenv(gg.GROUPED_MM_ENV, "loop")
+    assert grouped_mm_backend(x, w) == "loop"
+    loop = (grouped_mm_nt(x, w, counts), grouped_mm_nn(dy, w, counts), grouped_mm_tn(dy, x, counts))
+    assert len(grouped_mm_calls) == n_auto_calls, "LRMOE_GROUPED_MM=loop must bypass grouped_mm"
+    for a, b in zip(auto, loop, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="torch.nn.functional.grouped_mm missing")
+def test_grouped_mm_bf16_cpu_and_noncontiguous(grouped_mm_calls: list[int]) -> None:
+    counts = [5, 0, 3]
+    k, m = 16, 24  # multiples of 8 bf16 elements
+    x_big = torch.randn(8, 2 * k)
+    x = x_big[:, :k].to(torch.bfloat16)  # contiguous after .to; slice below is not
+    x_view = torch.randn(8, 2 * k, dtype=torch.bfloat16)[:, ::2]  # stride 2 in the last dim
+    w = torch.randn(3, m, k).to(torch.bfloat16)
+    w_nc = torch.randn(3, k, m).to(torch.bfloat16).transpose(1, 2)  # [G, M, K] non-contiguous
+    for xi, wi in [(x, w), (x_view, w), (x, w_nc)]:
+        assert grouped_mm_backend(xi, wi) == "torch_grouped_mm"
+        ref = reference_grouped_mm_nt(xi.double(), wi.double(), counts)
+        torch.testing.assert_close(
+            grouped_mm_nt(xi, wi, counts).double(), ref, atol=2e-2 * math.sqrt(k), rtol=2e-2
+        )
+    dy = torch.randn(8, m).to(torch.bfloat16)
+    dw = grouped_mm_tn(dy, x, counts, out_dtype=torch.float32)
+    assert dw.dtype == torch.float32
+    ref = reference_grouped_mm_tn(dy.double(), x.double(), counts)
+    torch.testing.assert_close(dw.double(), ref, atol=5e-2, rtol=2e-2)
+    assert len(grouped_mm_calls) == 4
+
+
+def test_grouped_mm_tn_zeroes_empty_groups_even_if_kernel_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not HAS_GROUPED_MM:
+        pytest.skip("torch.nn.functional.grouped_mm missing")
+    real = F.grouped_mm
+
+    def garbage_for_empty(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+        # Emulates kernels that leave empty groups' wgrad unwritten (reported on sm100).
+        out = real(a, b, offs=offs)
+        if a.dim() == 2 and b.dim() == 2:
+            sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+            out[sizes == 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(F, "grouped_mm", garbage_for_empty)
+    counts = [0, 3, 0, 2]
+    a, b = torch.randn(5, 8), torch.randn(5, 4)
+    out = grouped_mm_tn(a, b, counts)
+    torch.testing.assert_close(out, reference_grouped_mm_tn(a, b, counts), atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_mm_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w = torch.randn(6, 4), torch.randn(2, 8, 4)
+    with pytest.raises(ValueError, match="sum to 5 but there are 6 rows"):
+        grouped_mm_nt(x, w, [2, 3])
+    with pytest.raises(ValueError, match="3 group sizes for 2 groups"):
+        grouped_mm_nt(x, w, [2, 2, 2])
+    with pytest.raises(ValueError, match="dtypes differ"):
+        grouped_mm_nt(x, w.double(), [3, 3])
+    with pytest.raises(ValueError, match="non-negative"):
+        grouped_mm_nt(x, w, [7, -1])
+    with pytest.raises(ValueError, match="expects"):
+        grouped_mm_nn(x, w, [3, 3])
+    monkeypatch.setenv(gg.GROUPED_MM_ENV, "lopo")
+    with pytest.raises(ValueError, match="LRMOE_GROUPED_MM"):
+        grouped_mm_nt(x, w, [3, 3])
+
+
+def test_grouped_mm_backend_rules() -> None:
+    # fp64 has no grouped_mm kernel; mismatched dtypes never reach it.
+    assert grouped_mm_backend(torch.randn(3, 16).double(), torch.randn(2, 8, 16).double()) == "loop"
+    assert grouped_mm_backend(torch.randn(3, 16), torch.randn(2, 8, 16).bfloat16()) == "loop"
+    # One unaligned width anywhere (here M = 6 fp32 = 24 bytes) selects the loop.
+    assert grouped_mm_backend(torch.randn(3, 16), torch.randn(2, 6, 16)) == "loop"
+
+
+# --------------------------------------------------------------------------------------------
+# activation
+# --------------------------------------------------------------------------------------------
+
+
+def _act_inputs(spec: GluSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    f = 12
+    # Wide range so both tails and the curved middle of silu/gelu are exercised.
+    h = (torch.randn(33, f * spec.fc1_multiplier) * 3.0).to(dtype)
+    d_a = torch.randn(33, f).to(dtype)
+    return h, d_a
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_act_forward_matches_reference(spec: GluSpec, dtype: torch.dtype) -> None:
+    h, _ = _act_inputs(spec, dtype)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    expected = reference_activation(h.double(), spec)
+    torch.testing.assert_close(act_forward(h, spec).double(), expected, atol=tol, rtol=tol)
+    assert act_forward(h, spec).dtype == dtype
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_act_backward_matches_autograd(spec: GluSpec, dtype: torch.dtype) -> None:
+    h, d_a = _act_inputs(spec, dtype)
+    h_req = h.clone().requires_grad_(True)
+    act_forward(h_req, spec).backward(d_a)
+    got = act_backward(d_a, h, spec)
+    assert got.dtype == dtype and got.shape == h.shape
+    # Same-dtype autograd: fp32 1e-5; bf16 both end in one bf16 rounding of ~equal fp32 values.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, h_req.grad, atol=tol, rtol=tol)
+    # Ground truth in fp64 through the plain-torch reference.
+    h64 = h.double().requires_grad_(True)
+    reference_activation(h64, spec).backward(d_a.double())
+    tol64 = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), h64.grad, atol=tol64, rtol=tol64)
+
+
+def test_act_backward_rejects_bad_shapes() -> None:
+    spec = GluSpec(gated=True, kind="silu")
+    with pytest.raises(ValueError, match="even"):
+        act_forward(torch.randn(3, 5), spec)
+    with pytest.raises(ValueError, match="does not match"):
+        act_backward(torch.randn(3, 5), torch.randn(3, 8), spec)
+    with pytest.raises(ValueError, match="kind"):
+        GluSpec(gated=False, kind="relu")  # type: ignore[arg-type]
+
+
+def _megatron_config(**overrides: Any) -> Any:
+    transformer = pytest.importorskip("megatron.core.transformer")
+    cfg = transformer.TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    for key, value in overrides.items():
+        # Set after construction: __post_init__ itself rejects some combinations we test.
+        setattr(cfg, key, value)
+    return cfg
+
+
+def test_activation_spec_from_config_supported() -> None:
+    cfg = _megatron_config(activation_func=F.silu, gated_linear_unit=True)
+    assert activation_spec_from_config(cfg) == GluSpec(gated=True, kind="silu")
+    cfg = _megatron_config(activation_func=F.gelu, gated_linear_unit=False)
+    assert activation_spec_from_config(cfg) == GluSpec(gated=False, kind="gelu")
+    # Interleave is only used by Megatron when gated; harmless otherwise.
+    ns = SimpleNamespace(
+        activation_func=F.gelu, gated_linear_unit=False, moe_mlp_glu_interleave_size=32
+    )
+    assert activation_spec_from_config(ns) == GluSpec(gated=False, kind="gelu")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        ({"activation_func": "quick_gelu"}, r"activation_func=quick_gelu.*silu"),
+        ({"activation_func": "squared_relu"}, r"activation_func=squared_relu"),
+        ({"activation_func": F.relu}, r"activation_func=relu"),
+        ({"activation_func_clamp_value": 7.0}, r"activation_func_clamp_value=7.0.*None"),
+        ({"glu_linear_offset": 1.0}, r"glu_linear_offset=1.0.*0.0"),
+        ({"moe_mlp_glu_interleave_size": 32}, r"moe_mlp_glu_interleave_size=32.*None"),
+    ],
+)
+def test_activation_spec_from_config_errors(overrides: dict[str, Any], pattern: str) -> None:
+    activations = pytest.importorskip("megatron.core.activations")
+    resolved = dict(overrides)
+    if isinstance(resolved.get("activation_func"), str):
+        resolved["activation_func"] = getattr(activations, resolved["activation_func"])
+    cfg = _megatron_config(**{"activation_func": F.silu, "gated_linear_unit": True, **resolved})
+    with pytest.raises(ValueError, match=pattern):
+        activation_spec_from_config(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# expert MLP
+# --------------------------------------------------------------------------------------------
+
+
+def _mlp_tensors(
+    counts: list[int], h: int, f: int, spec: GluSpec, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, g = sum(counts), len(counts)
+    x = torch.randn(n, h, dtype=dtype)
+    w1 = (torch.randn(g, f * spec.fc1_multiplier, h) / math.sqrt(h)).to(dtype)
+    w2 = (torch.randn(g, h, f) / math.sqrt(f)).to(dtype)
+    probs = torch.rand(n, dtype=torch.float32)
+    return x, w1, w2, probs
+
+
+MLP_SHAPES = {"aligned": (16, 8), "odd": (6, 5)}  # (H, F); fp32 aligned -> torch grouped_mm
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
+@pytest.mark.parametrize("shape", list(MLP_SHAPES.values()), ids=list(MLP_SHAPES))
+@pytest.mark.parametrize("save_h", [True, False], ids=["save_h", "recompute_h"])
+@pytest.mark.parametrize("counts_name", ["mixed_with_empty", "all_in_one"])
+def test_expert_mlp_backward_matches_autograd_reference(
+    spec: GluSpec, shape: tuple[int, int], save_h: bool, counts_name: str
+) -> None:
+    counts = COUNT_CASES[counts_name]
+    hid, f = shape
+    x, w1, w2, _ = _mlp_tensors(counts, hid, f, spec)
+    z, h = expert_mlp_forward(x, w1, w2, counts, spec, save_h=save_h)
+    assert (h is not None) == save_h
+
+    xr, w1r, w2r = (t.clone().requires_grad_(True) for t in (x, w1, w2))
+    zr = reference_expert_mlp(xr, None, w1r, w2r, counts, spec)
+    torch.testing.assert_close(z, zr.detach(), atol=1e-4, rtol=1e-4)
+
+    dz = torch.randn_like(z)
+    dx, dw1, dw2 = expert_mlp_backward(dz, x, h, w1, w2, counts, spec)
+    rdx, rdw1, rdw2 = torch.autograd.grad(
+        zr, (xr, w1r, w2r), dz, allow_unused=True, materialize_grads=True
+    )
+    assert dx is not None
+    torch.testing.assert_close(dx, rdx, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dw1, rdw1, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dw2, rdw2, atol=1e-4, rtol=1e-4)
+    assert dw1.shape == w1.shape and dw2.shape == w2.shape
+
+
+def test_expert_mlp_zero_rows_and_options() -> None:
+    spec = GluSpec(gated=True, kind="silu")
+    x, w1, w2, _ = _mlp_tensors([0, 0, 0], 16, 8, spec)
+    z, h = expert_mlp_forward(x, w1, w2, [0, 0, 0], spec, save_h=True)
+    assert z.shape == (0, 16) and h is not None and h.shape == (0, 16)
+    dx, dw1, dw2 = expert_mlp_backward(torch.zeros_like(z), x, None, w1, w2, [0, 0, 0], spec)
+    assert dx is not None and dx.shape == (0, 16)
+    assert torch.count_nonzero(dw1) == 0 and torch.count_nonzero(dw2) == 0
+    assert dw1.shape == w1.shape and dw2.shape == w2.shape
+
+    counts = [3, 0, 4]
+    x, w1, w2, _ = _mlp_tensors(counts, 16, 8, spec, dtype=torch.bfloat16)
+    z, _ = expert_mlp_forward(x, w1, w2, counts, spec, save_h=False)
+    dx, dw1, dw2 = expert_mlp_backward(
+        torch.randn_like(z), x, None, w1, w2, counts, spec, need_dx=False, wgrad_dtype=torch.float32
+    )
+    assert dx is None and dw1.dtype == torch.float32 and dw2.dtype == torch.float32
+    assert torch.count_nonzero(dw1[1]) == 0 and torch.count_nonzero(dw2[1]) == 0
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        expert_mlp_forward(x, w1, w2[:, :, :4], counts, spec, save_h=False)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
+@pytest.mark.parametrize("shape", list(MLP_SHAPES.values()), ids=list(MLP_SHAPES))
+@pytest.mark.parametrize("save_h", [True, False], ids=["save_h", "recompute_h"])
+def test_grouped_expert_mlp_matches_reference(
+    spec: GluSpec, shape: tuple[int, int], save_h: bool
+) -> None:
+    counts = [4, 0, 6, 1]
+    hid, f = shape
+    x, w1, w2, probs = _mlp_tensors(counts, hid, f, spec)
+    leaves = [t.clone().requires_grad_(True) for t in (x, probs, w1, w2)]
+    ref_leaves = [t.clone().requires_grad_(True) for t in (x, probs, w1, w2)]
+    y = grouped_expert_mlp(leaves[0], leaves[1], leaves[2], leaves[3], counts, spec, save_h)
+    yr = reference_expert_mlp(
+        ref_leaves[0], ref_leaves[1], ref_leaves[2], ref_leaves[3], counts, spec
+    )
+    torch.testing.assert_close(y, yr, atol=1e-4, rtol=1e-4)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_grads = torch.autograd.grad(yr, ref_leaves, dy, materialize_grads=True)
+    for name, got, want in zip(("dx", "dprobs", "dw1", "dw2"), grads, ref_grads, strict=True):
+        torch.testing.assert_close(
+            got, want, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    assert grads[1].dtype == probs.dtype
+
+
+def test_grouped_expert_mlp_partial_grads_and_no_probs() -> None:
+    spec = GluSpec(gated=True, kind="gelu")
+    counts = [2, 5, 0]
+    x, w1, w2, probs = _mlp_tensors(counts, 16, 8, spec)
+
+    # Only probs needs a gradient: backward uses the saved z alone.
+    p = probs.clone().requires_grad_(True)
+    y = GroupedExpertMLP.apply(x, p, w1, w2, counts, spec)
+    (dp,) = torch.autograd.grad(y, p, torch.ones_like(y))
+    z, _ = expert_mlp_forward(x, w1, w2, counts, spec, save_h=False)
+    torch.testing.assert_close(dp, z.sum(-1), atol=1e-5, rtol=1e-5)
+
+    # No probs: y == z, and only w2 needs a gradient.
+    w2r = w2.clone().requires_grad_(True)
+    y = grouped_expert_mlp(x, None, w1, w2r, counts, spec)
+    torch.testing.assert_close(y, z)
+    (dw2,) = torch.autograd.grad(y, w2r, torch.ones_like(y))
+    w2ref = w2.clone().requires_grad_(True)
+    (rdw2,) = torch.autograd.grad(
+        reference_expert_mlp(x, None, w1, w2ref, counts, spec), w2ref, torch.ones_like(y)
+    )
+    torch.testing.assert_close(dw2, rdw2, atol=1e-4, rtol=1e-4)
+
+
+def test_grouped_expert_mlp_gradcheck_fp64() -> None:
+    # fp64 has no grouped_mm kernel, so this checks the loop path and the analytic math exactly.
+    spec = GluSpec(gated=True, kind="silu")
+    counts = [2, 0, 3]
+    x, w1, w2, probs = _mlp_tensors(counts, 3, 2, spec, dtype=torch.float64)
+    inputs = (
+        x.requires_grad_(True),
+        probs.double().requires_grad_(True),
+        w1.requires_grad_(True),
+        w2.requires_grad_(True),
+    )
+
+    def fn(xx: torch.Tensor, pp: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return grouped_expert_mlp(xx, pp, a, b, counts, spec)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+    spec_gelu = GluSpec(gated=False, kind="gelu")
+    w1g = torch.randn(3, 2, 3, dtype=torch.float64, requires_grad=True)
+
+    def fn_gelu(
+        xx: torch.Tensor, pp: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> torch.Tensor:
+        return grouped_expert_mlp(xx, pp, a, b, counts, spec_gelu, False)
+
+    assert torch.autograd.gradcheck(fn_gelu, (inputs[0], inputs[1], w1g, inputs[3]), eps=1e-6)
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="torch.nn.functional.grouped_mm missing")
+def test_grouped_expert_mlp_bf16_close_to_fp32(grouped_mm_calls: list[int]) -> None:
+    spec = GluSpec(gated=True, kind="silu")
+    counts = [5, 0, 9, 2]
+    x, w1, w2, probs = _mlp_tensors(counts, 16, 8, spec)
+    leaves16 = [x.bfloat16(), probs, w1.bfloat16(), w2.bfloat16()]
+    leaves16 = [t.clone().requires_grad_(True) for t in leaves16]
+    y16 = grouped_expert_mlp(*leaves16, counts, spec)
+    assert y16.dtype == torch.bfloat16
+    leaves32 = [t.detach().float().requires_grad_(True) for t in leaves16]
+    y32 = reference_expert_mlp(*leaves32, counts, spec)
+    torch.testing.assert_close(y16.float(), y32, atol=2e-2, rtol=2e-2)
+    dy = torch.randn_like(y32)
+    g16 = torch.autograd.grad(y16, leaves16, dy.bfloat16())
+    g32 = torch.autograd.grad(y32, leaves32, dy, materialize_grads=True)
+    for got, want in zip(g16, g32, strict=True):
+        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=2e-2)
+    assert grouped_mm_calls, "bf16 on CPU with aligned widths should use torch grouped_mm"
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA only (skipped on CPU machines): the bf16 grouped_mm path and the absence of host syncs.
+# --------------------------------------------------------------------------------------------
+
+CUDA = torch.cuda.is_available()
+
+
+def _cuda_fast_path_expected() -> bool:
+    return (
+        HAS_GROUPED_MM
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability()[0] in (9, 10)
+    )
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Frobenius-norm relative error (bf16 tolerance of 1.5e-2 is ~4 bf16 epsilons)."""
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_expert_mlp_matches_reference_without_host_sync(
+    dtype: torch.dtype, grouped_mm_calls: list[int]
+) -> None:
+    spec = GluSpec(gated=True, kind="silu")
+    counts = [37, 0, 120, 5, 0]
+    x, w1, w2, _ = _mlp_tensors(counts, 64, 32, spec)
+    x, w1, w2 = (t.cuda().to(dtype) for t in (x, w1, w2))
+    dz = torch.randn_like(x)
+    expected = (
+        "torch_grouped_mm" if dtype == torch.bfloat16 and _cuda_fast_path_expected() else "loop"
+    )
+    assert grouped_mm_backend(x, w1) == expected
+
+    groups = GroupSizes(counts)
+    expert_mlp_backward(dz, x, None, w1, w2, groups, spec)  # warm-up: cuBLAS handles, pinned pool
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        # Fresh GroupSizes: offsets are rebuilt (host -> device) inside the checked region.
+        groups = GroupSizes(torch.tensor(counts))
+        z, h = expert_mlp_forward(x, w1, w2, groups, spec, save_h=True)
+        dx, dw1, dw2 = expert_mlp_backward(
+            dz, x, h, w1, w2, groups, spec, wgrad_dtype=torch.float32
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    xr, w1r, w2r = (t.detach().float().requires_grad_(True) for t in (x, w1, w2))
+    zr = reference_expert_mlp(xr, None, w1r, w2r, counts, spec)
+    rdx, rdw1, rdw2 = torch.autograd.grad(zr, (xr, w1r, w2r), dz.float(), materialize_grads=True)
+    assert dx is not None
+    # bf16 rounds h, a, dh and the outputs; wgrads sum 120 rows, so single elements near zero
+    # can be off by more than an elementwise rtol allows. Compare norm-relative errors instead.
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    for name, got, want in [("z", z, zr), ("dx", dx, rdx), ("dw1", dw1, rdw1), ("dw2", dw2, rdw2)]:
+        assert _rel_err(got, want) < tol, f"{name}: relative error {_rel_err(got, want):.2e}"
+    for g in (1, 4):
+        assert torch.count_nonzero(dw1[g]) == 0 and torch.count_nonzero(dw2[g]) == 0
+    assert bool(grouped_mm_calls) == (expected == "torch_grouped_mm")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_grouped_expert_mlp_bf16_autograd_and_zero_rows() -> None:
+    spec = GluSpec(gated=False, kind="gelu")
+    counts = [0, 64, 1, 0, 31]
+    x, w1, w2, probs = _mlp_tensors(counts, 128, 64, spec)
+    leaves = [t.cuda() for t in (x.bfloat16(), probs, w1.bfloat16(), w2.bfloat16())]
+    leaves = [t.requires_grad_(True) for t in leaves]
+    y = grouped_expert_mlp(*leaves, counts, spec)
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
+    yr = reference_expert_mlp(*ref_leaves, counts, spec)
+    assert _rel_err(y, yr) < 1.5e-2
+    dy = torch.randn_like(yr)
+    grads = torch.autograd.grad(y, leaves, dy.bfloat16())
+    ref = torch.autograd.grad(yr, ref_leaves, dy, materialize_grads=True)
+    for name, got, want in zip(("dx", "dprobs", "dw1", "dw2"), grads, ref, strict=True):
+        assert _rel_err(got, want) < 1.5e-2, f"{name}: relative error {_rel_err(got, want):.2e}"
+
+    empty = [0, 0, 0, 0, 0]
+    x0 = torch.zeros(0, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w1c = leaves[2].detach().clone().requires_grad_(True)
+    y0 = grouped_expert_mlp(x0, None, w1c, leaves[3].detach(), empty, spec)
+    (dw1,) = torch.autograd.grad(y0.sum(), w1c, allow_unused=True, materialize_grads=True)
+    assert y0.shape == (0, 128) and torch.count_nonzero(dw1) == 0
