@@ -24,6 +24,7 @@ from megatron_lrmoe.compaction import chunk_transpose_index, exclusive_cumsum, r
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.ops import expert_mlp_backward, expert_mlp_forward
 from megatron_lrmoe.ops.activation import GluSpec
+from megatron_lrmoe.ops.rowwise import row_dot, scale_rows
 from megatron_lrmoe.plan import CallPlan
 from megatron_lrmoe.scoring import (
     Selection,
@@ -117,8 +118,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         )
         z = _reorder(z, plan.recv_counts.t())
         z = comm.all_to_all_rows(z, plan.recv_splits, plan.send_splits, call.group)
-        # Megatron scales by the routing weight in the probs' precision, then casts back.
-        out = (z * probs.unsqueeze(-1)).to(z.dtype)
+        out = scale_rows(z, probs)
 
         x_sq = None if lrmoe.is_exact else row_sq_norms(tokens)
         ctx.call = call
@@ -146,7 +146,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         timer = SpanTimer(device) if stats is not None else None
 
         # 1. Router gradient, exact for every pair.
-        d_probs = torch.einsum("sh,sh->s", g.float(), z.float()).to(probs.dtype)
+        d_probs = row_dot(g, z, probs.dtype)
 
         # 2. Selection.
         exact = lrmoe.is_exact
@@ -187,7 +187,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         if timer:
             timer.start("packing")
         g_kept = g if kept_index is None else g.index_select(0, kept_index)
-        g_kept = (g_kept.float() * row_scale.unsqueeze(-1)).to(g.dtype)
+        g_kept = scale_rows(g_kept, row_scale)
         recompute = lrmoe.activation_mode == "recompute"
         if recompute:
             x_kept = tokens if kept_index is None else tokens.index_select(0, kept_index)

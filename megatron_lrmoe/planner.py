@@ -105,10 +105,16 @@ def split_quota_over_sources(
     base = torch.div(numer, denom, rounding_mode="floor")
     remainder = numer - base * denom  # shares one denominator per expert: exact comparison
     leftover = q - base.sum(0)  # in [0, P); at most the number of positive remainders
-    order = torch.argsort(remainder, dim=0, descending=True, stable=True)
-    position = torch.empty_like(order).scatter_(
-        0, order, torch.arange(num_sources, device=n.device).unsqueeze(1).expand_as(order)
+    # Rank the sources of every expert by (remainder descending, source ascending) with one flat
+    # stable sort on the exact key (expert, 2**31 - 1 - remainder): remainders are below N[e] <
+    # 2**31. A flat sort is several times faster on CPU than a sort along dim 0.
+    key = torch.arange(num_experts, device=n.device).unsqueeze(1) * (1 << 31) + (
+        (1 << 31) - 1 - remainder.t()
     )
+    order = torch.argsort(key.reshape(-1), stable=True)
+    flat_position = torch.empty_like(order)
+    flat_position[order] = torch.arange(order.numel(), device=n.device)
+    position = (flat_position.view(num_experts, num_sources) % max(num_sources, 1)).t()
     return base + (position < leftover.unsqueeze(0)).to(torch.int64)
 
 
@@ -229,7 +235,8 @@ def balance_over_replicas(
     augmented from where it was (raising capacities keeps it valid). Every T tried is a lower
     bound, so the first feasible one is the optimum; k strictly decreases between raises (the
     max-flow value is concave in T), so there are at most P + 1 max-flow calls. Cost: Dinic in
-    plain Python, milliseconds for E = 512, P = 64 with sparse admissibility.
+    plain Python; at E = 512, P = 64 about 5-10 ms with a few replicas per expert and about 0.1 s
+    when every rank may hold every expert (measured on one CPU core).
 
     Args:
         load: ``[E]`` int kept pairs per expert.

@@ -30,8 +30,7 @@ from megatron_lrmoe.testing.models import skewed_routing_inputs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = 24
-# fp32, only the summation order differs between EP=1 and EP>1.
-ATOL = 1e-6
+# fp32 and only the summation order differs between EP=1 and EP>1 (observed: ~1e-7 relative).
 RTOL = 1e-5
 
 needs_cpu_only = pytest.mark.skipif(
@@ -119,8 +118,11 @@ def _singleton_ep_collection(pg_collection: Any, rank: int, world_size: int) -> 
     return ref
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
+def _rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| relative to max |want| (the tensors here are small: init std is 0.02)."""
+    scale = want.abs().max().item()
+    assert scale > 0, "reference is all zeros; the comparison would prove nothing"
+    return (got - want).abs().max().item() / scale
 
 
 def _stock_ep_vs_ep1(
@@ -169,7 +171,7 @@ def _stock_ep_vs_ep1(
 
     # Replicated parameters (router, shared experts) see only this rank's tokens in both layers.
     replicated_diffs = [
-        _max_diff(param.grad, ref.get_parameter(name).grad)
+        _rel_diff(param.grad, ref.get_parameter(name).grad)
         for name, param in layer.named_parameters()
         if not name.startswith("experts.")
     ]
@@ -183,15 +185,14 @@ def _stock_ep_vs_ep1(
             torch.distributed.all_reduce(ref_grad, group=pg.ep)
             if g // num_local == ep_rank:
                 param = layer.experts.local_experts[g % num_local].get_parameter(name)
-                expert_diffs.append(_max_diff(param.grad, ref_grad))
+                expert_diffs.append(_rel_diff(param.grad, ref_grad))
 
     splits = layer.token_dispatcher.input_splits  # tokens this rank sent to each EP rank
     return {
-        "out": _max_diff(results["ep"][0], results["ref"][0]),
-        "dx": _max_diff(results["ep"][1], results["ref"][1]),
+        "out": _rel_diff(results["ep"][0], results["ref"][0]),
+        "dx": _rel_diff(results["ep"][1], results["ref"][1]),
         "replicated_grad": max(replicated_diffs),
         "expert_grad": max(expert_diffs),
-        "out_norm": results["ep"][0].norm().item(),
         "sent_remote": sum(int(s) for r, s in enumerate(splits) if r != ep_rank),
         "experts_distinct": distinct,
         "ep_size": layer.ep_group.size(),
@@ -440,10 +441,8 @@ def test_stock_moe_layer_ep_matches_ep1(
         assert res["experts_distinct"], "experts are identical; the comparison would prove little"
         assert res["sent_remote"] > 0, f"rank {rank} sent no token to another EP rank"
         assert res["num_replicated"] == num_replicated  # router (+ shared fc1, fc2)
-        assert res["out_norm"] > 0
-        tol = ATOL + RTOL * max(1.0, res["out_norm"])
         for key in ("out", "dx", "replicated_grad", "expert_grad"):
-            assert res[key] <= tol, f"rank {rank}: {key} differs by {res[key]:.3e} (tol {tol:.1e})"
+            assert res[key] <= RTOL, f"rank {rank}: {key} relative difference {res[key]:.3e}"
 
 
 def test_gpt_model_ddp_optimizer_on_cpu() -> None:
