@@ -195,4 +195,7 @@ def validate_transformer_config(config: Any, layer_name: str = "LRMoELayer") -> 
     for bad, what, fix in rules:
         if bad:
             _fail(layer_name, what, fix)
-    activation_spec_from_config(config)
+    try:
+        activation_spec_from_config(config)
+    except ValueError as e:
+        raise ValueError(f"{layer_name}: {e}") from e

@@ -245,7 +245,8 @@ def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.d
     if total != n:
         raise ValueError(f"segment counts add up to {total}, but there are {n} rows")
 
-    # Non-blocking host-to-device copies do not wait for the device; no copy when already there.
+    # A blocking host-to-device copy would wait for the whole stream; a non-blocking one from
+    # pageable memory stages the source before returning. No copy when already on the device.
     counts_d = counts.to(device=device, dtype=torch.int64, non_blocking=True)
     quota_d = quota.to(device=device, dtype=torch.int64, non_blocking=True)
     num_segments = counts_d.numel()
@@ -518,7 +519,8 @@ def select_sample(
     quota_before = torch.cumsum(lay.quota, 0) - lay.quota
     upper = torch.cumsum(a, 0) - (quota_before * _PROB_ONE)[lay.seg]  # A_i within the segment
     lower = upper - a  # A_{i-1}
-    grid = torch.floor(uniforms.to(device=device, dtype=torch.float64) * float(_PROB_ONE))
+    u = uniforms.to(device=device, dtype=torch.float64, non_blocking=True)
+    grid = torch.floor(u * float(_PROB_ONE))
     offset = grid.clamp(0, _PROB_ONE - 1).to(torch.int64)[lay.seg]
     # points(x) = number of grid points offset + m * 2**32 (m >= 0) below x; x - offset > -2**32.
     shift = _PROB_ONE - 1 - offset
@@ -556,7 +558,11 @@ def draw_uniforms(
     generator = torch.Generator(device="cpu")
     generator.manual_seed(int.from_bytes(digest[:8], "little"))
     values = torch.rand(n, generator=generator, dtype=torch.float64)
-    return values.to(device) if device is not None else values
+    if device is None:
+        return values
+    # non_blocking: a blocking host-to-device copy would wait for the whole stream; from pageable
+    # memory the source is staged before the call returns, so the temporary may go away.
+    return values.to(device, non_blocking=True)
 
 
 def select(

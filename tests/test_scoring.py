@@ -359,6 +359,23 @@ def test_sample_keeps_exactly_quota_and_matches_probabilities(device: str, case:
     assert abs(float(estimates.mean()) - truth) <= 5 * stderr + 1e-9 * (1 + abs(truth))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_keeps_exactly_quota_on_random_cases(device: str) -> None:
+    rng = random.Random(9)
+    for trial in range(100):
+        segments = _random_segments(rng)
+        quota = [rng.randint(0, len(seg)) for seg in segments]
+        scores, counts, quotas = _replicate(segments, quota, 40)
+        uniforms = draw_uniforms(trial, (), counts.numel(), device)
+        sel = select_sample(scores.to(device), counts, quotas, uniforms)
+        kept = sel.kept_index.cpu()
+        assert bool((kept[1:] > kept[:-1]).all())
+        per_segment = torch.bincount(_segment_of_rows(counts)[kept], minlength=counts.numel())
+        assert torch.equal(per_segment, quotas)
+        pi = inclusion_probabilities(scores, counts, quotas)[kept]
+        torch.testing.assert_close(sel.weight.cpu().double(), 1.0 / pi, rtol=1e-6, atol=0)
+
+
 def test_sample_is_exactly_unbiased_over_all_uniforms() -> None:
     """Enumerates every distinct outcome of the systematic draw: exact expectations."""
     scores = torch.tensor([0.3, 5.0, 1e-4, 2.0, 0.0, 7.5, 0.9, 3.3, 1e6])
@@ -466,12 +483,16 @@ def test_no_device_to_host_sync_with_host_counts() -> None:
     scores = torch.rand(1000, device="cuda")
     counts = torch.tensor([400, 0, 600])
     quota = torch.tensor([100, 0, 300])
-    u = draw_uniforms(0, (1,), 3, "cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         select_topk(scores, counts, quota)
+        u = draw_uniforms(0, (1,), 3, "cuda")
         sel = select_sample(scores, counts, quota, u)
+        select_sample(scores, counts, quota, draw_uniforms(0, (1,), 3))  # CPU uniforms
+        inclusion_probabilities(scores, counts, quota)
+        lrm_scores(scores, scores, scores)
+        row_sq_norms(torch.ones(4, 8, device="cuda", dtype=torch.bfloat16))
         nonfinite_poison(scores)
         sel.dense_weight(1000)
     finally:

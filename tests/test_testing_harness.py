@@ -70,6 +70,12 @@ def _raise_on_rank_one(rank: int, world_size: int) -> None:
     time.sleep(1000)
 
 
+def _exit_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(3)  # a hard crash: no exception, no report
+    torch.distributed.barrier()
+
+
 def _hang_on_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
         time.sleep(1000)
@@ -381,7 +387,7 @@ def test_rank_exception_fails_fast_with_traceback() -> None:
     elapsed = time.monotonic() - start
     assert elapsed < 60, f"failure took {elapsed:.1f}s to surface"
     message = str(info.value)
-    assert "rank 1" in message
+    assert "rank 1 failed" in message  # the raising rank is named as the cause
     assert "ValueError" in message and "deliberate failure on rank one" in message
     assert 1 in info.value.failed_ranks
 
@@ -395,6 +401,15 @@ def test_hanging_rank_hits_timeout() -> None:
     message = str(info.value)
     assert "timed out" in message and "did not finish: [1]" in message
     assert info.value.failed_ranks == [1]
+
+
+def test_crashed_rank_is_reported() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_exit_on_rank_one, 2, timeout=240)
+    assert time.monotonic() - start < 60
+    assert "rank 1 exited with code 3" in str(info.value)
+    assert 1 in info.value.failed_ranks
 
 
 def test_unpicklable_fn_is_rejected() -> None:

@@ -44,6 +44,10 @@ __all__ = ["DistributedTestError", "init_megatron_parallel", "run_distributed"]
 _EXIT_GRACE_S = 2.0
 # Poll period of the parent loop; bounds how late a crash or timeout is noticed.
 _POLL_S = 0.1
+# After the first failure, how long to wait for the other ranks' reports before raising.
+_FAILURE_GRACE_S = 0.5
+# Substrings of gloo errors that only mean "a peer went away": symptoms, not causes.
+_PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 class DistributedTestError(RuntimeError):
@@ -182,9 +186,14 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned local processes.
 
     Each child sets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free loopback port),
-    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; installs the CPU shim when CUDA is unavailable;
-    sets ``torch.set_num_threads(1)``; calls ``torch.distributed.init_process_group(backend)``;
-    runs ``fn``; then destroys megatron's parallel state and the process group.
+    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; sets ``torch.set_num_threads(1)``; installs the
+    CPU shim when CUDA is unavailable (else selects GPU ``rank % device_count``); only then
+    unpickles ``fn`` (so its module is imported with the shim in place); calls
+    ``torch.distributed.init_process_group(backend)``; runs ``fn``; then destroys megatron's
+    parallel state and the process group.
+
+    A script (not a test module) that calls this must guard the call with
+    ``if __name__ == "__main__":``, because ``spawn`` re-imports the main module in every child.
 
     Args:
         fn: a **module-level** function (it is pickled by reference for the ``spawn`` start
@@ -192,7 +201,8 @@ def run_distributed(
             picklable.
         world_size: number of ranks.
         *args: extra positional arguments for ``fn`` (picklable).
-        timeout: seconds for the whole run, process start-up included.
+        timeout: seconds for the whole run, process start-up included (also the children's
+            collective timeout).
         backend: ``torch.distributed`` backend.
         **kwargs: extra keyword arguments for ``fn`` (picklable).
 
@@ -200,10 +210,12 @@ def run_distributed(
         The per-rank return values, in rank order.
 
     Raises:
+        ValueError: ``world_size < 1``.
         TypeError: ``fn`` or its arguments cannot be pickled.
         DistributedTestError: a rank raised (the message holds its traceback), a rank exited
             without reporting, or the run exceeded ``timeout`` (the message names the ranks that
-            did not finish). The other ranks are terminated in every case.
+            did not finish). The other ranks are terminated in every case. The likely root cause
+            is named first; ``failed_ranks`` and ``tracebacks`` hold the details.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -244,9 +256,11 @@ def run_distributed(
                     tracebacks={r: "timed out" for r in missing},
                 )
             messages = _drain(results, min(remaining, _POLL_S))
-            if not messages:
-                messages = _check_dead_children(processes, values, results)
-            _absorb(messages, values, results, fn)
+            failures = _absorb(messages, values)
+            if not failures and not messages:
+                failures = _absorb(_check_dead_children(processes, values, results), values)
+            if failures:
+                raise _failure_error(fn, _gather_failures(failures, processes, values, results))
     finally:
         _stop(processes)
         results.cancel_join_thread()
@@ -255,15 +269,28 @@ def run_distributed(
     return [values[rank] for rank in range(world_size)]
 
 
+def _crash_message(rank: int, exitcode: int | None) -> str:
+    return (
+        f"rank {rank} exited with code {exitcode} without reporting a result (crashed or "
+        "killed; see its stderr). If it died at start-up, check that fn's module is importable "
+        "and that a script calling run_distributed guards it with `if __name__ == '__main__':` "
+        "(spawn re-imports __main__)."
+    )
+
+
+def _dead_unreported(processes: list[Any], reported: set[int]) -> list[int]:
+    return [
+        rank
+        for rank, proc in enumerate(processes)
+        if rank not in reported and not proc.is_alive() and proc.exitcode is not None
+    ]
+
+
 def _check_dead_children(
     processes: list[Any], values: dict[int, Any], results: Any
 ) -> list[tuple[int, bool, Any]]:
     """Turn a child that exited without reporting into an error message for that rank."""
-    dead = [
-        rank
-        for rank, proc in enumerate(processes)
-        if rank not in values and not proc.is_alive() and proc.exitcode is not None
-    ]
+    dead = _dead_unreported(processes, set(values))
     if not dead:
         return []
     # Its result may still be in flight in the queue's pipe.
@@ -271,47 +298,59 @@ def _check_dead_children(
     reported = {rank for rank, _, _ in messages} | set(values)
     for rank in dead:
         if rank not in reported:
-            messages.append(
-                (
-                    rank,
-                    False,
-                    (
-                        f"rank {rank} exited with code {processes[rank].exitcode} without "
-                        "reporting a result (crashed or killed; see its stderr). If it died at "
-                        "start-up, check that fn's module is importable and that a script calling "
-                        "run_distributed guards it with `if __name__ == '__main__':` (spawn "
-                        "re-imports __main__)."
-                    ),
-                )
-            )
+            messages.append((rank, False, _crash_message(rank, processes[rank].exitcode)))
     return messages
 
 
-def _absorb(
-    messages: list[tuple[int, bool, Any]],
-    values: dict[int, Any],
-    results: Any,
-    fn: Callable[..., Any],
-) -> None:
-    """Store successful results; raise DistributedTestError on the first failure."""
+def _absorb(messages: list[tuple[int, bool, Any]], values: dict[int, Any]) -> dict[int, str]:
+    """Store successful results in ``values``; return rank -> traceback for failures."""
     failures: dict[int, str] = {}
     for rank, ok, data in messages:
         if ok:
             values[rank] = pickle.loads(data)
         else:
             failures[rank] = data
-    if not failures:
-        return
-    # Peers of a failed rank usually fail right after it (broken collectives); pick up what is
-    # already there so the message shows the root cause first, without waiting any longer.
-    for rank, ok, data in _drain(results, 0.0):
+    return failures
+
+
+def _gather_failures(
+    failures: dict[int, str], processes: list[Any], values: dict[int, Any], results: Any
+) -> dict[int, str]:
+    """Complete the picture after a first failure, within a short grace period.
+
+    The first report is often a symptom: when a rank crashes, its peers' collectives fail at
+    once and may report before the parent notices the dead process. Collect what else arrives
+    quickly and name the ranks that died without reporting, so the root cause is in the error.
+    """
+    for rank, ok, data in _drain(results, _FAILURE_GRACE_S):
         if not ok:
             failures.setdefault(rank, data)
-    first = min(failures)
+    for rank in _dead_unreported(processes, set(values) | set(failures)):
+        failures[rank] = _crash_message(rank, processes[rank].exitcode)
+    return failures
+
+
+def _failure_error(fn: Callable[..., Any], failures: dict[int, str]) -> DistributedTestError:
+    """Build the error; the likely root cause comes first.
+
+    Order: ranks that died without a traceback, then ordinary failures, then failures that are
+    only gloo noticing a dead peer; within each class, arrival order (``failures`` keeps it).
+    """
     ranks = sorted(failures)
-    body = "\n".join(f"----- rank {r} -----\n{failures[r]}" for r in ranks)
-    raise DistributedTestError(
-        f"run_distributed({getattr(fn, '__qualname__', fn)!r}): rank {first} failed "
+
+    def cause_class(rank: int) -> int:
+        text = failures[rank]
+        if text.startswith(f"rank {rank} exited with code"):
+            return 0
+        if any(marker in text for marker in _PEER_LOST_MARKERS):
+            return 2
+        return 1
+
+    # sorted() is stable, so arrival order survives inside each class.
+    order = sorted(failures, key=cause_class)
+    body = "\n".join(f"----- rank {r} -----\n{failures[r]}" for r in order)
+    return DistributedTestError(
+        f"run_distributed({getattr(fn, '__qualname__', fn)!r}): rank {order[0]} failed "
         f"(failed ranks: {ranks}); other ranks were terminated.\n{body}",
         failed_ranks=ranks,
         tracebacks=failures,

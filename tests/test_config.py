@@ -1,0 +1,83 @@
+"""LRMoEConfig: field validation, and one test per rule of the TransformerConfig check."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import pytest
+import torch
+
+from megatron_lrmoe import LRMoEConfig
+from megatron_lrmoe.testing import moe_transformer_config
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(keep_ratio=1.5), r"keep_ratio \(1.5\) must be in \[0, 1\]"),
+        (dict(keep_ratio=-0.1), r"keep_ratio \(-0.1\) must be in \[0, 1\]"),
+        (dict(keep_ratio=float("nan")), r"keep_ratio \(nan\) must be a finite number"),
+        (dict(selection="greedy"), r"selection \('greedy'\) must be one of"),
+        (dict(scope="world"), r"scope \('world'\) must be one of"),
+        (dict(activation_mode="offload"), r"activation_mode \('offload'\) must be one of"),
+        (dict(seed=-1), r"seed \(-1\) must be a non-negative int"),
+    ],
+)
+def test_invalid_fields(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LRMoEConfig(**kwargs)
+
+
+def test_defaults_and_exactness() -> None:
+    cfg = LRMoEConfig()
+    assert cfg.keep_ratio == 1.0 and cfg.is_exact
+    assert cfg.selection == "sample" and cfg.scope == "local" and cfg.activation_mode == "save"
+    assert not LRMoEConfig(keep_ratio=0.999).is_exact
+    with pytest.raises(Exception):
+        cfg.keep_ratio = 0.5  # frozen
+
+
+def test_from_args_reads_lrmoe_flags() -> None:
+    ns = argparse.Namespace(lrmoe_keep_ratio=0.25, lrmoe_selection="topk", lrmoe_scope=None)
+    cfg = LRMoEConfig.from_args(ns)
+    assert cfg.keep_ratio == 0.25 and cfg.selection == "topk" and cfg.scope == "local"
+
+
+def _bad(**fields):
+    """A valid tiny MoE config with ``fields`` forced past TransformerConfig's own checks."""
+    cfg = copy.copy(moe_transformer_config())
+    for k, v in fields.items():
+        object.__setattr__(cfg, k, v)
+    return cfg
+
+
+RULES = [
+    (dict(num_moe_experts=None), r"num_moe_experts=None .* --num-experts"),
+    (dict(num_moe_experts=6, expert_model_parallel_size=4), r"num_moe_experts \(6\) must be divisible"),
+    (dict(moe_token_dispatcher_type="allgather"), r"'allgather'.*--moe-token-dispatcher-type alltoall"),
+    (dict(moe_token_dispatcher_type="flex"), r"'flex'.*--moe-token-dispatcher-type alltoall"),
+    (dict(expert_tensor_parallel_size=2), r"expert_tensor_parallel_size=2.*--expert-tensor-parallel-size 1"),
+    (dict(moe_pad_expert_input_to_capacity=True), r"drop-and-pad"),
+    (dict(moe_expert_capacity_factor=1.0), r"moe_expert_capacity_factor=1.0.*--lrmoe-keep-ratio"),
+    (dict(moe_apply_probs_on_input=True), r"moe_apply_probs_on_input=True"),
+    (dict(overlap_moe_expert_parallel_comm=True), r"overlap_moe_expert_parallel_comm=True"),
+    (dict(overlap_dispatch_backward_with_experts_wgrad=True), r"overlap_dispatch_backward_with_experts_wgrad"),
+    (dict(delay_wgrad_compute=True), r"delay_wgrad_compute=True"),
+    (dict(moe_router_padding_for_quantization=True), r"moe_router_padding_for_quantization"),
+    (dict(fp8="e4m3"), r"fp8='e4m3'"),
+    (dict(moe_latent_size=16), r"moe_latent_size"),
+    (dict(add_bias_linear=True), r"add_bias_linear=True.*--disable-bias-linear"),
+    (dict(activation_func=torch.tanh), r"activation"),
+]
+
+
+@pytest.mark.parametrize("fields, match", RULES, ids=[next(iter(r[0])) for r in RULES])
+def test_each_unsupported_setting_is_named(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        LRMoEConfig(keep_ratio=0.5).validate_against(_bad(**fields), "decoder.layers.3.mlp")
+    assert "decoder.layers.3.mlp" in str(info.value)
+
+
+def test_valid_config_passes() -> None:
+    LRMoEConfig(keep_ratio=0.5).validate_against(moe_transformer_config())
