@@ -9,6 +9,19 @@ from __future__ import annotations
 import torch
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a small host tensor to ``device`` without stalling the host.
+
+    A copy from pageable host memory waits for the device stream to drain (the host blocks until
+    the copy runs); from pinned memory it is queued like a kernel. Planning tensors are tiny, so
+    pinning them costs microseconds and keeps the CPU ahead of the GPU.
+    """
+    device = torch.device(device)
+    if device.type == "cpu" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     """``[n] -> [n]``: start offset of each chunk."""
     return torch.cumsum(counts, 0) - counts
@@ -35,8 +48,10 @@ def chunk_transpose_index(counts: torch.Tensor, device: torch.device | str) -> t
     dst_start_t = exclusive_cumsum(counts_t)
     # Per chunk in b-major order: shift = where its rows live in the a-major layout minus where
     # they land; one repeat_interleave turns it into a per-row index.
-    shift = (src_start_t - dst_start_t).to(device)
-    per_row_shift = torch.repeat_interleave(shift, counts_t.to(device), output_size=total)
+    shift_and_count = host_to_device(torch.stack([src_start_t - dst_start_t, counts_t]), device)
+    per_row_shift = torch.repeat_interleave(
+        shift_and_count[0], shift_and_count[1], output_size=total
+    )
     return torch.arange(total, device=device) + per_row_shift
 
 
@@ -45,7 +60,7 @@ def row_chunk_ids(counts: torch.Tensor, device: torch.device | str) -> torch.Ten
     counts = counts.to(torch.int64).reshape(-1).cpu()
     total = int(counts.sum())
     ids = torch.arange(counts.numel(), device=device)
-    return torch.repeat_interleave(ids, counts.to(device), output_size=total)
+    return torch.repeat_interleave(ids, host_to_device(counts, device), output_size=total)
 
 
 def scatter_rows(rows: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:

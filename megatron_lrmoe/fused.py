@@ -14,13 +14,18 @@ Within every (rank, expert) chunk rows keep token order, which is the canonical 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from megatron_lrmoe import comm
-from megatron_lrmoe.compaction import chunk_transpose_index, exclusive_cumsum, row_chunk_ids
+from megatron_lrmoe.compaction import (
+    chunk_transpose_index,
+    exclusive_cumsum,
+    host_to_device,
+    row_chunk_ids,
+)
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.ops import expert_mlp_backward, expert_mlp_forward
 from megatron_lrmoe.ops.activation import GluSpec
@@ -47,13 +52,20 @@ class ExpertCall:
     spec: GluSpec
     group: Optional[torch.distributed.ProcessGroup]
     stats: Optional[CallStats]
+    _indices: dict = field(default_factory=dict)
 
+    def reorder(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Reorder ``rows`` laid out as an a-major ``counts[A, B]`` chunk grid to b-major.
 
-def _reorder(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Reorder ``rows`` laid out as an a-major ``counts[A, B]`` chunk grid to b-major."""
-    if counts.shape[0] == 1 or counts.shape[1] == 1:
-        return rows
-    return rows.index_select(0, chunk_transpose_index(counts, rows.device))
+        Index plans are cached per call: forward and a keep-all backward reuse the same two.
+        """
+        if counts.shape[0] == 1 or counts.shape[1] == 1:
+            return rows
+        key = (tuple(counts.shape), counts.numpy().tobytes())
+        index = self._indices.get(key)
+        if index is None:
+            index = self._indices[key] = chunk_transpose_index(counts, rows.device)
+        return rows.index_select(0, index)
 
 
 def _exchange_stats(
@@ -111,12 +123,12 @@ class LRMoEExpertsFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         plan, lrmoe = call.plan, call.lrmoe
         x_recv = comm.all_to_all_rows(tokens, plan.send_splits, plan.recv_splits, call.group)
-        x = _reorder(x_recv, plan.recv_counts)
+        x = call.reorder(x_recv, plan.recv_counts)
         save_h = lrmoe.activation_mode == "save"
         z, h = expert_mlp_forward(
             x, w1, w2, plan.tokens_per_local_expert, call.spec, save_h=save_h
         )
-        z = _reorder(z, plan.recv_counts.t())
+        z = call.reorder(z, plan.recv_counts.t())
         z = comm.all_to_all_rows(z, plan.recv_splits, plan.send_splits, call.group)
         out = scale_rows(z, probs)
 
@@ -199,7 +211,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         send_splits = send_kept.sum(1).tolist()
         recv_splits = recv_kept.sum(1).tolist()
         payload = comm.all_to_all_rows(payload, send_splits, recv_splits, group)
-        payload = _reorder(payload, recv_kept)
+        payload = call.reorder(payload, recv_kept)
         hidden = g.shape[-1]
         kept_per_expert = recv_kept.sum(0)
         if recompute:
@@ -217,7 +229,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         )
         d_tokens = None
         if ctx.needs_input_grad[0]:
-            dx_k = _reorder(dx_k, recv_kept.t())
+            dx_k = call.reorder(dx_k, recv_kept.t())
             dx_k = comm.all_to_all_rows(dx_k, recv_splits, send_splits, group)
             if kept_index is None:
                 d_tokens = dx_k
@@ -262,15 +274,15 @@ def _select_local(call: ExpertCall, scores: torch.Tensor):
         # The expert side holds every received row; tell it which ones survived, as the
         # position of each kept row inside its (source, expert) chunk.
         seg = row_chunk_ids(quota, device)
-        within = sel.kept_index - exclusive_cumsum(counts).to(device)[seg]
+        within = sel.kept_index - host_to_device(exclusive_cumsum(counts), device)[seg]
         within = comm.all_to_all_rows(
             within, send_kept.sum(1).tolist(), recv_kept.sum(1).tolist(), call.group
         )
         # Chunk start of (source r, local expert l) in the expert-order layout.
         chunk_start = exclusive_cumsum(plan.recv_counts.t().reshape(-1)).reshape(nle, p).t()
         chunk_of_row = row_chunk_ids(recv_kept.reshape(-1), device)
-        positions = chunk_start.reshape(-1).to(device)[chunk_of_row] + within
-        kept_positions = _reorder(positions, recv_kept)
+        positions = host_to_device(chunk_start.reshape(-1), device)[chunk_of_row] + within
+        kept_positions = call.reorder(positions, recv_kept)
     return sel, send_kept, recv_kept, kept_positions
 
 
@@ -280,7 +292,7 @@ def _select_global(call: ExpertCall, scores: torch.Tensor):
     device = scores.device
     p, nle = plan.ep_size, plan.num_local_experts
     recv_scores = comm.all_to_all_rows(scores, plan.send_splits, plan.recv_splits, group)
-    recv_scores = _reorder(recv_scores, plan.recv_counts)
+    recv_scores = call.reorder(recv_scores, plan.recv_counts)
     uniforms = None
     if lrmoe.selection == "sample":
         uniforms = _uniforms(call, plan.quota.numel(), device)[plan.local_experts]
@@ -288,7 +300,7 @@ def _select_global(call: ExpertCall, scores: torch.Tensor):
         lrmoe.selection, recv_scores, plan.tokens_per_local_expert, plan.local_quota, uniforms
     )
     weight_expert_order = owner_sel.dense_weight(recv_scores.shape[0])
-    weight_recv_order = _reorder(weight_expert_order, plan.recv_counts.t())
+    weight_recv_order = call.reorder(weight_expert_order, plan.recv_counts.t())
     weight_src = comm.all_to_all_rows(weight_recv_order, plan.recv_splits, plan.send_splits, group)
     kept_src = weight_src > 0
     # Kept counts per chunk on both sides; one host copy for both.

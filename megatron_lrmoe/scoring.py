@@ -1,6 +1,6 @@
 """LRM scores of token-expert pairs and the per-segment selection of the pairs that get a backward.
 
-Shapes: N rows (token-expert pairs), G segments (contiguous runs of rows sharing one quota), H hidden.
+Shapes: N rows (token-expert pairs), G segments (contiguous row runs sharing a quota), H hidden.
 
 A *segment* is the set of rows that compete for one quota (for instance all pairs routed to one
 expert). Segments are contiguous and in order, described by ``counts[G]`` (rows per segment) and
@@ -9,8 +9,8 @@ expert). Segments are contiguous and in order, described by ``counts[G]`` (rows 
 
 Two selection policies:
 
-* ``topk``: the ``quota`` highest scores per segment, every kept row with weight 1 (the paper's rule;
-  biased, see ``shared/measurements/convergence_probe.md``).
+* ``topk``: the ``quota`` highest scores per segment, every kept row with weight 1 (the paper's
+  rule; biased, see ``shared/measurements/convergence_probe.md``).
 * ``sample``: an unbiased fixed-size importance sample, inclusion probability proportional to
   ``sqrt(score)`` capped at 1, systematic sampling, weight ``1 / probability``.
 
@@ -20,8 +20,8 @@ to run, while integer sums are exact in any order. Inclusion probabilities are m
 ``2**-PROB_BITS`` that add up to exactly ``quota`` per segment; systematic sampling runs on that
 integer grid, so every draw keeps exactly ``quota`` rows per segment, the probability that a row is
 kept is exactly its reported probability, and the weights ``1 / probability`` make the estimate
-exactly unbiased. The same scores, counts, quota and uniforms give bit-identical selections on every
-device and run.
+unbiased (exactly, up to the fp32 rounding of the stored weights). The same scores, counts, quota
+and uniforms give bit-identical selections on every device and run.
 
 Device-to-host syncs: none when ``counts`` and ``quota`` are CPU tensors (the controller plans on
 the host). When they live on an accelerator they are copied to the host once per call to validate
@@ -212,7 +212,7 @@ class _Segments(NamedTuple):
 
 
 def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.device) -> _Segments:
-    """Validates ``counts`` / ``quota`` against ``n`` rows and lays the segments out on ``device``."""
+    """Checks ``counts`` / ``quota`` against ``n`` rows and lays the segments out on ``device``."""
     if counts.dim() != 1 or quota.shape != counts.shape:
         raise ValueError(
             "counts and quota must be [G] tensors of one shape, got "
@@ -405,7 +405,7 @@ def _spread(amount: torch.Tensor, capacity: torch.Tensor, lay: _Segments) -> tor
         lay: segment layout.
 
     Returns:
-        ``[N]`` per-row share, ``0 <= share <= capacity``, adding up to ``min(amount, sum capacity)``.
+        ``[N]`` per-row share in ``[0, capacity]``, adding up to ``min(amount, sum capacity)``.
     """
     before = _segment_exclusive_cumsum(capacity, lay)
     return torch.minimum((amount - before).clamp_min(0), capacity)
@@ -488,8 +488,8 @@ def select_sample(
     always kept, which is the same as running systematic sampling over the uncapped rows only. As
     the segment's total is exactly ``quota * 2**32`` and each ``a_i <= 2**32``, exactly ``quota``
     rows are kept for every ``u``, and row i is kept with probability exactly ``a_i / 2**32`` over a
-    uniform ``u``; weights are ``2**32 / a_i``, so the Horvitz-Thompson estimate
-    ``sum_kept weight * value`` is exactly unbiased.
+    uniform ``u``; weights are ``2**32 / a_i`` (rounded to fp32), so the Horvitz-Thompson estimate
+    ``sum_kept weight * value`` is unbiased for the sum over rows of positive score.
 
     Args:
         scores: ``[N]`` scores.
