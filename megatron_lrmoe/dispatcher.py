@@ -3,8 +3,9 @@
 Shape legend: T tokens on this rank, E experts, P EP ranks, L local experts.
 
 Stages 1 and 6 (``dispatch_preprocess``: count + permute; ``combine_postprocess``: unpermute +
-shared-expert output) are stock. ``preprocess`` keeps the all-gathered ``[P, E]`` pair counts,
-which the quota controller needs. Stages 2-5 (the two all-to-alls and the chunk sorts) run inside
+shared-expert output) do what stock does, with Megatron's pair order, but permute and unpermute
+through gathers instead of atomic scatter-adds (``permutation.py``). ``preprocess`` keeps the
+all-gathered ``[P, E]`` pair counts, which the quota controller needs. Stages 2-5 (the two all-to-alls and the chunk sorts) run inside
 ``LRMoEExpertsFunction`` because its backward must differ from the autograd of the forward
 exchanges; here they only drive the shared-expert overlap hooks at the same points as stock.
 """
@@ -15,6 +16,12 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_lrmoe import comm
+from megatron_lrmoe.permutation import (
+    PairPermutation,
+    PermuteTokens,
+    UnpermutePairs,
+    permute_probs,
+)
 
 
 class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
@@ -44,6 +51,35 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.output_splits_tp = self.output_splits.sum(keepdims=True)
         self.num_global_tokens_per_local_expert = local
         return local.sum(0)
+
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ):
+        """Stage 1: metadata (one host sync, in ``preprocess``) and the pair permutation.
+
+        Returns:
+            ``[S, H]`` token rows and ``[S]`` routing weights, in Megatron's pair order.
+        """
+        self.hidden_shape = hidden_states.shape
+        self.probs = probs
+        self.routing_map = routing_map
+        hidden = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden.view(self.hidden_shape))
+        self.hidden_shape_before_permute = hidden.shape
+        perm = PairPermutation.build(routing_map, self.num_out_tokens, self.config.moe_router_topk)
+        self.pair_permutation = perm
+        return PermuteTokens.apply(hidden, perm), permute_probs(probs, perm)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Stage 6: each token sums its pairs' outputs; shared-expert output added."""
+        output = UnpermutePairs.apply(hidden_states, self.pair_permutation)
+        self.pair_permutation = None
+        output = output.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
         """Stage 2, no communication here (the fused op exchanges); shared-expert fc1 hook."""

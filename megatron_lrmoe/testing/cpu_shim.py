@@ -12,67 +12,54 @@ Nothing happens on import. Call :func:`install_cpu_shim` explicitly, in a proces
 patches are process-global and are never undone, so install it in worker processes (see
 :func:`megatron_lrmoe.testing.harness.run_distributed`), not in a shared pytest process.
 
-Patch table (target -> replacement: why)::
+Patch table (each entry: target -> replacement, then why)::
 
-    #  target                                        replacement / reason
-    -- --------------------------------------------- ------------------------------------------------
-    1  torch.cuda.current_device                     -> "cpu". megatron allocates buffers and weights
-                                                     with device=torch.cuda.current_device()
-                                                     (tensor_parallel/mappings.py, layers.py,
-                                                     router.py expert-bias buffers and Router.gating
-                                                     weight move, utils.GlobalMemoryBuffer, DDP
-                                                     grad buffers, transformer_layer, attention).
-    2  torch.cuda.{get,set}_rng_state,               -> CPU default generator. model_parallel_cuda_
-       torch.cuda.manual_seed{,_all}                 manual_seed and CudaRNGStatesTracker.add use them;
-       (also under torch.cuda.random)                without CUDA get_rng_state raises and
-                                                     manual_seed is silently queued (lazy call).
-    3  tensor_parallel.random._{get,set}_cuda_rng_   -> CPU default generator. The original setter
-       state                                         goes through torch.cuda._lazy_call, which just
-                                                     queues the call when CUDA is not initialised, so
-                                                     tracker.fork() would never switch RNG streams.
-    4  logging filter on                             The tracker warns "CPU RNG state changed within
-       megatron.core.tensor_parallel.random         GPU RNG context" whenever random numbers are
-                                                     drawn inside fork(); with (2)/(3) the "GPU" state
-                                                     *is* the CPU state, so the warning is spurious.
-    5  torch.cuda.Stream / Event / current_stream /  -> no-op stubs (_CpuStream/_CpuEvent). The
-       default_stream / stream / synchronize         alltoall dispatcher creates a DtoH side stream
-                                                     in __init__ and records/synchronises an event in
-                                                     _maybe_dtoh_and_synchronize; SharedExpertMLP with
-                                                     moe_shared_expert_overlap runs on its own stream;
-                                                     DDP bucket groups query current_stream(). CPU ops
-                                                     are synchronous, so no-ops are exact.
-    6  torch.cuda.is_current_stream_capturing        -> False. Raises without a driver; queried by
-                                                     router_trace and the NCCL-EP dispatcher.
-    7  torch.Tensor.record_stream                    -> no-op for non-CUDA tensors (CPU tensors raise
-                                                     "unknown parameter type" with a stub stream).
-    8  moe_utils.maybe_move_tensor_to_cpu (and the   -> also converts CPU tensors to numpy when
-       name bound in token_dispatcher)               as_numpy=True. The original converts only
-                                                     is_cuda tensors, so input/output splits stay
-                                                     torch.Tensor and gloo all_to_all_single rejects
-                                                     them (TypeError: incompatible arguments).
-    9  module-global ``torch`` of optimizer/         -> a proxy whose tensor factories map a literal
-       {optimizer,clip_grads,grad_scaler}.py,        device="cuda" to CPU. FP32Optimizer.__init__,
-       distributed/param_and_grad_buffer.py,         get_grad_norm_fp32, count_zeros_fp32, the
-       transformer/utils.py, core/utils.py,          grad scalers, get_default_causal_mask (attention
-       pipeline_parallel/schedules.py                without an explicit mask), the local
-                                                     multi-tensor l2 norm and the schedules'
-                                                     token counter hard-code device="cuda"; scoping
-                                                     the rewrite to these modules keeps the rest of
-                                                     torch untouched (see _TORCH_PROXY_MODULES).
-    10 clip_grads.clip_grad_by_total_norm_fp32 (and  -> run with Tensor.type() reporting
-       the names bound elsewhere),                   "torch.cuda.<X>Tensor" for CPU tensors. Both
-       Float16OptimizerWithFloat16Params.__init__,   assert/dispatch on the legacy type string
-       DistributedOptimizer.__init__                 ('torch.cuda.FloatTensor', ...), so clip_grad>0,
-                                                     bf16/fp16 and distributed optimizers fail. The
-                                                     Tensor.type override is inert outside these
-                                                     calls (thread-local depth counter).
-    11 megatron.core.jit.jit_fuser (torch.compile)   -> eager. megatron.core.jit.disable_jit_fuser()
-       and functions it already wrapped             for modules imported later, and already
-       (TopKRouter._apply_expert_bias with expert   compiled megatron functions are unwrapped to
-       bias, L2Norm._norm for qk_l2_norm, ...)      their originals. On CPU, Inductor compiles C++
-                                                     on the first call: it needs a toolchain on the
-                                                     CI image and costs seconds per function and
-                                                     process on 2 cores. Eager is the reference.
+    1  torch.cuda.current_device -> lambda: "cpu"
+       megatron allocates with device=torch.cuda.current_device(): tensor_parallel mappings and
+       layers, router expert-bias buffers and the Router.gating weight move, GlobalMemoryBuffer,
+       DDP grad buffers, transformer_layer, attention.
+    2  torch.cuda.{get,set}_rng_state, torch.cuda.manual_seed{,_all} (also torch.cuda.random.*)
+       -> the CPU default generator
+       model_parallel_cuda_manual_seed and CudaRNGStatesTracker.add use them; without a driver
+       get_rng_state raises and manual_seed is silently queued as a lazy call.
+    3  megatron.core.tensor_parallel.random._{get,set}_cuda_rng_state -> the CPU generator
+       The original setter goes through torch.cuda._lazy_call, which only queues the call while
+       CUDA is uninitialised, so tracker.fork() would never switch RNG streams.
+    4  logging filter on the megatron.core.tensor_parallel.random logger
+       fork() warns "CPU RNG state changed within GPU RNG context" whenever numbers are drawn
+       inside it; with (2)/(3) the "GPU" state *is* the CPU state, so the warning is spurious.
+    5  torch.cuda.Stream / Event / current_stream / default_stream / stream / synchronize
+       -> no-op stubs (_CpuStream, _CpuEvent)
+       The alltoall dispatcher creates a DtoH side stream in __init__ and records/synchronises an
+       event in _maybe_dtoh_and_synchronize; SharedExpertMLP with moe_shared_expert_overlap runs
+       on its own stream; DDP bucket groups query current_stream(). CPU ops are synchronous, so
+       no-ops are exact.
+    6  torch.cuda.is_current_stream_capturing -> False
+       Raises without a driver; queried by router_trace and the NCCL-EP dispatcher.
+    7  torch.Tensor.record_stream -> no-op for non-CUDA tensors
+       CPU tensors raise "unknown parameter type"; called by maybe_move_tensor_to_cpu.
+    8  moe_utils.maybe_move_tensor_to_cpu (and the name token_dispatcher imported)
+       -> also converts CPU tensors to numpy when as_numpy=True
+       The original converts only is_cuda tensors, so the input/output splits stay torch.Tensor
+       and gloo's all_to_all_single rejects them (TypeError: incompatible function arguments).
+    9  module-global ``torch`` of the modules in _TORCH_PROXY_MODULES (optimizer, clip_grads,
+       grad_scaler, param_and_grad_buffer, transformer.utils, core.utils, schedules)
+       -> a proxy whose tensor factories map a literal device="cuda" to CPU
+       FP32Optimizer.__init__, get_grad_norm_fp32, count_zeros_fp32, the grad scalers,
+       get_default_causal_mask (attention without an explicit mask), the local multi-tensor l2
+       norm and the schedules' token counter hard-code device="cuda". Scoping the rewrite to
+       these modules leaves the rest of torch untouched.
+    10 clip_grads.clip_grad_by_total_norm_fp32 (and the names bound elsewhere),
+       Float16OptimizerWithFloat16Params.__init__, DistributedOptimizer.__init__
+       -> run with Tensor.type() reporting "torch.cuda.<X>Tensor" for CPU tensors
+       They assert/dispatch on the legacy type string ('torch.cuda.FloatTensor', ...), so
+       clip_grad > 0, bf16/fp16 and distributed optimizers fail on CPU. The Tensor.type override
+       is inert outside these calls (thread-local depth counter).
+    11 megatron.core.jit.jit_fuser (torch.compile) and the functions it already wrapped
+       (TopKRouter._apply_expert_bias with expert bias, L2Norm._norm for qk_l2_norm, ...)
+       -> eager: disable_jit_fuser() for modules imported later, originals for the rest
+       On CPU, Inductor compiles C++ on the first call: it needs a toolchain on the CI image and
+       costs seconds per function and process on 2 cores. Eager is the reference anyway.
 
 Verified with the shim on CPU/gloo (EP=2 and EP=4): MoELayer with the alltoall and allgather
 dispatchers, softmax and sigmoid+expert-bias routers, shared experts with and without
@@ -81,9 +68,9 @@ forward_backward_no_pipelining + DistributedDataParallel (with and without overl
 + the Megatron optimizer (FP32, bf16 mixed precision, distributed optimizer, grad clipping), and
 MoEMetricsTracker.report.
 
-Not patched: ``Tensor.cuda()`` is left alone (only optimizer load_state_dict, the PP>1 tied-embedding
-sync and check_param_hashes use it); TE, grouped GEMM, fused permute/router and the flex
-dispatcher need GPU packages anyway. ``use_cpu_initialization`` may be True or False under the
+Not patched: ``Tensor.cuda()`` is left alone (only optimizer load_state_dict, the PP>1
+tied-embedding sync and check_param_hashes use it); TE, grouped GEMM, fused permute/router and the
+flex dispatcher need GPU packages anyway. ``use_cpu_initialization`` may be True or False under the
 shim (with False, the "GPU" initialisation path allocates on "cpu" and draws from the tracker).
 """
 

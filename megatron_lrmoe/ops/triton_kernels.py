@@ -1,0 +1,516 @@
+"""Fused Triton kernels for the row-wise scaling, row dot products and expert activation.
+
+Shape legend:
+    N: input rows (token-expert pairs); K: output rows of a gathered ``scale_rows`` (``len(index)``).
+    H: row width of the row-wise ops (hidden size).
+    F: activation output width; F1: fc1 width, ``2F`` when gated (``h = [gate | up]``) else ``F``.
+
+Why: the torch versions (``rowwise.py``, ``activation.py``) widen whole bf16 tensors to fp32
+temporaries and spend one kernel per intermediate, so at Qwen3-30B-A3B sizes (N = 131072,
+H = 2048, F = 768) they move several times the bytes the math needs. Every kernel here reads
+each input once, writes each output once and keeps the fp32 math in registers, rounding once
+into the output dtype, like the torch paths do.
+
+Selection: :func:`use_triton` is true when every tensor is on CUDA, ``triton`` imports, and the
+environment variable ``LRMOE_TRITON`` is not ``"0"``. The callers in ``rowwise.py`` and
+``activation.py`` also keep the torch path for fp64, for inputs that need autograd, and for
+unusual shapes, so their semantics do not change.
+
+Triton is imported lazily (first launch or first :func:`triton_available` call), so importing
+``megatron_lrmoe.ops`` works where triton is missing or broken. The kernel bodies below are
+plain functions until then; they reference the module global ``tl``, which is bound on import.
+
+Under ``TRITON_INTERPRET=1`` (set before triton is first imported: triton's own helpers such as
+``tl.zeros`` are wrapped at import time) the launchers (``*_triton``) accept CPU tensors and run
+the kernel bodies in Triton's numpy interpreter; the tests do that in a subprocess. It is slow,
+and the interpreter rounds fp32 -> bf16 by truncation instead of to nearest, so its bf16
+results may differ from the GPU ones by one ulp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "TRITON_ENV",
+    "act_backward_triton",
+    "act_forward_triton",
+    "row_dot_triton",
+    "scale_rows_triton",
+    "triton_available",
+    "use_triton",
+]
+
+TRITON_ENV = "LRMOE_TRITON"
+
+# Dtypes the kernels load and store; their math is fp32, so fp64 stays on the torch paths.
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Elements per program tile: 4096 bf16 elements are 8 KiB per input, 16 per thread at 8 warps,
+# large enough to hide memory latency on H100/H200 without spilling in the backward kernel.
+_TILE = 4096
+_NUM_WARPS = 8
+_MIN_BLOCK, _MAX_BLOCK = 16, 1024
+
+_ACT_KINDS = {"silu": 0, "gelu": 1}
+
+# Bound to ``triton.language`` by ``triton_available()``; the kernel bodies resolve it at
+# compile (or interpret) time, never at definition time (annotations are strings here).
+tl: Any = None
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether ``triton`` imports here (cached; any import error counts as unavailable)."""
+    global tl
+    try:
+        import triton  # noqa: F401
+        import triton.language as language
+    except Exception:  # a broken install can raise anything, not only ImportError
+        return False
+    tl = language
+    return True
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """The fast-path switch: all ``tensors`` on CUDA, triton available, ``LRMOE_TRITON != "0"``.
+
+    The environment is read on every call so tests and users can flip it at run time.
+    """
+    if os.environ.get(TRITON_ENV, "1") == "0":
+        return False
+    if not tensors or not all(t.is_cuda for t in tensors):
+        return False
+    return triton_available()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel bodies (plain functions; wrapped by triton.jit or the interpreter in _kernels()).
+# Offsets are int64 because N * H reaches 2^31 at realistic sizes with strided or gathered rows.
+# --------------------------------------------------------------------------------------------
+
+
+def _scale_rows_kernel(
+    out_ptr,
+    rows_ptr,
+    scale_ptr,
+    index_ptr,
+    n_out,
+    width,
+    rows_stride,
+    out_stride,
+    HAS_INDEX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[i, :] = rows[index[i] (or i), :] * scale[i]`` on a ``BLOCK_M x BLOCK_H`` tile."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_m = offs_m < n_out
+    mask = mask_m[:, None] & (offs_h < width)[None, :]
+    scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
+    if HAS_INDEX:
+        src = tl.load(index_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    else:
+        src = offs_m.to(tl.int64)
+    x = tl.load(rows_ptr + src[:, None] * rows_stride + offs_h[None, :], mask=mask, other=0.0)
+    # Products of two bf16/fp16 values are exact in fp32, so one rounding here equals torch's
+    # same-dtype multiply as well as its promoted one.
+    y = x.to(tl.float32) * scale[:, None]
+    dst = offs_m.to(tl.int64)[:, None] * out_stride + offs_h[None, :]
+    tl.store(out_ptr + dst, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _row_dot_kernel(
+    out_ptr,
+    a_ptr,
+    b_ptr,
+    n_rows,
+    width,
+    a_stride,
+    b_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[i] = sum_j a[i, j] * b[i, j]`` in fp32 for ``BLOCK_M`` rows, looping over H."""
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_rows
+    rows = offs_m.to(tl.int64)
+    # Elementwise fp32 partial sums, reduced once at the end: fewer cross-thread reductions.
+    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, width, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = mask_m[:, None] & (offs_h < width)[None, :]
+        a = tl.load(a_ptr + rows[:, None] * a_stride + offs_h[None, :], mask=mask, other=0.0)
+        b = tl.load(b_ptr + rows[:, None] * b_stride + offs_h[None, :], mask=mask, other=0.0)
+        acc = acc + a.to(tl.float32) * b.to(tl.float32)
+    dot = tl.sum(acc, axis=1)
+    tl.store(out_ptr + offs_m, dot.to(out_ptr.dtype.element_ty), mask=mask_m)
+
+
+def _act_fwd_kernel(
+    out_ptr,
+    h_ptr,
+    n_rows,
+    width,
+    h_stride,
+    out_stride,
+    GATED: tl.constexpr,
+    KIND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """``a = act(gate) * up`` (gated) or ``act(h)`` on a tile; ``width`` is F."""
+    pid_m = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (offs_m < n_rows)[:, None] & (offs_f < width)[None, :]
+    rows = offs_m.to(tl.int64)
+    src = rows[:, None] * h_stride + offs_f[None, :]
+    g = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    # Same formulas (and association) as torch's silu / exact-erf gelu kernels.
+    if KIND == 0:
+        a = g / (1.0 + tl.exp(-g))
+    else:
+        a = g * (0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476)))
+    if GATED:
+        up = tl.load(h_ptr + src + width, mask=mask, other=0.0).to(tl.float32)
+        a = a * up
+    dst = rows[:, None] * out_stride + offs_f[None, :]
+    tl.store(out_ptr + dst, a.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _act_bwd_kernel(
+    dh_ptr,
+    da_ptr,
+    h_ptr,
+    n_rows,
+    width,
+    h_stride,
+    da_stride,
+    dh_stride,
+    GATED: tl.constexpr,
+    KIND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """``dh = [d_a * up * act'(gate) | d_a * act(gate)]`` (gated) or ``d_a * act'(h)``."""
+    pid_m = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (offs_m < n_rows)[:, None] & (offs_f < width)[None, :]
+    rows = offs_m.to(tl.int64)
+    src = rows[:, None] * h_stride + offs_f[None, :]
+    dst = rows[:, None] * dh_stride + offs_f[None, :]
+    g = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    da = tl.load(da_ptr + rows[:, None] * da_stride + offs_f[None, :], mask=mask, other=0.0)
+    da = da.to(tl.float32)
+    # Mirrors activation._act_and_grad term by term so the roundings line up with torch.
+    if KIND == 0:
+        s = 1.0 / (1.0 + tl.exp(-g))
+        act = g * s
+        dact = s * (1.0 + g * (1.0 - s))
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327
+        act = g * cdf
+        dact = cdf + g * pdf
+    if GATED:
+        up = tl.load(h_ptr + src + width, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dh_ptr + dst, (da * up * dact).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_ptr + dst + width, (da * act).to(dh_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dh_ptr + dst, (da * dact).to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> SimpleNamespace:
+    """The kernel bodies wrapped by ``triton.jit`` (built once, on first launch).
+
+    Under ``TRITON_INTERPRET=1`` (read by triton when it is imported and when ``jit`` wraps)
+    these are interpreter functions that run on host tensors; ``interpreted`` says so.
+    """
+    if not triton_available():
+        raise RuntimeError("megatron_lrmoe Triton kernels need an importable `triton` package")
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    kernels = SimpleNamespace(
+        scale_rows=triton.jit(_scale_rows_kernel),
+        row_dot=triton.jit(_row_dot_kernel),
+        act_fwd=triton.jit(_act_fwd_kernel),
+        act_bwd=triton.jit(_act_bwd_kernel),
+    )
+    kernels.interpreted = not isinstance(kernels.scale_rows, JITFunction)
+    return kernels
+
+
+def _kernels_for(t: torch.Tensor) -> SimpleNamespace:
+    """The kernels, after checking they can run on ``t``'s device."""
+    kernels = _kernels()
+    if not t.is_cuda and not kernels.interpreted:
+        raise ValueError(
+            "Triton kernels got host tensors; they need CUDA tensors, or TRITON_INTERPRET=1 "
+            "set before triton is first imported (the interpreter runs them on the host)"
+        )
+    return kernels
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _col_block(width: int, override: int | None) -> int:
+    """Power-of-two column block with the least padding, the larger one on ties.
+
+    E.g. F = 768 gets 256 (no masked-off lanes) where the next power of two (1024) would idle a
+    quarter of every tile; H = 2048 gets 1024.
+    """
+    if override is not None:
+        if override < 1 or override & (override - 1):
+            raise ValueError(f"block width must be a power of two, got {override}")
+        return override
+    best, best_pad = _MAX_BLOCK, None
+    b = _MAX_BLOCK
+    while b >= _MIN_BLOCK:
+        pad = _cdiv(max(width, 1), b) * b
+        if best_pad is None or pad < best_pad:
+            best, best_pad = b, pad
+        b //= 2
+    return best
+
+
+def _unit_cols(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (2-D) with unit column stride: the kernels take any row stride, but coalesced
+    loads need contiguous rows, so only a column-strided input is copied."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _device_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    # Triton launches on the current CUDA device; pin it to the tensors' device.
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _check_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} not supported by the Triton kernels")
+
+
+def scale_rows_triton(
+    rows: torch.Tensor,
+    scale: torch.Tensor,
+    index: torch.Tensor | None = None,
+    *,
+    block_h: int | None = None,
+) -> torch.Tensor:
+    """``out[i] = rows[index[i]] * scale[i]`` (``index=None``: ``rows[i]``), fp32 math, one kernel.
+
+    Args:
+        rows: ``[N, H]`` bf16/fp16/fp32.
+        scale: ``[K]`` per *output* row (``K = N`` without ``index``).
+        index: Optional ``[K]`` int32/int64 source rows, each in ``[0, N)`` (not checked: a
+            device-side check would cost a sync; out-of-range reads are undefined).
+        block_h: Column block override (a power of two), for tests and tuning.
+
+    Returns:
+        ``[K, H]`` contiguous, in ``rows.dtype``.
+    """
+    if rows.dim() != 2 or scale.dim() != 1:
+        raise ValueError(f"scale_rows_triton: rows {tuple(rows.shape)}, scale {tuple(scale.shape)}")
+    _check_dtype("rows", rows)
+    _check_dtype("scale", scale)
+    n_out = rows.shape[0] if index is None else index.shape[0]
+    if index is not None and (index.dim() != 1 or index.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"scale_rows_triton: index must be 1-D int32/int64, got {index.dtype}")
+    if scale.shape[0] != n_out:
+        raise ValueError(f"scale_rows_triton: scale has {scale.shape[0]} rows, expected {n_out}")
+    width = rows.shape[1]
+    out = torch.empty((n_out, width), dtype=rows.dtype, device=rows.device)
+    if out.numel() == 0:
+        return out
+    rows = _unit_cols(rows)
+    scale = scale.contiguous()
+    index = index.contiguous() if index is not None else None
+    block_h = _col_block(width, block_h)
+    block_m = max(1, _TILE // block_h)
+    grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
+    with _device_ctx(rows):
+        _kernels_for(rows).scale_rows[grid](
+            out,
+            rows,
+            scale,
+            index if index is not None else scale,  # unread placeholder when HAS_INDEX is off
+            n_out,
+            width,
+            rows.stride(0),
+            out.stride(0),
+            HAS_INDEX=index is not None,
+            BLOCK_M=block_m,
+            BLOCK_H=block_h,
+            num_warps=_NUM_WARPS,
+        )
+    return out
+
+
+def row_dot_triton(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, block_h: int | None = None
+) -> torch.Tensor:
+    """``<a[i], b[i]>`` for every row, fp32 accumulation, one kernel.
+
+    Args:
+        a, b: ``[N, H]`` bf16/fp16/fp32 (may differ from each other).
+        out_dtype: Result dtype (the fp32 sum is rounded once into it).
+        block_h: Column block override (a power of two), for tests and tuning.
+
+    Returns:
+        ``[N]`` in ``out_dtype``.
+    """
+    if a.dim() != 2 or a.shape != b.shape:
+        raise ValueError(f"row_dot_triton: a {tuple(a.shape)} and b {tuple(b.shape)}")
+    _check_dtype("a", a)
+    _check_dtype("b", b)
+    n_rows, width = a.shape
+    out = torch.empty(n_rows, dtype=out_dtype, device=a.device)
+    if n_rows == 0:
+        return out
+    a, b = _unit_cols(a), _unit_cols(b)
+    # The loop covers H; a narrower tile keeps the fp32 accumulator in registers.
+    block_h = _col_block(width, block_h) if block_h is not None else min(
+        _col_block(width, None), 512
+    )
+    block_m = max(1, (_TILE // 2) // block_h)
+    with _device_ctx(a):
+        _kernels_for(a).row_dot[(_cdiv(n_rows, block_m),)](
+            out,
+            a,
+            b,
+            n_rows,
+            width,
+            a.stride(0),
+            b.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_H=block_h,
+            num_warps=_NUM_WARPS,
+        )
+    return out
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    # [..., W] -> [M, W]; a view when possible, and unit column stride for the kernels.
+    return _unit_cols(x.reshape(-1, x.shape[-1]))
+
+
+def _kind_code(kind: str) -> int:
+    if kind not in _ACT_KINDS:
+        raise ValueError(f"activation kind must be one of {sorted(_ACT_KINDS)}, got {kind!r}")
+    return _ACT_KINDS[kind]
+
+
+def act_forward_triton(
+    h: torch.Tensor, gated: bool, kind: str, *, block_f: int | None = None
+) -> torch.Tensor:
+    """Fused activation forward: ``act(gate) * up`` (gated, ``h = [gate | up]``) or ``act(h)``.
+
+    Args:
+        h: ``[..., F1]`` bf16/fp16/fp32 fc1 output (``F1`` even when gated).
+        gated: GLU-style input.
+        kind: ``"silu"`` or ``"gelu"`` (exact erf form).
+        block_f: Column block override (a power of two), for tests and tuning.
+
+    Returns:
+        ``[..., F]`` contiguous, in ``h``'s dtype.
+    """
+    _check_dtype("h", h)
+    code = _kind_code(kind)
+    if h.dim() < 1 or (gated and h.shape[-1] % 2):
+        raise ValueError(f"act_forward_triton: bad fc1 shape {tuple(h.shape)} (gated={gated})")
+    width = h.shape[-1] // 2 if gated else h.shape[-1]
+    out = torch.empty(h.shape[:-1] + (width,), dtype=h.dtype, device=h.device)
+    if out.numel() == 0:
+        return out
+    h2, out2 = _as_rows(h), out.view(-1, width)
+    block_f = _col_block(width, block_f)
+    block_m = max(1, _TILE // block_f)
+    grid = (_cdiv(h2.shape[0], block_m), _cdiv(width, block_f))
+    with _device_ctx(h):
+        _kernels_for(h).act_fwd[grid](
+            out2,
+            h2,
+            h2.shape[0],
+            width,
+            h2.stride(0),
+            out2.stride(0),
+            GATED=bool(gated),
+            KIND=code,
+            BLOCK_M=block_m,
+            BLOCK_F=block_f,
+            num_warps=_NUM_WARPS,
+        )
+    return out
+
+
+def act_backward_triton(
+    d_a: torch.Tensor, h: torch.Tensor, gated: bool, kind: str, *, block_f: int | None = None
+) -> torch.Tensor:
+    """Fused analytic activation backward (the gradient of :func:`act_forward_triton`).
+
+    Args:
+        d_a: ``[..., F]`` bf16/fp16/fp32 gradient of the activation output.
+        h: ``[..., F1]`` bf16/fp16/fp32 fc1 output the forward used.
+        gated: GLU-style input.
+        kind: ``"silu"`` or ``"gelu"`` (exact erf form).
+        block_f: Column block override (a power of two), for tests and tuning.
+
+    Returns:
+        ``[..., F1]`` contiguous gradient w.r.t. ``h``, in ``h``'s dtype.
+    """
+    _check_dtype("h", h)
+    _check_dtype("d_a", d_a)
+    code = _kind_code(kind)
+    if h.dim() < 1 or (gated and h.shape[-1] % 2):
+        raise ValueError(f"act_backward_triton: bad fc1 shape {tuple(h.shape)} (gated={gated})")
+    width = h.shape[-1] // 2 if gated else h.shape[-1]
+    if d_a.shape != h.shape[:-1] + (width,):
+        raise ValueError(
+            f"act_backward_triton: d_a {tuple(d_a.shape)} does not match h {tuple(h.shape)}"
+        )
+    dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    if dh.numel() == 0:
+        return dh
+    h2, da2, dh2 = _as_rows(h), _as_rows(d_a), dh.view(-1, h.shape[-1])
+    block_f = _col_block(width, block_f)
+    block_m = max(1, _TILE // block_f)
+    grid = (_cdiv(h2.shape[0], block_m), _cdiv(width, block_f))
+    with _device_ctx(h):
+        _kernels_for(h).act_bwd[grid](
+            dh2,
+            da2,
+            h2,
+            h2.shape[0],
+            width,
+            h2.stride(0),
+            da2.stride(0),
+            dh2.stride(0),
+            GATED=bool(gated),
+            KIND=code,
+            BLOCK_M=block_m,
+            BLOCK_F=block_f,
+            num_warps=_NUM_WARPS,
+        )
+    return dh
