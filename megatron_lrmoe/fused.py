@@ -198,8 +198,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         # 3. Pack and exchange the kept gradient rows (and token rows in recompute mode).
         if timer:
             timer.start("packing")
-        g_kept = g if kept_index is None else g.index_select(0, kept_index)
-        g_kept = scale_rows(g_kept, row_scale)
+        g_kept = scale_rows(g, row_scale, index=kept_index)
         recompute = lrmoe.activation_mode == "recompute"
         if recompute:
             x_kept = tokens if kept_index is None else tokens.index_select(0, kept_index)

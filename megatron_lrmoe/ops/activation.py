@@ -11,6 +11,14 @@ Gated layout follows Megatron's ``glu`` with ``glu_linear_offset == 0`` and no i
 All math runs in fp32 (fp64 for fp64 inputs, so ``gradcheck`` works) and results are cast
 back to ``h``'s dtype, so bf16 inputs get one rounding per output instead of one per
 intermediate.
+
+On CUDA (with ``triton`` importable and ``LRMOE_TRITON != "0"``) bf16/fp16/fp32 inputs go
+through one fused Triton kernel per call (``triton_kernels.py``): the torch code below
+materialises several fp32 ``[N, F1]`` temporaries, one kernel each, while the fused kernel reads
+``h`` (and ``d_a``) once and writes the result once. Same formulas, fp32 in registers, one
+rounding, so results agree with the torch path to within one ulp of the output dtype (beyond
+that only where fp32 itself cancels, e.g. GELU's far negative tail). The torch path stays for
+CPU, fp64, inputs that need autograd (the kernels have no graph), and as the reference.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+
+from megatron_lrmoe.ops import triton_kernels
 
 __all__ = [
     "ActivationKind",
@@ -89,6 +99,15 @@ def _check_width(h: torch.Tensor, spec: GluSpec) -> None:
         raise ValueError(f"gated activation needs an even fc1 width, got {h.shape[-1]}")
 
 
+def _use_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether the fused Triton kernels take these inputs (see the module docstring)."""
+    return (
+        triton_kernels.use_triton(*tensors)
+        and all(t.dtype in triton_kernels.KERNEL_DTYPES for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )
+
+
 def act_forward(h: torch.Tensor, spec: GluSpec) -> torch.Tensor:
     """Applies the activation.
 
@@ -100,6 +119,8 @@ def act_forward(h: torch.Tensor, spec: GluSpec) -> torch.Tensor:
         ``[N, F]`` in ``h``'s dtype.
     """
     _check_width(h, spec)
+    if _use_kernels(h):
+        return triton_kernels.act_forward_triton(h, spec.gated, spec.kind)
     hf = h.to(_compute_dtype(h.dtype))
     if spec.gated:
         gate, up = hf.chunk(2, dim=-1)
@@ -130,6 +151,8 @@ def act_backward(d_a: torch.Tensor, h: torch.Tensor, spec: GluSpec) -> torch.Ten
             f"act_backward: d_a {tuple(d_a.shape)} does not match h {tuple(h.shape)} "
             f"(gated={spec.gated})"
         )
+    if _use_kernels(d_a, h):
+        return triton_kernels.act_backward_triton(d_a, h, spec.gated, spec.kind)
     cdt = _compute_dtype(h.dtype)
     daf = d_a.to(cdt)
     if not spec.gated:

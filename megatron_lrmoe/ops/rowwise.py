@@ -71,9 +71,7 @@ def scale_rows(
         out = torch.empty_like(rows)
         for lo in range(0, rows.shape[0], CHUNK_ROWS):
             hi = lo + CHUNK_ROWS
-            out[lo:hi] = (rows[lo:hi].to(wide) * scale[lo:hi].to(wide).unsqueeze(-1)).to(
-                rows.dtype
-            )
+            out[lo:hi] = (rows[lo:hi].to(wide) * scale[lo:hi].to(wide).unsqueeze(-1)).to(rows.dtype)
         return out
     out = rows.new_empty((index.shape[0],) + tuple(rows.shape[1:]))
     for lo in range(0, index.shape[0], CHUNK_ROWS):
@@ -99,6 +97,7 @@ def row_dot(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.T
         and a.shape == b.shape
         and a.dtype in triton_kernels.KERNEL_DTYPES
         and b.dtype in triton_kernels.KERNEL_DTYPES
+        and out_dtype.is_floating_point
         and not _needs_autograd(a, b)
     ):
         return triton_kernels.row_dot_triton(a, b, out_dtype)

@@ -1,7 +1,8 @@
 """Fused Triton kernels for the row-wise scaling, row dot products and expert activation.
 
 Shape legend:
-    N: input rows (token-expert pairs); K: output rows of a gathered ``scale_rows`` (``len(index)``).
+    N: input rows (token-expert pairs).
+    K: output rows of a gathered ``scale_rows`` (``len(index)``).
     H: row width of the row-wise ops (hidden size).
     F: activation output width; F1: fc1 width, ``2F`` when gated (``h = [gate | up]``) else ``F``.
 
@@ -391,8 +392,8 @@ def row_dot_triton(
         return out
     a, b = _unit_cols(a), _unit_cols(b)
     # The loop covers H; a narrower tile keeps the fp32 accumulator in registers.
-    block_h = _col_block(width, block_h) if block_h is not None else min(
-        _col_block(width, None), 512
+    block_h = (
+        _col_block(width, block_h) if block_h is not None else min(_col_block(width, None), 512)
     )
     block_m = max(1, (_TILE // 2) // block_h)
     with _device_ctx(a):

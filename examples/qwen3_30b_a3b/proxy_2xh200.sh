@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Qwen3-30B-A3B proxy for one 2 x H200 host: the real MoE layer shape (hidden 2048, 128 experts,
+# top-8, expert FFN 768, attention 32/4 heads) in 4 layers. TP1 EP2 DP2, sequence 4096,
+# micro-batch 1, global batch 8, bf16, --transformer-impl local (no TE, no apex).
+#
+# Runs examples/qwen3_30b_a3b/pretrain.sh with these overrides; every variable of that script
+# still applies (LRMOE, KEEP_RATIO, SELECTION, TRAIN_ITERS, ...). Data: the byte-level indexed
+# dataset .data/pystdlib_bytes (python examples/make_indexed_dataset.py --output-prefix
+# .data/pystdlib_bytes) when it exists, else mock data. Examples:
+#   LRMOE=0 bash examples/qwen3_30b_a3b/proxy_2xh200.sh                # stock Megatron MoE
+#   KEEP_RATIO=1.0 bash examples/qwen3_30b_a3b/proxy_2xh200.sh         # LRMoE, full backward
+#   KEEP_RATIO=0.5 SELECTION=topk bash examples/qwen3_30b_a3b/proxy_2xh200.sh
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+
+# NVLink multicast must stay off on that host.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export GPUS_PER_NODE=2 NNODES=1 NODE_RANK=0 NUM_LAYERS=4 TP=1 PP=1 EP=2
+export SEQ_LENGTH=4096 MBS=1 GBS=8 TRANSFORMER_IMPL=local
+export MASTER_PORT=${MASTER_PORT:-29511}
+export TRAIN_ITERS=${TRAIN_ITERS:-200} LR=${LR:-5e-4} MIN_LR=${MIN_LR:-5e-5}
+export WARMUP_ITERS=${WARMUP_ITERS:-20} EVAL_INTERVAL=${EVAL_INTERVAL:-50} EVAL_ITERS=${EVAL_ITERS:-4}
+if [ -z "${DATA_PREFIX+x}" ] && [ -f "$ROOT/.data/pystdlib_bytes.bin" ]; then
+    export DATA_PREFIX="$ROOT/.data/pystdlib_bytes"
+fi
+exec bash "$HERE/pretrain.sh" "$@"

@@ -1,0 +1,376 @@
+"""``--lrmoe`` / ``--lrmoe-*`` command-line flags for Megatron's ``extra_args_provider``.
+
+Typical use (this is what ``pretrain_lrmoe.py`` does)::
+
+    args = parse_and_validate_args(extra_args_provider=add_lrmoe_args)
+    validate_lrmoe_args(args)                   # ValueError naming both flags of a bad pair
+    lrmoe_config = lrmoe_config_from_args(args)  # None unless --lrmoe
+
+Every ``LRMoEConfig`` field has one flag, ``--lrmoe-<field with dashes>``. The flags default to
+``None`` ("not given"), so ``LRMoEConfig``'s own defaults apply and a ``--lrmoe-*`` flag given
+without ``--lrmoe`` is detected. Stock ``--moe-*`` flags keep their meaning: LRMoE only replaces
+the MoE layer class, so the router, load balancing and expert shapes still come from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from megatron_lrmoe.config import ACTIVATION_MODES, SCOPES, SELECTIONS, LRMoEConfig
+
+__all__ = [
+    "LRMOE_FLAGS",
+    "add_lrmoe_args",
+    "lrmoe_config_from_args",
+    "validate_lrmoe_args",
+]
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LRMoEConfig)}
+_CHOICES = {"selection": SELECTIONS, "scope": SCOPES, "activation_mode": ACTIVATION_MODES}
+
+
+def _flag(field_name: str) -> str:
+    return "--lrmoe-" + field_name.replace("_", "-")
+
+
+LRMOE_FLAGS: dict[str, str] = {name: _flag(name) for name in _DEFAULTS}
+"""``LRMoEConfig`` field name -> its command-line flag."""
+
+_HELP: dict[str, str] = {
+    "keep_ratio": (
+        "Fraction of each expert's token-expert pairs that survive the MoE backward: quota "
+        "ceil(K * pairs) per expert and layer call. 1.0 keeps every pair (the stock backward); "
+        "the forward is always exact. Default: %(def)s."
+    ),
+    "selection": (
+        "Which pairs survive. 'sample': an unbiased importance sample (probability ~ "
+        "sqrt(LRM score), kept rows weighted by 1/probability). 'topk': the highest LRM "
+        "scores (the published rule; biased). Default: %(def)s."
+    ),
+    "scope": (
+        "Where an expert's quota is applied. 'local': split over source ranks in forward, each "
+        "source selects among its own pairs (no extra exchange). 'global': the expert's owner "
+        "selects among all sources' pairs (one extra score exchange and one device-to-host "
+        "sync per layer call). Default: %(def)s."
+    ),
+    "activation_mode": (
+        "What the expert side keeps for backward. 'save': received token rows and fc1 outputs "
+        "(stock-like). 'recompute': nothing; kept rows are re-sent with their gradients and "
+        "fc1 is recomputed for them only. Default: %(def)s."
+    ),
+    "seed": (
+        "Seed of the pair-sampling stream (keyed further by layer and call, identical on every "
+        "rank and rerun). Default: Megatron's --seed."
+    ),
+    "record_stats": (
+        "Keep per-call statistics (kept pairs, bytes sent, timings) on each LRMoE layer's "
+        "last_call_stats. Default: %(def)s."
+    ),
+    "debug_record_selection": (
+        "Also keep each call's kept-pair mask in the statistics (memory; for debugging). "
+        "Default: off."
+    ),
+    "debug_check_invariants": (
+        "Check the integer plan's invariants at run time (adds device-to-host syncs; for "
+        "debugging). Default: off."
+    ),
+}
+
+
+def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the "LRMoE" argument group; use as Megatron's ``extra_args_provider``.
+
+    Args:
+        parser: Megatron's parser (or any ``argparse.ArgumentParser``).
+
+    Returns:
+        The same parser, as ``extra_args_provider`` must.
+    """
+    group = parser.add_argument_group(
+        title="LRMoE",
+        description=(
+            "Quota-limited, compacted MoE backward (megatron-lrmoe). Needs "
+            "--moe-token-dispatcher-type alltoall, --disable-bias-linear, expert tensor "
+            "parallel size 1 and a dropless MoE; every --lrmoe-* flag needs --lrmoe."
+        ),
+    )
+    group.add_argument(
+        "--lrmoe",
+        action="store_true",
+        help=(
+            "Build every MoE layer, MTP layers included, as an LRMoE layer (exact forward, "
+            "quota-limited backward). Without it the model is stock Megatron."
+        ),
+    )
+    for name, default in _DEFAULTS.items():
+        text = _HELP[name] % {"def": default}
+        flag = LRMOE_FLAGS[name]
+        if name in _CHOICES:
+            group.add_argument(flag, choices=_CHOICES[name], default=None, help=text)
+        elif name == "keep_ratio":
+            group.add_argument(flag, type=float, default=None, metavar="K", help=text)
+        elif name == "seed":
+            group.add_argument(flag, type=int, default=None, metavar="SEED", help=text)
+        elif default is True:
+            # --lrmoe-record-stats / --no-lrmoe-record-stats; None means "not given".
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            group.add_argument(flag, action="store_true", default=None, help=text)
+    return parser
+
+
+def _given_lrmoe_flags(args: argparse.Namespace) -> list[str]:
+    return [f for n, f in LRMOE_FLAGS.items() if getattr(args, f"lrmoe_{n}", None) is not None]
+
+
+def lrmoe_config_from_args(args: argparse.Namespace) -> Optional[LRMoEConfig]:
+    """The ``LRMoEConfig`` the flags describe, or None when ``--lrmoe`` is absent.
+
+    ``--lrmoe-seed`` defaults to Megatron's ``--seed`` (so changing ``--seed`` changes the
+    sample, as it changes everything else); other unset flags take ``LRMoEConfig``'s defaults.
+
+    Raises:
+        ValueError: A field value is invalid; the message names its flag.
+    """
+    if not getattr(args, "lrmoe", False):
+        return None
+    try:
+        config = LRMoEConfig.from_args(args)
+    except ValueError as e:
+        flag = next((f for n, f in LRMOE_FLAGS.items() if f"LRMoEConfig.{n} " in str(e)), "--lrmoe")
+        raise ValueError(f"{flag}: {e}") from e
+    if getattr(args, "lrmoe_seed", None) is None and getattr(args, "seed", None) is not None:
+        try:
+            config = dataclasses.replace(config, seed=int(args.seed))
+        except ValueError as e:
+            raise ValueError(f"--seed (the default of --lrmoe-seed): {e}") from e
+    return config
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """One Megatron setting LRMoE cannot run with.
+
+    Attributes:
+        bad: True when ``args`` has the setting.
+        flag: The offending flag as a user would write it (value filled from ``args``).
+        why: What LRMoE lacks.
+        fix: What to pass instead.
+    """
+
+    bad: Callable[[argparse.Namespace], bool]
+    flag: Callable[[argparse.Namespace], str]
+    why: str
+    fix: str
+
+
+def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    # Flags that a given Megatron build lacks count as their default.
+    return getattr(args, name, default)
+
+
+def _expert_tp(args: argparse.Namespace) -> int:
+    # Megatron's validate_args sets it to the tensor-parallel size when it is not given.
+    etp = _get(args, "expert_tensor_parallel_size")
+    return int(etp if etp is not None else _get(args, "tensor_model_parallel_size", 1) or 1)
+
+
+def _expert_tp_flag(args: argparse.Namespace) -> str:
+    if _get(args, "expert_tensor_parallel_size") is None:
+        tp = _get(args, "tensor_model_parallel_size", 1)
+        return f"--tensor-model-parallel-size {tp} (--expert-tensor-parallel-size defaults to it)"
+    return f"--expert-tensor-parallel-size {_expert_tp(args)}"
+
+
+def _set(name: str) -> Callable[[argparse.Namespace], bool]:
+    return lambda a: bool(_get(a, name))
+
+
+def _not_none(name: str) -> Callable[[argparse.Namespace], bool]:
+    return lambda a: _get(a, name) is not None
+
+
+def _with_value(flag: str, name: str) -> Callable[[argparse.Namespace], str]:
+    return lambda a: f"{flag} {_get(a, name)}"
+
+
+def _plain(flag: str) -> Callable[[argparse.Namespace], str]:
+    return lambda a: flag
+
+
+# Mirrors megatron_lrmoe.config.validate_transformer_config, one rule per flag, so that a bad
+# combination fails at argument parsing, naming both flags, before any process group exists.
+_RULES: tuple[_Rule, ...] = (
+    _Rule(
+        lambda a: _get(a, "moe_token_dispatcher_type", "allgather") != "alltoall",
+        _with_value("--moe-token-dispatcher-type", "moe_token_dispatcher_type"),
+        "LRMoE replaces the alltoall dispatcher's exchanges",
+        "pass --moe-token-dispatcher-type alltoall (Megatron's default is allgather)",
+    ),
+    _Rule(
+        _set("moe_enable_deepep"),
+        _plain("--moe-enable-deepep"),
+        "DeepEP runs the flex dispatcher",
+        "drop --moe-enable-deepep and use --moe-token-dispatcher-type alltoall",
+    ),
+    _Rule(
+        lambda a: _expert_tp(a) != 1,
+        _expert_tp_flag,
+        "LRMoE experts are not tensor-parallel",
+        "pass --expert-tensor-parallel-size 1",
+    ),
+    _Rule(
+        _not_none("moe_expert_capacity_factor"),
+        _with_value("--moe-expert-capacity-factor", "moe_expert_capacity_factor"),
+        "LRMoE is dropless in forward",
+        "drop it and use --lrmoe-keep-ratio to trim the backward instead",
+    ),
+    _Rule(
+        _set("moe_pad_expert_input_to_capacity"),
+        _plain("--moe-pad-expert-input-to-capacity"),
+        "drop-and-pad changes the dispatcher's layouts",
+        "drop --moe-pad-expert-input-to-capacity",
+    ),
+    _Rule(
+        _set("moe_apply_probs_on_input"),
+        _plain("--moe-apply-probs-on-input"),
+        "LRMoE applies the routing weight after the activation, as Megatron does by default",
+        "drop --moe-apply-probs-on-input",
+    ),
+    _Rule(
+        _set("overlap_moe_expert_parallel_comm"),
+        _plain("--overlap-moe-expert-parallel-comm"),
+        "that schedule calls the dispatcher stages one by one, bypassing LRMoE's fused op",
+        "drop --overlap-moe-expert-parallel-comm",
+    ),
+    _Rule(
+        _set("overlap_dispatch_backward_with_experts_wgrad"),
+        _plain("--overlap-dispatch-backward-with-experts-wgrad"),
+        "LRMoE computes expert weight gradients inside its backward",
+        "drop --overlap-dispatch-backward-with-experts-wgrad",
+    ),
+    _Rule(
+        _set("delay_wgrad_compute"),
+        _plain("--delay-wgrad-compute"),
+        "LRMoE computes expert weight gradients inside its backward",
+        "drop --delay-wgrad-compute",
+    ),
+    _Rule(
+        _set("moe_router_padding_for_quantization"),
+        _plain("--moe-router-padding-for-quantization"),
+        "a padded routing map changes the dispatcher's layouts",
+        "drop --moe-router-padding-for-quantization",
+    ),
+    _Rule(
+        _set("moe_router_padding_for_fp8"),
+        _plain("--moe-router-padding-for-fp8"),
+        "a padded routing map changes the dispatcher's layouts",
+        "drop --moe-router-padding-for-fp8",
+    ),
+    _Rule(
+        _not_none("fp8"),
+        _with_value("--fp8-format", "fp8"),
+        "LRMoE's grouped GEMMs have no fp8 path",
+        "train in bf16 (drop --fp8-format)",
+    ),
+    _Rule(
+        _not_none("fp4"),
+        _with_value("--fp4-format", "fp4"),
+        "LRMoE's grouped GEMMs have no fp4 path",
+        "train in bf16 (drop --fp4-format)",
+    ),
+    _Rule(
+        _not_none("moe_latent_size"),
+        _with_value("--moe-latent-size", "moe_latent_size"),
+        "latent projections around the experts are not implemented",
+        "drop --moe-latent-size",
+    ),
+    _Rule(
+        lambda a: bool(_get(a, "add_bias_linear", True)),
+        _plain("biased linear layers (Megatron's default when --disable-bias-linear is absent)"),
+        "expert biases are not implemented",
+        "pass --disable-bias-linear",
+    ),
+    _Rule(
+        _set("moe_permute_fusion"),
+        _plain("--moe-permute-fusion"),
+        "LRMoE permutes with the unfused kernels",
+        "drop --moe-permute-fusion",
+    ),
+    _Rule(
+        _set("squared_relu"),
+        _plain("--squared-relu"),
+        "LRMoE experts support SiLU and GeLU, gated (--swiglu) or not",
+        "use --swiglu or the default GeLU",
+    ),
+    _Rule(
+        _set("quick_geglu"),
+        _plain("--quick-geglu"),
+        "LRMoE experts support SiLU and GeLU, gated (--swiglu) or not",
+        "use --swiglu or the default GeLU",
+    ),
+    _Rule(
+        lambda a: float(_get(a, "glu_linear_offset", 0.0) or 0.0) != 0.0,
+        _with_value("--glu-linear-offset", "glu_linear_offset"),
+        "the gated activation has no linear offset in LRMoE",
+        "drop --glu-linear-offset",
+    ),
+    _Rule(
+        _not_none("activation_func_clamp_value"),
+        _with_value("--activation-func-clamp-value", "activation_func_clamp_value"),
+        "the activation is not clamped in LRMoE",
+        "drop --activation-func-clamp-value",
+    ),
+    _Rule(
+        lambda a: bool(_get(a, "swiglu")) and _get(a, "moe_mlp_glu_interleave_size") is not None,
+        _with_value("--moe-mlp-glu-interleave-size", "moe_mlp_glu_interleave_size"),
+        "LRMoE expects fc1 as [gate | up] halves",
+        "drop --moe-mlp-glu-interleave-size",
+    ),
+    _Rule(
+        lambda a: _get(a, "transformer_impl") == "inference_optimized",
+        _plain("--transformer-impl inference_optimized"),
+        "LRMoE is a training feature",
+        "use --transformer-impl local or transformer_engine",
+    ),
+)
+
+
+def validate_lrmoe_args(args: argparse.Namespace) -> None:
+    """Reject ``--lrmoe-*`` without ``--lrmoe`` and Megatron flags LRMoE cannot run with.
+
+    Works on the namespace before or after Megatron's ``validate_args``. Per-layer checks
+    against the built ``TransformerConfig`` still run when each LRMoE layer is constructed.
+
+    Args:
+        args: Parsed arguments (from a parser that went through :func:`add_lrmoe_args`).
+
+    Raises:
+        ValueError: Naming both flags of an incompatible combination and the fix.
+    """
+    if not getattr(args, "lrmoe", False):
+        given = _given_lrmoe_flags(args)
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} given without --lrmoe; add --lrmoe to enable LRMoE, or "
+                "drop the --lrmoe-* flags"
+            )
+        return
+    lrmoe_config_from_args(args)
+    num_experts = _get(args, "num_experts")
+    if not num_experts:
+        raise ValueError("--lrmoe needs an MoE model: set --num-experts")
+    ep = int(_get(args, "expert_model_parallel_size", 1) or 1)
+    if num_experts % ep != 0:
+        raise ValueError(
+            f"--lrmoe: --num-experts ({num_experts}) must be divisible by "
+            f"--expert-model-parallel-size ({ep})"
+        )
+    for rule in _RULES:
+        if rule.bad(args):
+            raise ValueError(
+                f"--lrmoe cannot be combined with {rule.flag(args)}: {rule.why}; {rule.fix}"
+            )

@@ -1,0 +1,179 @@
+"""Version checks and the few explicit fixes the entry point needs for the megatron-core wheel.
+
+Nothing here runs on import. ``pretrain_lrmoe.main`` calls, in order:
+
+* :func:`check_megatron_core_version`: the plugin reaches into megatron-core 0.19 internals
+  (``MoELayer``'s constructor, ``GPTModelBuilder``, the alltoall dispatcher's state), so any other
+  minor version is refused with a message instead of failing somewhere inside a layer.
+* :func:`use_prebuilt_dataset_helpers`: ``megatron.training.initialize`` calls
+  ``megatron.core.datasets.utils.compile_helpers()`` on rank 0, which runs ``make`` in the
+  installed package directory. The wheel ships no Makefile, only the compiled
+  ``helpers_cpp`` extension, so ``make`` fails and Megatron calls ``sys.exit(1)``. This replaces
+  ``compile_helpers`` with a check that the compiled helper imports.
+* :func:`repair_help_strings`: one help string in megatron-core 0.19.2
+  (``--moe-paged-stash-buffer-size-factor-cuda``) contains a bare ``%``, so ``--help`` raises
+  ``ValueError: unsupported format character``; this escapes such strings.
+* :func:`check_transformer_impl`: ``--transformer-impl transformer_engine`` (Megatron's default)
+  without Transformer Engine fails deep in spec construction with ``'NoneType' object is not
+  callable``; this names the fix instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import re
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SUPPORTED_MEGATRON_CORE",
+    "check_megatron_core_version",
+    "check_transformer_impl",
+    "megatron_core_version",
+    "repair_help_strings",
+    "use_prebuilt_dataset_helpers",
+]
+
+SUPPORTED_MEGATRON_CORE = (0, 19)
+"""(major, minor) of megatron-core this plugin is written against (wheel 0.19.2; the
+Megatron-LM branch ``core_r0.19.0`` reports 0.19.1 and has the same MoE and training code)."""
+
+_HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
+_DATASET_UTILS_MODULE = "megatron.core.datasets.utils"
+# Set on our replacement so a second call recognises it (idempotence).
+_PATCH_MARKER = "__lrmoe_prebuilt_helpers__"
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core version string, e.g. ``"0.19.2"``."""
+    from megatron.core import package_info
+
+    return str(package_info.__version__)
+
+
+def check_megatron_core_version() -> None:
+    """Raise ``RuntimeError`` unless megatron-core is 0.19.x.
+
+    Raises:
+        RuntimeError: Naming the installed version and the supported one.
+    """
+    version = megatron_core_version()
+    match = re.match(r"(\d+)\.(\d+)", version)
+    found = (int(match.group(1)), int(match.group(2))) if match else None
+    if found != SUPPORTED_MEGATRON_CORE:
+        want = ".".join(map(str, SUPPORTED_MEGATRON_CORE))
+        raise RuntimeError(
+            f"megatron-lrmoe needs megatron-core {want}.x (it subclasses 0.19's MoELayer, "
+            f"alltoall dispatcher and GPTModelBuilder); found megatron-core {version}. Install "
+            "megatron-core==0.19.2 or a Megatron-LM core_r0.19.0 checkout."
+        )
+
+
+def _prebuilt_helpers_error() -> Exception | None:
+    """The error raised by importing the compiled dataset helper, or None when it imports."""
+    try:
+        importlib.import_module(_HELPERS_MODULE)
+    except ImportError as e:
+        return e
+    return None
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """Make Megatron's ``compile_helpers()`` use the helper the wheel already ships.
+
+    Explicit (call it before ``pretrain``), version-checked, idempotent. Three cases:
+
+    * the compiled ``helpers_cpp`` imports: ``megatron.core.datasets.utils.compile_helpers`` is
+      replaced by a function that re-checks the import and does not run ``make``;
+    * it does not import but the package has its ``Makefile`` (a Megatron-LM source checkout):
+      nothing is patched, Megatron compiles the helper as usual;
+    * neither: ``RuntimeError`` now, rather than ``sys.exit(1)`` from rank 0 later.
+
+    Returns:
+        True if ``compile_helpers`` is (now or already) replaced, False if Megatron's own
+        compilation is left in place.
+
+    Raises:
+        RuntimeError: The megatron-core version is not supported, or the helper is missing and
+            cannot be compiled.
+    """
+    check_megatron_core_version()
+    utils = importlib.import_module(_DATASET_UTILS_MODULE)
+    if getattr(utils.compile_helpers, _PATCH_MARKER, False):
+        return True
+    error = _prebuilt_helpers_error()
+    if error is not None:
+        makefile = os.path.join(os.path.dirname(os.path.abspath(utils.__file__)), "Makefile")
+        if os.path.exists(makefile):
+            logger.info("%s does not import (%s); Megatron will build it", _HELPERS_MODULE, error)
+            return False
+        raise RuntimeError(
+            f"megatron-core's compiled dataset helper {_HELPERS_MODULE} is missing ({error}) "
+            f"and {os.path.dirname(makefile)} has no Makefile to build it; reinstall the "
+            "megatron-core wheel (it ships the helper) or use a Megatron-LM checkout"
+        ) from error
+    utils.compile_helpers = _make_prebuilt_check(utils.compile_helpers)
+    logger.info("megatron.core.datasets.utils.compile_helpers now uses the prebuilt helper")
+    return True
+
+
+def _make_prebuilt_check(original: Callable[[], Any]) -> Callable[[], None]:
+    def compile_helpers() -> None:
+        """Check that the compiled dataset helper imports instead of running ``make``."""
+        error = _prebuilt_helpers_error()
+        if error is not None:
+            raise RuntimeError(
+                f"{_HELPERS_MODULE} no longer imports ({error}); cannot build it from the wheel"
+            ) from error
+
+    setattr(compile_helpers, _PATCH_MARKER, True)
+    compile_helpers.__wrapped__ = original  # type: ignore[attr-defined]
+    return compile_helpers
+
+
+# A conversion specifier argparse understands (%(name)s), an escaped percent (%%), or a bare %.
+_PERCENT = re.compile(r"%(%|\([^)]*\)[-#0 +]*\d*(?:\.\d+)?[a-zA-Z])?")
+
+
+def repair_help_strings(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Escape bare ``%`` in help strings that argparse cannot format (so ``--help`` works).
+
+    Only strings that fail to format are changed, and only their bare ``%`` signs.
+
+    Args:
+        parser: The parser, after Megatron added its arguments.
+
+    Returns:
+        The same parser.
+    """
+    formatter = parser._get_formatter()  # noqa: SLF001 - argparse's own expansion is the test
+    for action in parser._actions:  # noqa: SLF001 - argparse exposes no public iterator
+        if not action.help or "%" not in action.help:
+            continue
+        try:
+            formatter._expand_help(action)  # noqa: SLF001
+        except (ValueError, TypeError, KeyError):
+            action.help = _PERCENT.sub(lambda m: m.group(0) if m.group(1) else "%%", action.help)
+    return parser
+
+
+def check_transformer_impl(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` if ``--transformer-impl`` needs Transformer Engine and it is absent.
+
+    Args:
+        args: Parsed Megatron arguments.
+    """
+    if getattr(args, "transformer_impl", None) != "transformer_engine":
+        return
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if not HAVE_TE:
+        raise ValueError(
+            "--transformer-impl transformer_engine (Megatron's default) needs Transformer "
+            "Engine, which is not installed; pass --transformer-impl local or install "
+            "transformer-engine[pytorch]"
+        )

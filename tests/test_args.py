@@ -1,0 +1,260 @@
+"""``--lrmoe`` flags: parsing next to Megatron's own flags, every validation rule, --help text,
+and the round trip to ``LRMoEConfig``.
+
+Parsing goes through ``megatron.training.arguments.parse_args(extra_args_provider=...)``, the
+function ``pretrain_lrmoe.py`` uses, so the flags are checked against Megatron's real parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_lrmoe import LRMoEConfig, add_lrmoe_args
+from megatron_lrmoe.megatron.args import (
+    LRMOE_FLAGS,
+    lrmoe_config_from_args,
+    validate_lrmoe_args,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny MoE GPT that LRMoE accepts: alltoall, no biases, SwiGLU, ETP 1, dropless.
+BASE = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "1", "--global-batch-size", "4",
+    "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
+    "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2",
+    "--disable-bias-linear", "--swiglu", "--transformer-impl", "local",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "257", "--mock-data",
+    "--train-iters", "4", "--lr", "1e-3",
+]  # fmt: skip
+
+
+def megatron_parse(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv`` with Megatron's parser plus the LRMoE group (no validation)."""
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_lrmoe.py", *argv])
+    return parse_args(extra_args_provider=add_lrmoe_args)
+
+
+def without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` minus each flag in ``flags`` and the value that follows it, if any."""
+    out, skip = [], False
+    for i, item in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if item in flags:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(item)
+    return out
+
+
+def test_flags_parse_next_to_stock_moe_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = megatron_parse(
+        monkeypatch,
+        BASE + ["--lrmoe", "--lrmoe-keep-ratio", "0.5", "--lrmoe-selection", "topk",
+                "--moe-router-score-function", "sigmoid", "--moe-aux-loss-coeff", "1e-3"],
+    )  # fmt: skip
+    assert args.lrmoe is True and args.lrmoe_keep_ratio == 0.5 and args.lrmoe_selection == "topk"
+    # Stock MoE flags keep their meaning next to ours.
+    assert args.num_experts == 8 and args.moe_router_topk == 2
+    assert args.moe_token_dispatcher_type == "alltoall"
+    assert args.moe_router_score_function == "sigmoid"
+    validate_lrmoe_args(args)
+
+
+def test_every_config_field_has_a_flag() -> None:
+    parser = add_lrmoe_args(argparse.ArgumentParser())
+    options = {s for a in parser._actions for s in a.option_strings}
+    assert "--lrmoe" in options
+    for field in dataclasses.fields(LRMoEConfig):
+        assert LRMOE_FLAGS[field.name] in options, field.name
+    assert "--no-lrmoe-record-stats" in options
+    group = next(g for g in parser._action_groups if g.title == "LRMoE")
+    assert {a.dest for a in group._group_actions} == {"lrmoe"} | {
+        f"lrmoe_{f.name}" for f in dataclasses.fields(LRMoEConfig)
+    }
+
+
+def test_help_lists_each_flag_with_megatron_parser() -> None:
+    from megatron.training.arguments import add_megatron_arguments
+
+    import pretrain_lrmoe
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser = pretrain_lrmoe.extra_args_provider(add_megatron_arguments(parser))
+    text = parser.format_help()  # raises on megatron-core 0.19.2 without repair_help_strings
+    for flag in ["--lrmoe", *LRMOE_FLAGS.values(), "--no-lrmoe-record-stats"]:
+        assert flag in text, flag
+    assert "--moe-token-dispatcher-type" in text
+
+
+def test_entry_point_help_runs_on_cpu() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_lrmoe.py"), "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LRMoE:" in proc.stdout
+    for flag in ["--lrmoe", *LRMOE_FLAGS.values()]:
+        assert flag in proc.stdout, flag
+
+
+def test_round_trip_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = megatron_parse(
+        monkeypatch,
+        BASE + ["--lrmoe", "--lrmoe-keep-ratio", "0.25", "--lrmoe-selection", "topk",
+                "--lrmoe-scope", "global", "--lrmoe-activation-mode", "recompute",
+                "--lrmoe-seed", "7", "--no-lrmoe-record-stats",
+                "--lrmoe-debug-record-selection", "--lrmoe-debug-check-invariants"],
+    )  # fmt: skip
+    validate_lrmoe_args(args)
+    assert lrmoe_config_from_args(args) == LRMoEConfig(
+        keep_ratio=0.25,
+        selection="topk",
+        scope="global",
+        activation_mode="recompute",
+        seed=7,
+        record_stats=False,
+        debug_record_selection=True,
+        debug_check_invariants=True,
+    )
+    assert LRMoEConfig.from_args(args) == lrmoe_config_from_args(args)
+
+
+def test_defaults_and_seed_follow_megatron_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert lrmoe_config_from_args(megatron_parse(monkeypatch, BASE)) is None
+    args = megatron_parse(monkeypatch, BASE + ["--lrmoe"])
+    assert lrmoe_config_from_args(args) == dataclasses.replace(LRMoEConfig(), seed=args.seed)
+    args = megatron_parse(monkeypatch, BASE + ["--lrmoe", "--seed", "42"])
+    assert lrmoe_config_from_args(args).seed == 42
+    args = megatron_parse(monkeypatch, BASE + ["--lrmoe", "--seed", "42", "--lrmoe-seed", "3"])
+    assert lrmoe_config_from_args(args).seed == 3
+
+
+@pytest.mark.parametrize(
+    "flag_argv",
+    [
+        ["--lrmoe-keep-ratio", "0.5"],
+        ["--lrmoe-selection", "topk"],
+        ["--lrmoe-scope", "global"],
+        ["--lrmoe-activation-mode", "recompute"],
+        ["--lrmoe-seed", "3"],
+        ["--lrmoe-record-stats"],
+        ["--no-lrmoe-record-stats"],
+        ["--lrmoe-debug-record-selection"],
+        ["--lrmoe-debug-check-invariants"],
+    ],
+    ids=lambda a: a[0],
+)
+def test_lrmoe_flag_without_lrmoe_fails(monkeypatch: pytest.MonkeyPatch, flag_argv) -> None:
+    args = megatron_parse(monkeypatch, BASE + flag_argv)
+    with pytest.raises(ValueError) as info:
+        validate_lrmoe_args(args)
+    flag = flag_argv[0].replace("--no-", "--")
+    assert flag in str(info.value) and "without --lrmoe" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--lrmoe-keep-ratio", "1.5"], "--lrmoe-keep-ratio"),
+        (["--lrmoe-keep-ratio", "-0.1"], "--lrmoe-keep-ratio"),
+        (["--lrmoe-seed", "-1"], "--lrmoe-seed"),
+        (["--seed", "-5"], "--seed"),
+    ],
+)
+def test_invalid_values_name_their_flag(monkeypatch: pytest.MonkeyPatch, argv, flag) -> None:
+    args = megatron_parse(monkeypatch, BASE + ["--lrmoe", *argv])
+    with pytest.raises(ValueError) as info:
+        validate_lrmoe_args(args)
+    assert str(info.value).startswith(flag), str(info.value)
+
+
+def test_invalid_choice_is_an_argparse_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit):
+        megatron_parse(monkeypatch, BASE + ["--lrmoe", "--lrmoe-selection", "greedy"])
+
+
+# (flags to add, flags to remove from BASE, the offending flag the message must name)
+RULES = [
+    (["--moe-token-dispatcher-type", "allgather"], [], "--moe-token-dispatcher-type allgather"),
+    (["--moe-token-dispatcher-type", "flex"], [], "--moe-token-dispatcher-type flex"),
+    ([], ["--moe-token-dispatcher-type"], "--moe-token-dispatcher-type allgather"),
+    (["--moe-enable-deepep"], [], "--moe-enable-deepep"),
+    (["--expert-tensor-parallel-size", "2"], [], "--expert-tensor-parallel-size 2"),
+    (["--tensor-model-parallel-size", "2"], [], "--tensor-model-parallel-size 2"),
+    (["--moe-expert-capacity-factor", "1.0"], [], "--moe-expert-capacity-factor 1.0"),
+    (["--moe-pad-expert-input-to-capacity"], [], "--moe-pad-expert-input-to-capacity"),
+    (["--moe-apply-probs-on-input"], [], "--moe-apply-probs-on-input"),
+    (["--overlap-moe-expert-parallel-comm"], [], "--overlap-moe-expert-parallel-comm"),
+    (
+        ["--overlap-dispatch-backward-with-experts-wgrad"],
+        [],
+        "--overlap-dispatch-backward-with-experts-wgrad",
+    ),
+    (["--delay-wgrad-compute"], [], "--delay-wgrad-compute"),
+    (["--moe-router-padding-for-quantization"], [], "--moe-router-padding-for-quantization"),
+    (["--moe-router-padding-for-fp8"], [], "--moe-router-padding-for-fp8"),
+    (["--fp8-format", "e4m3"], [], "--fp8-format e4m3"),
+    (["--fp8-format", "hybrid"], [], "--fp8-format hybrid"),
+    (["--fp4-format", "e2m1"], [], "--fp4-format e2m1"),
+    (["--moe-latent-size", "16"], [], "--moe-latent-size 16"),
+    ([], ["--disable-bias-linear"], "--disable-bias-linear"),
+    (["--moe-permute-fusion"], [], "--moe-permute-fusion"),
+    (["--squared-relu"], ["--swiglu"], "--squared-relu"),
+    (["--quick-geglu"], ["--swiglu"], "--quick-geglu"),
+    (["--glu-linear-offset", "1.0"], [], "--glu-linear-offset 1.0"),
+    (["--activation-func-clamp-value", "7.0"], [], "--activation-func-clamp-value 7.0"),
+    (["--moe-mlp-glu-interleave-size", "16"], [], "--moe-mlp-glu-interleave-size 16"),
+    (["--transformer-impl", "inference_optimized"], [], "--transformer-impl inference_optimized"),
+    ([], ["--num-experts"], "--num-experts"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"], [], "--num-experts (6)"),
+]
+
+
+@pytest.mark.parametrize("add, remove, flag", RULES, ids=[r[2] for r in RULES])
+def test_each_incompatible_combination_names_both_flags(
+    monkeypatch: pytest.MonkeyPatch, add: list[str], remove: list[str], flag: str
+) -> None:
+    argv = without(BASE, *remove) + add
+    stock = megatron_parse(monkeypatch, argv)
+    validate_lrmoe_args(stock)  # without --lrmoe the same flags are fine
+    args = megatron_parse(monkeypatch, argv + ["--lrmoe"])
+    with pytest.raises(ValueError) as info:
+        validate_lrmoe_args(args)
+    message = str(info.value)
+    assert "--lrmoe" in message and flag in message, message
+
+
+def test_rules_also_hold_after_megatron_validate_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's validate_args fills the expert TP size in from the TP size; the rule names it."""
+    from megatron.training import arguments
+    from megatron.training.arguments import validate_args
+
+    # validate_args asks the GPU's architecture when TP > 1; this machine may have none.
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = BASE + ["--lrmoe", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    args = megatron_parse(monkeypatch, argv)
+    validate_args(args, {})
+    assert args.expert_tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="with --expert-tensor-parallel-size 2"):
+        validate_lrmoe_args(args)
+    args = megatron_parse(monkeypatch, argv + ["--expert-tensor-parallel-size", "1"])
+    validate_args(args, {})
+    validate_lrmoe_args(args)

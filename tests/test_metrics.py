@@ -1,0 +1,253 @@
+"""``megatron_lrmoe.metrics``: values written for known calls, and Megatron's tracker zeroing.
+
+The first tests feed hand-made ``CallStats`` (no processes): every reported number is checked
+against a value computed by hand. The last test trains a tiny LRMoE GPT on 2 gloo ranks (EP=2)
+while Megatron's MoE metrics tracker is reported (and so cleared) after every step, as
+``megatron.training`` does, and checks the LRMoE report at the end against the ``CallStats``
+the layers produced, gathered from both ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_lrmoe.metrics import LRMoEMetrics, format_log_string, stock_backward_bytes
+from megatron_lrmoe.stats import CallStats, ExchangeStats
+from megatron_lrmoe.testing import run_distributed
+
+TIMEOUT_S = 180.0
+
+
+class FakeWriter:
+    """TensorBoard ``SummaryWriter`` stand-in."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[str, tuple[float, int]] = {}
+
+    def add_scalar(self, name: str, value: float, iteration: int) -> None:
+        self.scalars[name] = (value, iteration)
+
+
+class FakeWandb:
+    """W&B run stand-in."""
+
+    def __init__(self) -> None:
+        self.logged: dict[str, tuple[float, int]] = {}
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for name, value in values.items():
+            self.logged[name] = (value, step)
+
+
+class FixedTimer:
+    """A ``SpanTimer`` stand-in with known spans."""
+
+    def __init__(self, spans: dict[str, float]) -> None:
+        self.spans = spans
+
+    def milliseconds(self) -> dict[str, float]:
+        return dict(self.spans)
+
+
+def _exchange(bytes_: int, stock_bytes: int) -> ExchangeStats:
+    return ExchangeStats(
+        rows=0, bytes=bytes_, remote_rows=0, remote_bytes=0, stock_rows=0, stock_bytes=stock_bytes
+    )
+
+
+def _trimmed_call() -> CallStats:
+    """Layer 1 at keep 0.5: 50 of 100 pairs kept, a quarter of the score mass dropped."""
+    stats = CallStats(
+        layer_number=1,
+        call_index=0,
+        total_pairs=100,
+        pairs_sent=50,
+        quota_per_expert=[10, 20, 20],
+        tokens_per_expert=[20, 40, 40],
+    )
+    stats.score_total = torch.tensor(4.0)
+    stats.score_kept = torch.tensor(3.0)
+    stats.exchanges = {"grad": _exchange(1000, 2000), "dgrad": _exchange(500, 1500)}
+    stats.timer = FixedTimer({"scoring": 1.0, "selection": 2.0, "packing": 0.5})
+    stats.backward_done = True
+    return stats
+
+
+def _exact_call() -> CallStats:
+    """Layer 2 at keep 1.0: every pair kept, no scores, stock bytes."""
+    stats = CallStats(
+        layer_number=2,
+        call_index=0,
+        total_pairs=60,
+        pairs_sent=30,
+        quota_per_expert=[30, 30],
+        tokens_per_expert=[30, 30],
+    )
+    stats.exchanges = {"grad": _exchange(800, 800)}
+    stats.backward_done = True
+    return stats
+
+
+def test_report_known_calls() -> None:
+    """Averages, per-layer values, both writers and the log string for two known calls."""
+    metrics = LRMoEMetrics(num_layers=2, per_layer=True)
+    metrics.record(1, _trimmed_call())
+    metrics.record(2, _exact_call())
+    unfinished = _trimmed_call()
+    unfinished.backward_done = False  # e.g. a forward whose backward never ran: not counted
+    metrics.record(1, unfinished)
+    writer, wandb = FakeWriter(), FakeWandb()
+
+    scalars = metrics.report(2, writer=writer, wandb_writer=wandb)  # 2 iterations since start
+
+    expected = {
+        "lrmoe/kept_ratio": (50 + 60) / (100 + 60),
+        "lrmoe/dropped_score_fraction": 1.0 / 4.0,
+        "lrmoe/backward_bytes": (1500 + 800) / 2,
+        "lrmoe/backward_bytes_saved": ((3500 + 800) - (1500 + 800)) / 2,
+        "lrmoe/overhead_ms": 3.5 / 2,
+        "lrmoe/kept_ratio_layer_0": 0.5,
+        "lrmoe/dropped_score_fraction_layer_0": 0.25,
+        "lrmoe/backward_bytes_layer_0": 1500 / 2,
+        "lrmoe/backward_bytes_saved_layer_0": 2000 / 2,
+        "lrmoe/overhead_ms_layer_0": 3.5 / 2,
+        "lrmoe/kept_ratio_layer_1": 1.0,
+        "lrmoe/dropped_score_fraction_layer_1": 0.0,
+        "lrmoe/backward_bytes_layer_1": 800 / 2,
+        "lrmoe/backward_bytes_saved_layer_1": 0.0,
+        "lrmoe/overhead_ms_layer_1": 0.0,
+    }
+    assert scalars.keys() == expected.keys()
+    for name, value in expected.items():
+        assert scalars[name] == pytest.approx(value, rel=1e-12), name
+        assert writer.scalars[name] == (pytest.approx(value, rel=1e-12), 2), name
+        assert wandb.logged[name] == (pytest.approx(value, rel=1e-12), 2), name
+    assert metrics.last_log_string == format_log_string(scalars)
+    assert " lrmoe kept: 0.688 |" in metrics.last_log_string
+    assert " lrmoe dropped score: 0.250 |" in metrics.last_log_string
+    assert " lrmoe bwd saved: 1000 B |" in metrics.last_log_string
+    assert " lrmoe overhead: 1.8 ms |" in metrics.last_log_string
+
+    # Everything was consumed: the next interval starts empty and writes nothing.
+    writer2 = FakeWriter()
+    assert metrics.report(3, writer=writer2) == {}
+    assert writer2.scalars == {} and metrics.last_log_string == ""
+
+
+def test_per_iteration_uses_iterations_since_last_report() -> None:
+    metrics = LRMoEMetrics(num_layers=1, start_iteration=10)
+    for _ in range(3):
+        metrics.record(1, _exact_call())
+    scalars = metrics.report(13)  # three iterations, one call each
+    assert scalars["lrmoe/backward_bytes"] == pytest.approx(800.0)
+    metrics.record(1, _exact_call())
+    metrics.record(1, _exact_call())
+    assert metrics.report(14)["lrmoe/backward_bytes"] == pytest.approx(1600.0)
+
+
+def test_layer_number_outside_num_layers_is_an_error() -> None:
+    metrics = LRMoEMetrics(num_layers=1)
+    metrics.record(2, _exact_call())
+    with pytest.raises(ValueError, match="num_layers"):
+        metrics.report(1)
+
+
+def test_stock_backward_bytes_formula() -> None:
+    """Combine backward (sent rows) + dispatch backward (received rows) + fp32 probs."""
+    assert stock_backward_bytes([3, 5], [4, 6], hidden=8, element_size=2) == (8 + 10) * 8 * 2 + 40
+
+
+# ------------------------------------------------------------------------------------------------
+# Two ranks: real layers, Megatron's tracker reported every step.
+# ------------------------------------------------------------------------------------------------
+def _expected_from_stats(per_rank: list[list[tuple[int, dict]]], iterations: int) -> dict:
+    """The report computed by hand from every rank's call summaries."""
+    calls = [c for rank in per_rank for _, c in rank]
+    ranks = len(per_rank)
+    return {
+        "lrmoe/kept_ratio": sum(c["kept"] for c in calls) / sum(c["pairs"] for c in calls),
+        "lrmoe/dropped_score_fraction": sum(c["score_total"] - c["score_kept"] for c in calls)
+        / sum(c["score_total"] for c in calls),
+        "lrmoe/backward_bytes": sum(c["bytes"] for c in calls) / (iterations * ranks),
+        "lrmoe/backward_bytes_saved": sum(c["stock_bytes"] - c["bytes"] for c in calls)
+        / (iterations * ranks),
+        "lrmoe/overhead_ms": sum(c["ms"] for c in calls) / (iterations * ranks),
+    }
+
+
+def _metrics_under_tracker_zeroing(rank: int, world_size: int) -> dict[str, Any]:
+    """Train 3 steps; Megatron's tracker is reported (cleared) every step by the trainer."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_lrmoe import LRMoEConfig, LRMoELayer
+    from megatron_lrmoe.cpu_training import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
+    from megatron_lrmoe.testing import init_megatron_parallel
+
+    init_megatron_parallel(ep=world_size)
+    corpus = load_stdlib_corpus(1 << 20, 64 << 10)
+    shape = ModelShape(hidden_size=32, kv_channels=8, moe_ffn_hidden_size=32, seq_length=32)
+    settings = TrainSettings(steps=3, micro_batch_size=4, num_microbatches=2, eval_interval=100)
+    trainer = Trainer(shape, settings, corpus, lrmoe=LRMoEConfig(keep_ratio=0.5))
+    seen: list[tuple[int, CallStats]] = []
+
+    def keep(layer: Any, args: tuple, output: Any) -> None:
+        if torch.is_grad_enabled():
+            seen.append((layer.layer_number, layer.last_call_stats))
+
+    for module in trainer.model.modules():
+        if isinstance(module, LRMoELayer):
+            module.register_forward_hook(keep)
+    tracker = get_moe_metrics_tracker()
+    zeroed = []
+    for _ in range(settings.steps):
+        # A value recorded in Megatron's tracker under our own name ...
+        tracker.record("lrmoe_kept_ratio", torch.tensor(0.5), layer_number=1, num_layers=2)
+        trainer.train_step()  # ... is cleared by the tracker report the trainer makes each step.
+        zeroed.append(bool((tracker.metrics["lrmoe_kept_ratio"].values == 0).all()))
+    writer = FakeWriter()
+    scalars = trainer.metrics.report(settings.steps, writer=writer)
+    trainer.close()
+    summaries = [
+        (
+            number,
+            {
+                "pairs": s.total_pairs,
+                "kept": sum(s.quota_per_expert),
+                "score_total": float(s.score_total),
+                "score_kept": float(s.score_kept),
+                "bytes": s.backward_bytes,
+                "stock_bytes": s.stock_backward_bytes,
+                "ms": sum(s.timings_ms.values()),
+            },
+        )
+        for number, s in seen
+    ]
+    gathered: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, summaries)
+    return {
+        "scalars": scalars,
+        "writer": writer.scalars,
+        "expected": _expected_from_stats(gathered, settings.steps),
+        "calls": len(seen),
+        "tracker_zeroed": zeroed,
+    }
+
+
+def test_metrics_survive_megatron_tracker_zeroing() -> None:
+    results = run_distributed(_metrics_under_tracker_zeroing, 2, timeout=TIMEOUT_S)
+    for rank, res in enumerate(results):
+        # 3 steps x 2 micro-batches x 2 layers, every one with a finished backward.
+        assert res["calls"] == 12, rank
+        assert all(res["tracker_zeroed"]), "Megatron's tracker report no longer clears entries"
+        assert res["scalars"].keys() == res["expected"].keys()
+        for name, value in res["expected"].items():
+            assert res["scalars"][name] == pytest.approx(value, rel=1e-9), (rank, name)
+            assert res["writer"][name] == (pytest.approx(value, rel=1e-9), 3), (rank, name)
+        assert 0.45 < res["scalars"]["lrmoe/kept_ratio"] < 0.55
+        assert 0.0 < res["scalars"]["lrmoe/dropped_score_fraction"] < 1.0
+        assert res["scalars"]["lrmoe/backward_bytes_saved"] > 0
+    # Every rank reports the same (reduced) numbers.
+    assert results[0]["scalars"] == results[1]["scalars"]

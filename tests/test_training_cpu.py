@@ -1,0 +1,202 @@
+"""End-to-end training on 2 gloo ranks (EP=2) with megatron.core: LRMoE against stock.
+
+One 2-rank run (module-scoped fixture) trains a tiny Qwen3-style MoE GPT through Megatron's DDP,
+optimizer and schedule (``megatron_lrmoe.cpu_training``) and returns loss curves; the tests
+compare them. Runs that should agree start from the same weights and see the same data.
+
+* LRMoE at keep 1.0 against stock: same losses, fp32-tight. Not bit-exact: LRMoE's experts are
+  one grouped GEMM over stacked weights, stock's ``SequentialMLP`` runs one GEMM per expert, and
+  the two sum in different orders.
+* Checkpoints (``megatron.core.dist_checkpointing``, torch_dist, the model's
+  ``sharded_state_dict``) written with LRMoE off load with it on and the reverse: the resumed
+  run's first loss is the uninterrupted run's loss at that step (the forward is exact in both
+  implementations), and it goes on as a run of the other implementation resumed from the same
+  checkpoint does.
+* Optimizer state: Megatron's optimizer ``sharded_state_dict`` works for the stock model (resume
+  is exact) and fails for a model with LRMoE layers (strict xfail, the error is in the reason).
+  Model-only resumes therefore restart Adam's moments.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_lrmoe.testing import run_distributed
+
+WORLD_SIZE = 2
+TIMEOUT_S = 240.0
+SAVE_AT = 3  # checkpoint after this many steps
+STEPS = 6
+RTOL_EXACT = 1e-5  # fp32, same math in a different summation order, over a few steps
+
+
+def _losses(records: list) -> list[float]:
+    return [r.loss for r in records]
+
+
+def _training_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Every run of this module on one rank; returns loss curves and the optimizer error."""
+    import torch
+
+    from megatron_lrmoe import LRMoEConfig
+    from megatron_lrmoe.cpu_training import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
+    from megatron_lrmoe.testing import init_megatron_parallel
+
+    init_megatron_parallel(ep=world_size)
+    corpus = load_stdlib_corpus(1 << 20, 64 << 10)
+    shape = ModelShape(hidden_size=32, kv_channels=8, moe_ffn_hidden_size=32, seq_length=32)
+    settings = TrainSettings(steps=STEPS, micro_batch_size=4, eval_interval=STEPS, warmup_steps=2)
+    keep_half = LRMoEConfig(keep_ratio=0.5)
+    keep_one = LRMoEConfig(keep_ratio=1.0)
+    dirs = {name: str(Path(root) / name) for name in ("stock", "lrmoe", "stock_full")}
+    out: dict[str, Any] = {}
+
+    def uninterrupted(lrmoe: Any, init: Any, save_to: str = "", optimizer: bool = False):
+        trainer = Trainer(shape, settings, corpus, lrmoe=lrmoe, init_from=init)
+        first = trainer.run(steps=SAVE_AT)
+        if save_to:
+            trainer.save(save_to, optimizer=optimizer)
+        rest = trainer.run()
+        trainer.close()
+        return trainer.initial_state, _losses(first + rest)
+
+    def resumed(lrmoe: Any, directory: str, optimizer: bool = False) -> list[float]:
+        trainer = Trainer(shape, settings, corpus, lrmoe=lrmoe, start_step=SAVE_AT)
+        trainer.load(directory, optimizer=optimizer)
+        losses = _losses(trainer.run())
+        trainer.close()
+        return losses
+
+    init, out["stock"] = uninterrupted(None, None, dirs["stock"])
+    _, out["keep1"] = uninterrupted(keep_one, init)
+    _, out["lrmoe"] = uninterrupted(keep_half, init, dirs["lrmoe"])
+    # Stock checkpoint -> LRMoE on (keep 0.5, and keep 1.0), and stock again as the reference.
+    out["stock_to_lrmoe"] = resumed(keep_half, dirs["stock"])
+    out["stock_to_keep1"] = resumed(keep_one, dirs["stock"])
+    out["stock_to_stock"] = resumed(None, dirs["stock"])
+    # LRMoE checkpoint -> LRMoE off, and LRMoE keep 1.0 as the reference.
+    out["lrmoe_to_stock"] = resumed(None, dirs["lrmoe"])
+    out["lrmoe_to_keep1"] = resumed(keep_one, dirs["lrmoe"])
+    # Model + optimizer state: stock only (see the module docstring).
+    _, out["stock_full_uninterrupted"] = uninterrupted(None, init, dirs["stock_full"], True)
+    out["stock_full_resumed"] = resumed(None, dirs["stock_full"], optimizer=True)
+    try:
+        trainer = Trainer(shape, settings, corpus, lrmoe=keep_half)
+        trainer.run(steps=1)
+        trainer.save(str(Path(root) / "lrmoe_full"), optimizer=True)
+        out["lrmoe_optimizer_error"] = ""
+    except Exception as exc:  # noqa: BLE001 - reported by the xfail test
+        out["lrmoe_optimizer_error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    # Every rank must have taken the same path (the save above is collective).
+    flags = torch.tensor([float(bool(out["lrmoe_optimizer_error"]))])
+    torch.distributed.all_reduce(flags)
+    out["optimizer_error_ranks"] = int(flags.item())
+    return out
+
+
+@pytest.fixture(scope="module")
+def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Rank 0's loss curves (losses are all-reduced, so every rank holds the same)."""
+    root = tmp_path_factory.mktemp("lrmoe_training")
+    results = run_distributed(_training_worker, WORLD_SIZE, str(root), timeout=TIMEOUT_S)
+    for name, values in results[0].items():
+        if isinstance(values, list):
+            assert values == results[1][name], f"ranks disagree on {name}"
+    return results[0]
+
+
+def _assert_close(got: list[float], want: list[float], rtol: float, what: str) -> None:
+    assert len(got) == len(want), what
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        assert math.isfinite(a), f"{what}: step {step} loss {a}"
+        assert abs(a - b) <= rtol * abs(b), f"{what}: step {step}: {a!r} vs {b!r}"
+
+
+def test_keep1_losses_equal_stock(curves: dict[str, Any]) -> None:
+    _assert_close(curves["keep1"], curves["stock"], RTOL_EXACT, "LRMoE keep 1.0 vs stock")
+    assert curves["stock"][-1] < curves["stock"][0], "the run does not learn"
+
+
+def test_keep_half_trains(curves: dict[str, Any]) -> None:
+    """Keep 0.5 changes only the backward: the first loss is stock's, later ones stay close."""
+    assert curves["lrmoe"][0] == pytest.approx(curves["stock"][0], rel=RTOL_EXACT)
+    _assert_close(curves["lrmoe"], curves["stock"], 0.01, "LRMoE keep 0.5 vs stock")
+    assert curves["lrmoe"][-1] < curves["lrmoe"][0]
+
+
+def test_stock_checkpoint_resumes_with_lrmoe_on(curves: dict[str, Any]) -> None:
+    resumed_from = curves["stock"][SAVE_AT:]
+    # The first resumed loss is the forward of the saved weights: the uninterrupted curve's.
+    for name in ("stock_to_lrmoe", "stock_to_keep1", "stock_to_stock"):
+        assert curves[name][0] == pytest.approx(resumed_from[0], rel=RTOL_EXACT), name
+    # Then LRMoE goes on exactly as stock resumed from the same checkpoint (fresh Adam) ...
+    _assert_close(curves["stock_to_keep1"], curves["stock_to_stock"], RTOL_EXACT, "keep 1.0")
+    # ... and, trimmed, close to it.
+    _assert_close(curves["stock_to_lrmoe"], curves["stock_to_stock"], 0.01, "keep 0.5")
+
+
+def test_lrmoe_checkpoint_resumes_with_lrmoe_off(curves: dict[str, Any]) -> None:
+    resumed_from = curves["lrmoe"][SAVE_AT:]
+    for name in ("lrmoe_to_stock", "lrmoe_to_keep1"):
+        assert curves[name][0] == pytest.approx(resumed_from[0], rel=RTOL_EXACT), name
+    _assert_close(curves["lrmoe_to_stock"], curves["lrmoe_to_keep1"], RTOL_EXACT, "LRMoE off")
+
+
+def test_model_only_resume_continues_the_curve(curves: dict[str, Any]) -> None:
+    """With Adam restarted, the resumed curve stays near the uninterrupted one."""
+    _assert_close(curves["stock_to_stock"], curves["stock"][SAVE_AT:], 0.02, "model-only resume")
+
+
+def test_stock_optimizer_checkpoint_resumes_exactly(curves: dict[str, Any]) -> None:
+    """Model + Megatron optimizer state + LR schedule: the resumed curve is the same curve."""
+    _assert_close(
+        curves["stock_full_resumed"],
+        curves["stock_full_uninterrupted"][SAVE_AT:],
+        RTOL_EXACT,
+        "stock resume with optimizer state",
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "megatron's optimizer.sharded_state_dict maps optimizer state to checkpoint keys by "
+        "parameter identity (get_param_id_to_sharded_param_map); LRMoE's stacked expert weights "
+        "are presented as per-expert views, so it raises ValueError: Param id 0 does not match "
+        "any model sharded param"
+    ),
+)
+def test_lrmoe_optimizer_checkpoint(curves: dict[str, Any]) -> None:
+    assert curves["optimizer_error_ranks"] in (0, WORLD_SIZE), "ranks disagree"
+    assert not curves["lrmoe_optimizer_error"], curves["lrmoe_optimizer_error"]
+
+
+def test_corpus_split_is_by_file_and_skips_site_packages(tmp_path: Path) -> None:
+    """Validation files are chosen by a hash of the relative path; site-packages is not stdlib."""
+    import zlib
+
+    from megatron_lrmoe.cpu_training import load_stdlib_corpus
+
+    names = [f"pkg{i % 4}/mod_{i:03d}.py" for i in range(64)]
+    for name in names:
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"# {name}\n" + "x = 1\n" * 700)
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "third_party.py").write_text("# third_party\n" * 1000)
+
+    corpus = load_stdlib_corpus(root=str(tmp_path))
+    train = bytes(corpus.train.tolist()).decode()
+    valid = bytes(corpus.valid.tolist()).decode()
+    want_valid = {n for n in names if zlib.crc32(n.encode()) % 16 == 0}
+    assert want_valid and corpus.valid_files == len(want_valid)
+    assert corpus.train_files == len(names) - len(want_valid)
+    for name in names:
+        assert (f"# {name}\n" in valid) == (name in want_valid), name
+        assert (f"# {name}\n" in train) == (name not in want_valid), name
+    assert "third_party" not in train + valid

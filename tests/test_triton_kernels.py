@@ -1,0 +1,407 @@
+"""Fused Triton kernels (``ops/triton_kernels.py``) against the torch paths they replace.
+
+Shape legend: N rows, K gathered rows (``len(index)``), H row width, F activation width,
+F1 = 2F if gated.
+
+How the kernels run without a GPU: Triton's interpreter executes the kernel bodies with numpy
+on host tensors. It has to be switched on (``TRITON_INTERPRET=1``) before triton is first
+imported, because triton wraps its own helpers (``tl.zeros``, the ``tl.sum`` combine function)
+at import time, and this process has imported triton already (megatron.core does). So
+``test_kernels_in_interpreter_subprocess`` re-runs this module's ``test_interp_*`` tests in a
+subprocess with the variable set; in this process they are skipped, and no other test module
+sees the variable.
+
+Tolerances (against the torch path of the same op, same dtype):
+    scale_rows: fp32 bit-exact (one fp32 product either way). bf16/fp16: 1 ulp under the
+        interpreter, which rounds fp32 -> bf16 by truncation; bit-exact on the GPU.
+    activation: 1 ulp of the output dtype (2 for fp32, whose exp/erf differ by an ulp between
+        libraries), plus 16 fp32 epsilons of the tensor's largest magnitude for elements where
+        fp32 itself cancels (GELU's negative tail, the SiLU derivative's zero crossing).
+    row_dot: 1 ulp of the output dtype plus 1e-5 of the row's ``sum |a * b|`` (fp32 sums in a
+        different order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lrmoe.ops import GluSpec, act_backward, act_forward, rowwise, triton_kernels
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+interp = pytest.mark.skipif(
+    not INTERPRETING,
+    reason="runs in the TRITON_INTERPRET=1 subprocess of test_kernels_in_interpreter_subprocess",
+)
+cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+SPECS = [GluSpec(g, k) for g in (True, False) for k in ("silu", "gelu")]
+SPEC_IDS = [f"{'glu_' if s.gated else ''}{s.kind}" for s in SPECS]
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of ``dtype`` at ``|x|`` (fp64; subnormals count as the smallest normal)."""
+    info = torch.finfo(dtype)
+    _, e = torch.frexp(x.double().abs().clamp_min(info.tiny))
+    # |x| = m * 2^e with m in [0.5, 1): the ulp is eps * 2^(e - 1).
+    return torch.ldexp(torch.full(x.shape, info.eps, dtype=torch.float64), e - 1)
+
+
+def assert_within(
+    got: torch.Tensor, ref: torch.Tensor, ulps: float, rel_atol: float = 0.0, what: str = ""
+) -> None:
+    """``|got - ref| <= ulps * ulp(ref) + rel_atol * max|ref|`` elementwise, same dtype/shape."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (got.dtype, ref.dtype, got.shape)
+    if ref.numel() == 0:
+        return
+    err = (got.double() - ref.double()).abs()
+    tol = ulps * _ulp(ref, ref.dtype) + rel_atol * ref.double().abs().max()
+    bad = ~(err <= tol)  # NaN counts as bad
+    if bad.any():
+        i = int(torch.argmax(torch.where(bad, err - tol, torch.zeros_like(err))))
+        flat_g, flat_r = got.reshape(-1), ref.reshape(-1)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements off; e.g. flat[{i}] got "
+            f"{flat_g[i].item()!r} ref {flat_r[i].item()!r} (tol {tol.reshape(-1)[i].item():.3g})"
+        )
+
+
+def _act_ulps(dtype: torch.dtype) -> float:
+    return 2.0 if dtype == torch.float32 else 1.0
+
+
+def _check_row_dot(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    mag = (a.double() * b.double()).abs().sum(-1)
+    tol = _ulp(ref, ref.dtype) + 1e-5 * mag
+    err = (got.double() - ref.double()).abs()
+    assert bool((err <= tol).all()), f"row_dot off by {(err - tol).max().item():.3g} over tol"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --------------------------------------------------------------------------------------------
+# run in this process: the switch, the import guard, the torch index path, the checker
+# --------------------------------------------------------------------------------------------
+
+
+def test_use_triton_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
+    x = torch.zeros(2, 3)
+    assert not triton_kernels.use_triton(x)  # host tensors always take the torch path
+    assert not triton_kernels.use_triton()
+    if HAS_CUDA and triton_kernels.triton_available():
+        y = x.cuda()
+        assert triton_kernels.use_triton(y)
+        assert not triton_kernels.use_triton(y, x)
+        monkeypatch.setenv(triton_kernels.TRITON_ENV, "0")
+        assert not triton_kernels.use_triton(y)
+
+
+class _BrokenTritonFinder:
+    """A meta-path finder that makes ``import triton`` raise a non-ImportError."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "triton" or name.startswith("triton."):
+            raise RuntimeError("simulated broken triton install")
+        return None
+
+
+@pytest.mark.parametrize("how", ["missing", "broken"])
+def test_missing_or_broken_triton_falls_back(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    # Hide triton from this process for the duration of the test (monkeypatch restores it).
+    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+        if how == "missing":
+            monkeypatch.setitem(sys.modules, name, None)
+        else:
+            monkeypatch.delitem(sys.modules, name)
+    if how == "broken":
+        monkeypatch.setattr(sys, "meta_path", [_BrokenTritonFinder(), *sys.meta_path])
+    triton_kernels.triton_available.cache_clear()
+    try:
+        assert not triton_kernels.triton_available()
+        # The kernels module itself imports nothing from triton at module level.
+        spec = importlib.util.spec_from_file_location("tk_copy", triton_kernels.__file__)
+        assert spec is not None and spec.loader is not None
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        rows = torch.randn(5, 4)
+        s = torch.rand(5)
+        ref = (rows * s[:, None]).to(rows.dtype)
+        assert torch.equal(rowwise.scale_rows(rows, s), ref)
+    finally:
+        triton_kernels.triton_available.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [0, 1, 9, 40])
+def test_scale_rows_index_torch_path(monkeypatch: pytest.MonkeyPatch, dtype, k: int) -> None:
+    monkeypatch.setattr(rowwise, "CHUNK_ROWS", 16)  # several chunks, a ragged last one
+    g = _gen(k)
+    rows = torch.randn(13, 12, generator=g).to(dtype)
+    index = torch.randint(0, 13, (k,), generator=g)
+    scale = torch.rand(k, generator=g)
+    got = rowwise.scale_rows(rows, scale, index)
+    # scale is indexed by the output row i, not by index[i].
+    assert torch.equal(got, (rows[index].float() * scale.unsqueeze(-1)).to(dtype))
+    with pytest.raises(IndexError):
+        rowwise.scale_rows(rows, torch.rand(2), torch.tensor([0, 13]))
+
+
+def test_assert_within_can_fail() -> None:
+    ref = torch.tensor([1.0, 3.0, -0.5], dtype=torch.bfloat16)
+    one_ulp = (ref.float() + _ulp(ref, torch.bfloat16).float()).to(torch.bfloat16)
+    assert_within(one_ulp, ref, ulps=1)
+    two_ulps = (ref.float() + 2 * _ulp(ref, torch.bfloat16).float()).to(torch.bfloat16)
+    with pytest.raises(AssertionError, match="elements off"):
+        assert_within(two_ulps, ref, ulps=1)
+    with pytest.raises(AssertionError):
+        assert_within(torch.tensor([float("nan")]), torch.tensor([1.0]), ulps=1)
+
+
+@pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter subprocess")
+def test_kernels_in_interpreter_subprocess() -> None:
+    pytest.importorskip("triton")
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_"]
+    proc = subprocess.run(
+        [*cmd, str(Path(__file__).resolve())],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    summary = out.strip().splitlines()[-1] if out.strip() else ""
+    assert proc.returncode == 0, f"interpreter run failed (rc {proc.returncode}):\n{out[-6000:]}"
+    passed = re.search(r"(\d+) passed", summary)
+    # Every selected test must have run: a skip here would mean the interpreter was not on.
+    assert passed and int(passed.group(1)) >= 80, summary
+    assert not re.search(r"skipped|failed|error", summary), summary
+
+
+# --------------------------------------------------------------------------------------------
+# run under TRITON_INTERPRET=1 (subprocess): each kernel against the torch path, host tensors
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 512-element tiles: with 64-wide column blocks a program covers 8 rows, so the small N
+    # below span several row blocks with a ragged last one (as 4096-element tiles do at scale).
+    monkeypatch.setattr(triton_kernels, "_TILE", 512)
+
+
+def _rows_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """Same values as ``x`` ([N, H]) in the named memory layout."""
+    if layout == "row_strided":  # a column slice of a wider buffer: row stride > H
+        wide = torch.zeros(x.shape[0], x.shape[1] + 24, dtype=x.dtype)
+        wide[:, 3 : 3 + x.shape[1]] = x
+        return wide[:, 3 : 3 + x.shape[1]]
+    if layout == "transposed":  # column stride != 1: the launcher copies
+        return x.t().contiguous().t()
+    return x
+
+
+# (N, column block, layout): N = 0, 1 and odd sizes over several ragged row and column blocks.
+ROW_CASES = [
+    (0, 64, "contiguous"),
+    (1, None, "transposed"),
+    (7, 64, "row_strided"),
+    (37, 64, "transposed"),
+    (37, None, "row_strided"),
+]
+ROW_CASE_IDS = [f"n{n}-bh{b or 'auto'}-{lay}" for n, b, lay in ROW_CASES]
+
+
+@interp
+@pytest.mark.parametrize("n, block_h, layout", ROW_CASES, ids=ROW_CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_scale_rows(small_tiles, dtype, n: int, block_h, layout: str) -> None:
+    g = _gen(100 + n)
+    h = 200  # not a multiple of 64 (4 column blocks, the last one ragged)
+    rows = _rows_layout(torch.randn(n, h, generator=g).to(dtype), layout)
+    scale = torch.rand(n, generator=g)  # fp32, like the router probs
+    got = triton_kernels.scale_rows_triton(rows, scale, block_h=block_h)
+    ref = rowwise.scale_rows(rows, scale)
+    if dtype == torch.float32:
+        assert torch.equal(got, ref)
+    else:
+        assert_within(got, ref, ulps=1, what="scale_rows")
+    # Same-dtype scale (bf16 x bf16 multiplies in bf16 on the torch side).
+    scale_lp = scale.to(dtype)
+    got = triton_kernels.scale_rows_triton(rows, scale_lp, block_h=block_h)
+    assert_within(got, rowwise.scale_rows(rows, scale_lp), ulps=1, what="same-dtype scale")
+
+
+@interp
+@pytest.mark.parametrize(
+    "k, index_dtype",
+    [(0, torch.int64), (1, torch.int32), (19, torch.int64), (53, torch.int32)],
+    ids=["k0-i64", "k1-i32", "k19-i64", "k53-i32"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_scale_rows_gather(small_tiles, dtype, k: int, index_dtype) -> None:
+    g = _gen(200 + k)
+    n, h = 23, 200
+    rows = _rows_layout(torch.randn(n, h, generator=g).to(dtype), "row_strided")
+    index = torch.randint(0, n, (k,), generator=g).to(index_dtype)  # repeats, any order
+    scale = torch.rand(k, generator=g)
+    got = triton_kernels.scale_rows_triton(rows, scale, index, block_h=64)
+    ref = rowwise.scale_rows(rows, scale, index.long())
+    assert got.shape == (k, h)
+    if dtype == torch.float32:
+        assert torch.equal(got, ref)
+    else:
+        assert_within(got, ref, ulps=1, what="gathered scale_rows")
+    # A non-contiguous index (every other element of a longer one).
+    long_index = torch.randint(0, n, (2 * k,), generator=g).to(index_dtype)
+    got = triton_kernels.scale_rows_triton(rows, scale, long_index[::2], block_h=64)
+    ref = rowwise.scale_rows(rows, scale, long_index[::2].long())
+    assert_within(got, ref, ulps=0 if dtype == torch.float32 else 1, what="strided index")
+
+
+@interp
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["out32", "out16"])
+@pytest.mark.parametrize("n, block_h, layout", ROW_CASES, ids=ROW_CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_row_dot(small_tiles, dtype, n: int, block_h, layout: str, out_dtype) -> None:
+    g = _gen(300 + n)
+    a = _rows_layout(torch.randn(n, 200, generator=g).to(dtype), layout)
+    b = _rows_layout(torch.randn(n, 200, generator=g).to(dtype), "row_strided")
+    got = triton_kernels.row_dot_triton(a, b, out_dtype, block_h=block_h)
+    _check_row_dot(got, a, b, rowwise.row_dot(a, b, out_dtype))
+
+
+@interp
+@pytest.mark.parametrize(
+    "shape, block_f",
+    [((0,), 32), ((1,), None), ((37,), 32), ((3, 11), None)],
+    ids=["n0-bf32", "n1-bfauto", "n37-bf32", "3d-bfauto"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_interp_activation(small_tiles, spec: GluSpec, dtype, block_f, shape) -> None:
+    f = 100  # not a multiple of 32 (4 column blocks, the last one ragged)
+    g = _gen(400 + len(shape) + shape[0])
+    # Wide range so both tails and the curved middle of silu/gelu are exercised; built as a
+    # column slice of a wider buffer so the input rows are strided.
+    wide = (torch.randn(*shape, f * spec.fc1_multiplier + 8, generator=g) * 4.0).to(dtype)
+    h = wide[..., 5 : 5 + f * spec.fc1_multiplier]
+    d_a = torch.randn(*shape, f, generator=g).to(dtype)
+    ulps, rel = _act_ulps(dtype), 16 * FP32_EPS
+
+    got = triton_kernels.act_forward_triton(h, spec.gated, spec.kind, block_f=block_f)
+    assert_within(got, act_forward(h, spec), ulps, rel, what="act_forward")
+
+    got = triton_kernels.act_backward_triton(d_a, h, spec.gated, spec.kind, block_f=block_f)
+    assert_within(got, act_backward(d_a, h, spec), ulps, rel, what="act_backward")
+
+
+@interp
+def test_interp_launchers_reject_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="scale has"):
+        triton_kernels.scale_rows_triton(torch.randn(4, 8), torch.rand(3))
+    with pytest.raises(ValueError, match="index"):
+        triton_kernels.scale_rows_triton(torch.randn(4, 8), torch.rand(2), torch.zeros(2))
+    with pytest.raises(TypeError, match="dtype"):
+        triton_kernels.row_dot_triton(
+            torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8), torch.float32
+        )
+    with pytest.raises(ValueError, match="does not match"):
+        triton_kernels.act_backward_triton(torch.randn(3, 5), torch.randn(3, 8), True, "silu")
+    with pytest.raises(ValueError, match="power of two"):
+        triton_kernels.act_forward_triton(torch.randn(3, 8), False, "silu", block_f=24)
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA: the dispatching ops on the GPU, realistic Qwen3-30B-A3B shapes, against LRMOE_TRITON=0
+# --------------------------------------------------------------------------------------------
+
+
+def _torch_path(monkeypatch: pytest.MonkeyPatch, fn, *args):
+    with monkeypatch.context() as m:
+        m.setenv(triton_kernels.TRITON_ENV, "0")
+        return fn(*args)
+
+
+def _ms(fn, *args, reps: int = 5) -> float:
+    fn(*args)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn(*args)
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / reps
+
+
+@cuda
+@pytest.mark.skipif(not triton_kernels.triton_available(), reason="needs triton")
+@pytest.mark.skipif(INTERPRETING, reason="compiled kernels only")
+def test_cuda_realistic_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
+    torch.manual_seed(0)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    n, hid, f = 131072, 2048, 768
+    x = torch.randn(n, hid, device=dev, dtype=bf16)
+    y = torch.randn(n, hid, device=dev, dtype=bf16)
+    probs = torch.rand(n, device=dev)
+    index = torch.randperm(n, device=dev)[: n // 3]
+    timings: dict[str, tuple[float, float]] = {}
+
+    with torch.no_grad():
+        for name, fn, args in [
+            ("scale_rows", rowwise.scale_rows, (x, probs)),
+            ("scale_rows[index]", rowwise.scale_rows, (x, probs[: index.numel()], index)),
+        ]:
+            got, ref = fn(*args), _torch_path(monkeypatch, fn, *args)
+            assert torch.equal(got, ref), name  # RNE on the GPU: bit-exact
+            timings[name] = (
+                _ms(fn, *args),
+                _ms(lambda *a: _torch_path(monkeypatch, fn, *a), *args),
+            )
+
+        got = rowwise.row_dot(x, y, torch.float32)
+        _check_row_dot(got, x, y, _torch_path(monkeypatch, rowwise.row_dot, x, y, torch.float32))
+
+        for spec in SPECS:
+            h = torch.randn(n, f * spec.fc1_multiplier, device=dev, dtype=bf16) * 4
+            d_a = torch.randn(n, f, device=dev, dtype=bf16)
+            a = act_forward(h, spec)
+            assert_within(a, _torch_path(monkeypatch, act_forward, h, spec), 1, 16 * FP32_EPS)
+            dh = act_backward(d_a, h, spec)
+            ref = _torch_path(monkeypatch, act_backward, d_a, h, spec)
+            assert_within(dh, ref, 1, 16 * FP32_EPS, what=f"act_backward {spec}")
+            if spec.gated and spec.kind == "silu":
+                timings["swiglu fwd"] = (
+                    _ms(act_forward, h, spec),
+                    _ms(lambda *a: _torch_path(monkeypatch, act_forward, *a), h, spec),
+                )
+                timings["swiglu bwd"] = (
+                    _ms(act_backward, d_a, h, spec),
+                    _ms(lambda *a: _torch_path(monkeypatch, act_backward, *a), d_a, h, spec),
+                )
+    for name, (fast, slow) in timings.items():
+        print(f"{name:>20}: triton {fast:.3f} ms, torch {slow:.3f} ms")
