@@ -89,25 +89,31 @@ def build_parser() -> argparse.ArgumentParser:
             "text of the Python standard library's sources (no download). Prints a comparison "
             "table and writes loss_vs_time.png and results.json."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--keep-ratio",
         type=float,
         default=0.5,
-        help="fraction of each expert's token-expert pairs kept in the LRMoE backward",
+        help="fraction of each expert's token-expert pairs kept in the LRMoE backward "
+        "(default %(default)s)",
     )
     parser.add_argument(
-        "--selection", choices=SELECTIONS, default="sample", help="which pairs LRMoE keeps"
+        "--selection",
+        choices=SELECTIONS,
+        default="sample",
+        help="which pairs LRMoE keeps (default %(default)s)",
     )
     parser.add_argument(
-        "--scope", choices=SCOPES, default="local", help="select per source rank or per expert"
+        "--scope",
+        choices=SCOPES,
+        default="local",
+        help="select per source rank or per expert (default %(default)s)",
     )
     parser.add_argument(
         "--activation-mode",
         choices=ACTIVATION_MODES,
         default="save",
-        help="what the expert side keeps for backward",
+        help="what the expert side keeps for backward (default %(default)s)",
     )
     parser.add_argument(
         "--steps", type=int, default=None, help="training steps per run (default 200; --quick 12)"
@@ -122,14 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "--out-dir", default="lrmoe_demo_out", help="where loss_vs_time.png and results.json go"
+        "--out-dir",
+        # runs/ is git-ignored; scripts/demo.sh runs from the repository root.
+        default=os.path.join("runs", "lrmoe-demo"),
+        help="where loss_vs_time.png and results.json go (default %(default)s)",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smaller model and 12 steps (about half a minute; what the tests run)",
+        help="a smaller model and 12 steps (well under a minute; what the tests run)",
     )
-    parser.add_argument("--seed", type=int, default=1234, help="weights, data order, sampling")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="seeds weights, data order and sampling (default %(default)s)",
+    )
     parser.add_argument(
         "--verbose", action="store_true", help="show Megatron's warnings and log messages"
     )
@@ -349,7 +363,9 @@ def plot(runs: dict[str, list[dict]], target: float, labels: dict[str, str], pat
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss (nats/byte)")
         ax.grid(alpha=0.3)
-    first_evals = [r["valid_loss"] for rs in runs.values() for r in rs if r["valid_loss"]][:1]
+    first_evals = [
+        r["valid_loss"] for rs in runs.values() for r in rs if r["valid_loss"] is not None
+    ][:1]
     if first_evals:  # the first steps' losses would squash the interesting part
         bottom = min(min(r["loss"] for r in rs) for rs in runs.values()) - 0.05
         for ax in (ax_time, ax_step):
@@ -383,7 +399,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
     from megatron_lrmoe.config import LRMoEConfig
-    from megatron_lrmoe.testing import run_distributed
+    from megatron_lrmoe.testing import DistributedTestError, run_distributed
 
     lrmoe = LRMoEConfig(
         keep_ratio=args.keep_ratio,
@@ -407,7 +423,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     print(
         f"lrmoe-demo: {WORLD_SIZE} CPU ranks (gloo, EP={WORLD_SIZE}); {settings['steps']} steps "
-        f"of stock Megatron MoE, then {label}; model {shape}",
+        f"each of stock Megatron MoE and {label}, alternating step by step; model {shape}",
         flush=True,
     )
     started = time.perf_counter()
@@ -419,6 +435,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.environ["PYTHONWARNINGS"] = "ignore"
     try:
         per_rank = run_distributed(_demo_rank, WORLD_SIZE, plan, timeout=timeout)
+    except DistributedTestError as e:
+        print(
+            f"lrmoe-demo: a rank failed (rerun with --verbose for Megatron's messages)\n{e}",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         if saved_warnings is None:
             os.environ.pop("PYTHONWARNINGS", None)

@@ -345,7 +345,8 @@ def _fill_backward_stats(
         recv_kept, rank, hidden * elem, int(plan.recv_counts.sum()), hidden * elem
     )
     # Stock also sends one routing-weight gradient per pair back; LRMoE computes it at source.
-    stats.exchanges["probs_grad"] = ExchangeStats(0, 0, 0, 0, int(plan.recv_counts.sum()), 4)
+    recv_rows = int(plan.recv_counts.sum())
+    stats.exchanges["probs_grad"] = ExchangeStats(0, 0, 0, 0, recv_rows, recv_rows * 4)
     if not call.lrmoe.is_exact and plan.ep_size > 1:
         if call.lrmoe.scope == "global":
             stats.exchanges["scores"] = _exchange_stats(plan.send_counts, rank, 4, 0, 0)
