@@ -34,6 +34,19 @@ the examples keep the real model's vocabulary size so the output layer has its r
 Megatron-specific trap handled here: ``megatron.training`` runs ``make`` to compile its dataset
 helper, which fails with the wheel although the wheel ships the compiled helper
 (``megatron_lrmoe.megatron.compat.use_prebuilt_dataset_helpers``).
+
+Statistics. With ``--lrmoe`` the LRMoE statistics (``megatron_lrmoe.metrics.LRMoEMetrics``: kept
+ratio, dropped score fraction, backward bytes and bytes saved, overhead) are reduced over all
+ranks at every ``--log-interval`` (and the first iteration), written as ``lrmoe/...`` scalars to
+Megatron's TensorBoard and W&B writers (per layer with ``--moe-per-layer-logging``) and printed
+in a line right after Megatron's iteration line::
+
+     [...] iteration      100/   10000 | consumed samples: ... | lm loss: ... | ...
+     [...] iteration      100/   10000 | lrmoe kept: 0.500 | lrmoe dropped score: 0.213 | ...
+
+``megatron.training.training_log`` has no hook for this; ``megatron_lrmoe.megatron.
+training_hooks`` explains the explicit, version-checked wrappers ``main`` installs. Without
+``--lrmoe`` nothing is installed.
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 from megatron_lrmoe.megatron import compat
 from megatron_lrmoe.megatron.args import add_lrmoe_args, validate_lrmoe_args
 from megatron_lrmoe.megatron.model import gpt_model_config_from_args
+from megatron_lrmoe.megatron.training_hooks import install_lrmoe_training_log
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +347,9 @@ def main() -> None:
         check_args(args)
     except ValueError as e:
         raise SystemExit(f"pretrain_lrmoe.py: error: {e}") from e
+    # --lrmoe only: LRMoE statistics at --log-interval, in a line after Megatron's iteration line
+    # and as lrmoe/... TensorBoard / W&B scalars (megatron_lrmoe.megatron.training_hooks).
+    install_lrmoe_training_log(args)
     # After our parse: it re-parses sys.argv without our flags and would mishandle --help.
     run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     model_config = gpt_model_config_from_args(args)

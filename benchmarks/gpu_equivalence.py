@@ -28,12 +28,9 @@ def _grads(layer: Any, x: torch.Tensor, up: torch.Tensor) -> dict[str, torch.Ten
     out, _ = layer(x)
     out.backward(up.to(out.dtype))
     res = {"out": out.detach().float(), "dx": x.grad.float(), "router": layer.router.weight.grad.float()}
-    if hasattr(layer.experts, "weight1"):
-        res["fc1"] = layer.experts.weight1.grad.float()
-        res["fc2"] = layer.experts.weight2.grad.float()
-    else:
-        res["fc1"] = torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]).float()
-        res["fc2"] = torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]).float()
+    # Stock SequentialMLP and LRGroupedMLP share the per-expert parameter layout.
+    res["fc1"] = torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]).float()
+    res["fc2"] = torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]).float()
     for p in layer.parameters():
         p.grad = None
     return res

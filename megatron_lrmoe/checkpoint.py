@@ -1,30 +1,19 @@
-"""Checkpoint compatibility of ``LRGroupedMLP`` with Megatron's ``SequentialMLP``.
+"""``sharded_state_dict`` of ``LRGroupedMLP``, identical to Megatron's ``SequentialMLP``'s.
 
 Shape legend: L local experts, E = EP * L global experts, H hidden, F expert FFN width,
-F1 = 2F when gated (SwiGLU, gate half first). ``weight1[i]: [F1, H]`` <->
-``local_experts.{i}.linear_fc1.weight`` and ``weight2[i]: [H, F]`` <->
-``local_experts.{i}.linear_fc2.weight``.
+F1 = 2F when gated (SwiGLU, gate half first).
 
-Two views are provided:
-
-* ``state_dict`` / ``load_state_dict`` (hooks): the stacked parameters are presented under
-  SequentialMLP's per-expert names, in SequentialMLP's order, and accepted under them on load, so
-  a ``torch.save`` checkpoint written with LRMoE on loads with it off and vice versa.
-* ``sharded_state_dict`` (:func:`sequential_mlp_sharded_state_dict`): the same local keys,
-  global keys, shapes, offsets, replica ids and SwiGLU factories as
-  ``SequentialMLP.sharded_state_dict``, so Megatron distributed checkpoints (torch_dist) move
-  freely between this module, ``SequentialMLP`` and ``TEGroupedMLP`` and across EP sizes.
-
-Not covered: optimizer checkpoints that match optimizer parameters to model ``ShardedTensor``
-objects by identity (``get_param_id_to_sharded_param_map``, and the distributed optimizer's
-``fully_reshardable`` / ``dp_zero_gather_scatter`` / ``fully_sharded_model_space`` formats).
-Those look for ``weight1`` / ``weight2`` themselves, while each ``ShardedTensor`` here holds
-one expert's slice of them.
+``LRGroupedMLP`` keeps SequentialMLP's parameter names (``local_experts.{i}.linear_fc1.weight``
+and ``...linear_fc2.weight``), so plain ``state_dict`` needs nothing special.
+:func:`sequential_mlp_sharded_state_dict` builds the same local keys, global keys, shapes,
+offsets, replica ids and SwiGLU factories as ``SequentialMLP.sharded_state_dict``, with the
+parameters themselves as data, so Megatron distributed checkpoints (model and optimizer) move
+freely between this module, ``SequentialMLP`` and ``TEGroupedMLP`` and across EP sizes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -37,48 +26,10 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import get_pg_size
 
-_PROJ = (("weight1", "linear_fc1"), ("weight2", "linear_fc2"))
 # Tensor-parallel axis of each projection's weight, as ColumnParallelLinear (fc1, output dim)
 # and RowParallelLinear (fc2, input dim) declare it in their sharded_state_dict.
 _TP_AXIS_MAP = {"linear_fc1": {"weight": 0, "bias": 0}, "linear_fc2": {"weight": 1}}
 _EXTRA_STATE = "_extra_state"
-
-
-def expert_key(prefix: str, index: int, proj: str, leaf: str = "weight") -> str:
-    """SequentialMLP's state-dict key of one expert's projection."""
-    return f"{prefix}local_experts.{index}.{proj}.{leaf}"
-
-
-def _to_sequential_keys(module: torch.nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-    """State-dict hook: ``weight1``/``weight2`` -> per-expert SequentialMLP entries."""
-    stacked = {proj: state_dict.pop(prefix + name, None) for name, proj in _PROJ}
-    num = next((v.shape[0] for v in stacked.values() if v is not None), 0)
-    # Expert-major order, as SequentialMLP's ModuleList of MLPs emits it.
-    for i in range(num):
-        for proj, value in stacked.items():
-            if value is None:
-                continue
-            state_dict[expert_key(prefix, i, proj)] = value[i]
-            # SequentialMLP's local linears carry an (empty) extra state entry.
-            state_dict[expert_key(prefix, i, proj, _EXTRA_STATE)] = None
-
-
-def _from_sequential_keys(module: torch.nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-    """Load pre-hook: per-expert SequentialMLP entries -> stacked ``weight1``/``weight2``."""
-    num = module.num_local_experts
-    for stacked, proj in _PROJ:
-        keys = [expert_key(prefix, i, proj) for i in range(num)]
-        if not all(k in state_dict for k in keys):
-            continue  # strict loading reports the missing keys
-        state_dict[prefix + stacked] = torch.stack([state_dict.pop(k) for k in keys])
-        for i in range(num):
-            state_dict.pop(expert_key(prefix, i, proj, _EXTRA_STATE), None)
-
-
-def install_sequential_mlp_state_dict_hooks(module: torch.nn.Module) -> None:
-    """Make ``module.state_dict()`` / ``load_state_dict`` speak SequentialMLP's key names."""
-    module._register_state_dict_hook(_to_sequential_keys)
-    module._register_load_state_dict_pre_hook(_from_sequential_keys, with_module=True)
 
 
 def _expert_tp_group(module: torch.nn.Module) -> Optional[torch.distributed.ProcessGroup]:
@@ -112,7 +63,7 @@ def sequential_mlp_sharded_state_dict(
     SequentialMLP's for the same config and EP rank.
 
     Args:
-        module: an ``LRGroupedMLP`` (``weight1 [L, F1, H]``, ``weight2 [L, H, F]``,
+        module: an ``LRGroupedMLP`` (``local_experts[i].linear_fc{1,2}.weight``,
             ``num_local_experts``, ``ep_group``, ``dp_group`` (expert DP), ``config``).
         prefix: state-dict prefix of the module, e.g. ``"decoder.layers.0.mlp.experts."``.
         sharded_offsets: offsets already applied by parent modules (e.g. the layer axis).
@@ -120,9 +71,8 @@ def sequential_mlp_sharded_state_dict(
             ``singleton_local_shards`` selects one global key per expert, as in SequentialMLP.
 
     Returns:
-        Local key -> ``ShardedTensor`` / ``ShardedTensorFactory`` / ``ShardedObject``. Each
-        tensor's data is a view of ``weight1[i]`` / ``weight2[i]``, so saving reads the live
-        weights and an in-place load writes them.
+        Local key -> ``ShardedTensor`` / ``ShardedTensorFactory`` / ``ShardedObject``; each
+        tensor's data is the expert's parameter itself, as in SequentialMLP.
     """
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     singleton_local_shards = metadata.get("singleton_local_shards", False)
@@ -132,8 +82,6 @@ def sequential_mlp_sharded_state_dict(
     num_global = module.ep_group.size() * num_local
     first_global = module.ep_group.rank() * num_local
     expert_dp_rank = module.dp_group.rank()
-    # Detached views share the parameters' storage but not their autograd history.
-    stacked = {proj: getattr(module, name).detach() for name, proj in _PROJ}
 
     sharded_state_dict: ShardedStateDict = {}
     for local_idx in range(num_local):
@@ -149,10 +97,12 @@ def sequential_mlp_sharded_state_dict(
                 (len(sharded_offsets), global_idx, num_global),
             )
         expert_sd: ShardedStateDict = {}
-        for proj, weights in stacked.items():
-            # What Column/RowParallelLinear.state_dict(keep_vars=True) holds: no bias (LRMoE
-            # rejects add_bias_linear) and the None extra state of a local linear.
-            local_sd = {"weight": weights[local_idx], _EXTRA_STATE: None}
+        for proj in ("linear_fc1", "linear_fc2"):
+            # What Column/RowParallelLinear.state_dict(keep_vars=True) holds: the parameter
+            # itself (the optimizer maps its state to it by identity), no bias (LRMoE rejects
+            # add_bias_linear) and the None extra state of a local linear.
+            weight = getattr(module.local_experts[local_idx], proj).weight
+            local_sd = {"weight": weight, _EXTRA_STATE: None}
             proj_sd = make_sharded_tensors_for_checkpoint(
                 local_sd,
                 f"{local_prefix}{proj}.",

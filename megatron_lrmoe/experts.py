@@ -1,17 +1,19 @@
-"""Grouped expert MLP with stacked weights, satisfying Megatron-Core's experts interface.
+"""Grouped expert MLP with SequentialMLP's parameters, satisfying Megatron-Core's experts interface.
 
 Shape legend: L local experts, H hidden, F expert ffn hidden, F1 = 2F when gated (SwiGLU).
 
-Parameters are stacked so that one variable-size grouped GEMM covers all local experts:
-``weight1: [L, F1, H]`` (row ``i`` is ``SequentialMLP.local_experts.i.linear_fc1.weight``) and
-``weight2: [L, H, F]`` (``...linear_fc2.weight``). ``state_dict`` and ``sharded_state_dict``
-use SequentialMLP's per-expert names (see ``checkpoint.py``), so checkpoints move freely between
-this module, ``SequentialMLP`` and ``TEGroupedMLP``.
+Every expert keeps its own parameters under SequentialMLP's names
+(``local_experts.{i}.linear_fc1.weight: [F1, H]``, ``local_experts.{i}.linear_fc2.weight:
+[H, F]``), so ``state_dict``, ``sharded_state_dict``, Megatron's DDP buffers and the optimizer
+(including its checkpoints, which map optimizer state to model parameters by identity) treat
+them exactly like stock experts. The compute stacks them into ``[L, F1, H]`` / ``[L, H, F]`` for
+one grouped GEMM per projection; the stack is made in forward and again in backward rather than
+kept, so it costs no activation memory between the two.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -27,8 +29,36 @@ from megatron_lrmoe.ops import GroupedExpertMLP
 from megatron_lrmoe.ops.activation import activation_spec_from_config
 
 
+class ExpertLinear(torch.nn.Module):
+    """One expert projection's weight, named and checkpointed like Megatron's local linears."""
+
+    def __init__(self, weight: torch.nn.Parameter, partition_dim: int) -> None:
+        super().__init__()
+        self.weight = weight
+        # Expert weights are reduced over the expert-data-parallel group, like every Megatron
+        # expert linear (allreduce=False routes them to the expert DP buffer).
+        set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=1)
+        setattr(weight, "allreduce", False)
+
+    def get_extra_state(self) -> None:
+        """Megatron's local linears carry an empty extra state; keep the key for compatibility."""
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore (the entry exists for checkpoint-key compatibility)."""
+
+
+class ExpertWeights(torch.nn.Module):
+    """The two projections of one expert (``linear_fc1``, ``linear_fc2``)."""
+
+    def __init__(self, fc1: torch.nn.Parameter, fc2: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.linear_fc1 = ExpertLinear(fc1, partition_dim=0)
+        self.linear_fc2 = ExpertLinear(fc2, partition_dim=1)
+
+
 class LRGroupedMLP(MegatronModule):
-    """Local experts as two stacked weights, computed with variable-size grouped GEMMs.
+    """Local experts computed with variable-size grouped GEMMs.
 
     Used by ``LRMoELayer`` through its fused dispatch/expert/combine op; ``forward`` also
     implements Megatron's ``ExpertsInterface`` so the module works as a drop-in experts module.
@@ -56,42 +86,52 @@ class LRGroupedMLP(MegatronModule):
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight1 = torch.nn.Parameter(
-            torch.empty(num_local_experts, fc1_out, hidden, dtype=config.params_dtype, device=device)
-        )
-        self.weight2 = torch.nn.Parameter(
-            torch.empty(num_local_experts, hidden, ffn, dtype=config.params_dtype, device=device)
+
+        def param(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=device))
+
+        self.local_experts = torch.nn.ModuleList(
+            ExpertWeights(param(fc1_out, hidden), param(hidden, ffn))
+            for _ in range(num_local_experts)
         )
         if config.perform_initialization:
             self._init_weights(config)
-        for param, dim in ((self.weight1, 1), (self.weight2, 2)):
-            # Expert weights are reduced over the expert-data-parallel group, like every
-            # Megatron expert linear (allreduce=False routes them to the expert DP buffer).
-            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
-            setattr(param, "allreduce", False)
-
-        from megatron_lrmoe.checkpoint import install_sequential_mlp_state_dict_hooks
-
-        install_sequential_mlp_state_dict_hooks(self)
 
     @torch.no_grad()
     def _init_weights(self, config: TransformerConfig) -> None:
         """Initialise each expert as Megatron initialises an expert linear."""
 
         def init_all() -> None:
-            for i in range(self.num_local_experts):
-                w1 = torch.empty_like(self.weight1[i], dtype=torch.float32)
-                config.init_method(w1)
-                self.weight1[i].copy_(w1)
-                w2 = torch.empty_like(self.weight2[i], dtype=torch.float32)
-                config.output_layer_init_method(w2)
-                self.weight2[i].copy_(w2)
+            for expert in self.local_experts:
+                for linear, init in (
+                    (expert.linear_fc1, config.init_method),
+                    (expert.linear_fc2, config.output_layer_init_method),
+                ):
+                    master = torch.empty_like(linear.weight, dtype=torch.float32)
+                    init(master)
+                    linear.weight.copy_(master)
 
         if config.use_cpu_initialization:
             init_all()
         else:
             with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
                 init_all()
+
+    def weight_params(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """The per-expert fc1 and fc2 parameters, in local expert order."""
+        fc1 = [e.linear_fc1.weight for e in self.local_experts]
+        fc2 = [e.linear_fc2.weight for e in self.local_experts]
+        return fc1, fc2
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([L, F1, H], [L, H, F])`` copies of the weights (autograd flows to the experts)."""
+        fc1, fc2 = self.weight_params()
+        return torch.stack(fc1), torch.stack(fc2)
+
+    def stacked_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([L, F1, H], [L, H, F])`` of the current ``.grad`` of every expert weight."""
+        fc1, fc2 = self.weight_params()
+        return torch.stack([p.grad for p in fc1]), torch.stack([p.grad for p in fc2])
 
     def forward(
         self,
@@ -101,17 +141,19 @@ class LRGroupedMLP(MegatronModule):
     ) -> tuple[torch.Tensor, None]:
         """Megatron experts interface: rows grouped by local expert -> (output, None)."""
         counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).cpu()
+        w1, w2 = self.stacked_weights()
         out = GroupedExpertMLP.apply(
-            permuted_local_hidden_states, permuted_probs, self.weight1, self.weight2, counts,
-            self.spec,
+            permuted_local_hidden_states, permuted_probs, w1, w2, counts, self.spec
         )
         return out, None
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in backward (no delayed wgrad)."""
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """SequentialMLP's sharded layout (keys, offsets, SwiGLU factory); see ``checkpoint.py``."""
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
+        """Same keys, shapes and sharding as ``SequentialMLP.sharded_state_dict``."""
         from megatron_lrmoe.checkpoint import sequential_mlp_sharded_state_dict
 
         return sequential_mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata)

@@ -105,8 +105,7 @@ class LRMoELayer(MoELayer):
             group=self.ep_group,
             stats=stats,
         )
-        output = LRMoEExpertsFunction.apply(
-            hidden_states, probs, self.experts.weight1, self.experts.weight2, call
-        )
+        fc1, fc2 = self.experts.weight_params()
+        output = LRMoEExpertsFunction.apply(hidden_states, probs, call, *fc1, *fc2)
         self.last_call_stats = stats
         return output, None

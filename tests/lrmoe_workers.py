@@ -117,14 +117,15 @@ def stock_vs_lrmoe_keep1(pg, ep: int, overrides: dict) -> dict[str, float]:
             e.linear_fc2.weight.grad.abs().max().item() for e in stock.experts.local_experts
         ),
     }
+    lr_fc1_grad, lr_fc2_grad = lr.experts.stacked_grads()
     for i, expert in enumerate(stock.experts.local_experts):
         diffs["fc1"] = max(
             diffs.get("fc1", 0.0),
-            (expert.linear_fc1.weight.grad - lr.experts.weight1.grad[i]).abs().max().item(),
+            (expert.linear_fc1.weight.grad - lr_fc1_grad[i]).abs().max().item(),
         )
         diffs["fc2"] = max(
             diffs.get("fc2", 0.0),
-            (expert.linear_fc2.weight.grad - lr.experts.weight2.grad[i]).abs().max().item(),
+            (expert.linear_fc2.weight.grad - lr_fc2_grad[i]).abs().max().item(),
         )
     if stock.use_shared_expert:
         for (n, p), (_, q) in zip(
@@ -222,8 +223,10 @@ def lrmoe_vs_dense_reference(
     xs = _all_gather_list(x, group)
     ups = _all_gather_list(up, group)
     weights = _all_gather_list(stats.kept_weight, group)
-    w1_full = torch.cat(_all_gather_list(lr.experts.weight1.detach(), group))
-    w2_full = torch.cat(_all_gather_list(lr.experts.weight2.detach(), group))
+    w1_local, w2_local = (w.detach() for w in lr.experts.stacked_weights())
+    w1_full = torch.cat(_all_gather_list(w1_local, group))
+    w2_full = torch.cat(_all_gather_list(w2_local, group))
+    fc1_grad, fc2_grad = lr.experts.stacked_grads()
     ref = _dense_reference(
         lr.router.state_dict(), cfg, w1_full, w2_full, xs, ups, weights, pg, routing
     )
@@ -240,13 +243,13 @@ def lrmoe_vs_dense_reference(
             "fc1": scale(ref["w1"]),
             "fc2": scale(ref["w2"]),
         },
-        "w1_grad": lr.experts.weight1.grad.clone(),
+        "w1_grad": fc1_grad.clone(),
         "global_counts": lr.token_dispatcher.global_counts.clone(),
         "out": (got["out"] - ref["out"][src]).abs().max().item(),
         "dx": (got["dx"] - ref["dx"][src]).abs().max().item(),
         "router": (lr.router.weight.grad - ref["router"][src]).abs().max().item(),
-        "fc1": (lr.experts.weight1.grad - ref["w1"][sl]).abs().max().item(),
-        "fc2": (lr.experts.weight2.grad - ref["w2"][sl]).abs().max().item(),
+        "fc1": (fc1_grad - ref["w1"][sl]).abs().max().item(),
+        "fc2": (fc2_grad - ref["w2"][sl]).abs().max().item(),
         "kept": int((stats.kept_weight > 0).sum()),
         "pairs": stats.pairs_sent,
         "quota": stats.quota_per_expert,
@@ -280,7 +283,7 @@ def sample_mean_gradient(rank: int, world: int, n: int, scope: str) -> dict[str,
         lr.lrmoe_config = lrmoe
         lr.zero_grad(set_to_none=True)
         _run(lr, x, up)
-        return lr.experts.weight1.grad.clone(), lr.experts.weight2.grad.clone()
+        return tuple(g.clone() for g in lr.experts.stacked_grads())
 
     w1_full, w2_full = grads(LRMoEConfig(keep_ratio=1.0))
     base = LRMoEConfig(keep_ratio=0.5, selection="sample", scope=scope)

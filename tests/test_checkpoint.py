@@ -13,8 +13,7 @@ Checked, at both EP sizes unless stated:
   offset, axis fragmentations, replica id, local shape, dtype and, for the SwiGLU
   ``ShardedTensorFactory``, the same of every tensor it builds; also with a parent prefix and
   layer offset, and with ``singleton_local_shards``; and for a non-gated (GELU) config at EP=2.
-* Each LRMoE ``ShardedTensor`` (and each half the factory builds) is a view of the live
-  ``weight1[i]`` / ``weight2[i]``.
+* Each LRMoE ``ShardedTensor`` holds the expert parameter itself (factory halves are views of it).
 * ``state_dict()``: same keys in the same order, values of the same type (``_extra_state`` is
   ``None`` on both sides).
 * torch_dist distributed checkpoints, loaded as Megatron's training loop does
@@ -87,8 +86,6 @@ def _poison(layer: torch.nn.Module) -> None:
 def _expert_stacks(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``([L, F1, H], [L, H, F])`` local expert weights of either experts implementation."""
     experts = layer.experts
-    if hasattr(experts, "weight1"):
-        return experts.weight1.detach(), experts.weight2.detach()
     fc1 = torch.stack([e.linear_fc1.weight.detach() for e in experts.local_experts])
     fc2 = torch.stack([e.linear_fc2.weight.detach() for e in experts.local_experts])
     return fc1, fc2
@@ -193,26 +190,33 @@ def _same_view(view: torch.Tensor, target: torch.Tensor) -> bool:
 
 
 def _view_problems(lrmoe: Any) -> list[str]:
-    """Every LRMoE sharded tensor (and factory-built half) is a view of the live weights."""
+    """Every LRMoE sharded tensor holds the expert parameter itself (factory halves: views of it).
+
+    The optimizer's checkpoint maps its state to model parameters by identity, so the data must be
+    the parameter object, as in SequentialMLP.
+    """
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     experts = lrmoe.experts
     sharded = lrmoe.sharded_state_dict()
-    ffn = experts.weight2.shape[-1]
     problems: list[str] = []
-    for i in range(experts.num_local_experts):
+    for i, expert in enumerate(experts.local_experts):
+        w1, w2 = expert.linear_fc1.weight, expert.linear_fc2.weight
+        ffn = w2.shape[-1]
         fc1 = sharded[f"experts.local_experts.{i}.linear_fc1.weight"]
         fc2 = sharded[f"experts.local_experts.{i}.linear_fc2.weight"]
-        if not _same_view(fc1.data, experts.weight1[i]):
-            problems.append(f"expert {i}: fc1 data is not a view of weight1[{i}]")
-        if not _same_view(fc2.data, experts.weight2[i]):
-            problems.append(f"expert {i}: fc2 data is not a view of weight2[{i}]")
         if isinstance(fc1, ShardedTensorFactory):
+            if fc1.data is not w1:
+                problems.append(f"expert {i}: fc1 factory data is not the fc1 parameter")
             gate, up = fc1.build()
-            if not _same_view(gate.data, experts.weight1[i, :ffn]):
-                problems.append(f"expert {i}: factory gate half is not a view of weight1[{i}, :F]")
-            if not _same_view(up.data, experts.weight1[i, ffn:]):
-                problems.append(f"expert {i}: factory up half is not a view of weight1[{i}, F:]")
+            if not _same_view(gate.data, w1[:ffn]):
+                problems.append(f"expert {i}: factory gate half is not a view of fc1[:F]")
+            if not _same_view(up.data, w1[ffn:]):
+                problems.append(f"expert {i}: factory up half is not a view of fc1[F:]")
+        elif fc1.data is not w1:
+            problems.append(f"expert {i}: fc1 data is not the fc1 parameter")
+        if fc2.data is not w2:
+            problems.append(f"expert {i}: fc2 data is not the fc2 parameter")
     return problems
 
 

@@ -140,18 +140,8 @@ def _loss_and_grads(model: Any, rank: int) -> tuple[torch.Tensor, dict[str, torc
 
 
 def _stock_layout_grads(lrmoe_grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """LRGroupedMLP's stacked expert grads under SequentialMLP's per-expert names."""
-    out = {}
-    for name, grad in lrmoe_grads.items():
-        for stacked, proj in (("experts.weight1", "linear_fc1"), ("experts.weight2", "linear_fc2")):
-            if name.endswith(stacked):
-                prefix = name[: -len("weight1")]
-                for i in range(grad.shape[0]):
-                    out[f"{prefix}local_experts.{i}.{proj}.weight"] = grad[i]
-                break
-        else:
-            out[name] = grad
-    return out
+    """LRGroupedMLP keeps SequentialMLP's parameter names, so the grads compare name by name."""
+    return dict(lrmoe_grads)
 
 
 def _model_spec_worker(rank: int, world_size: int, with_te: bool) -> dict[str, Any]:

@@ -295,3 +295,41 @@ def test_example_script_arguments_validate(
     if lrmoe is not None:
         assert lrmoe.keep_ratio == 0.5 and lrmoe.selection == "sample"
         lrmoe.validate_against(config, script)
+
+
+# -- LRMoE statistics in the training log -------------------------------------------------------
+
+
+@pytest.mark.parametrize("lrmoe", [True, False], ids=["lrmoe", "stock"])
+def test_main_installs_training_log_only_with_lrmoe(
+    monkeypatch: pytest.MonkeyPatch, lrmoe: bool
+) -> None:
+    """``main`` wraps megatron.training's train / training_log before ``pretrain`` runs, and only
+    with --lrmoe (the wrappers themselves: tests/test_training_hooks.py)."""
+    from megatron.training import training
+
+    import pretrain_lrmoe as entry
+
+    monkeypatch.setattr(training, "train", training.train)
+    monkeypatch.setattr(training, "training_log", training.training_log)
+    original = training.training_log
+    args = argparse.Namespace(lrmoe=lrmoe)
+    monkeypatch.setattr(compat, "use_prebuilt_dataset_helpers", lambda: True)
+    monkeypatch.setattr(entry, "parse_and_validate_args", lambda **kwargs: args)
+    monkeypatch.setattr(entry, "check_args", lambda a: None)
+    monkeypatch.setattr(entry, "gpt_model_config_from_args", lambda a: "model config")
+    monkeypatch.setattr(entry, "pretrain_cfg_container_from_args", lambda a, m: "container")
+    seen: dict[str, Any] = {}
+
+    def fake_pretrain(container: Any, *rest: Any, **kwargs: Any) -> None:
+        seen["container"] = container
+        seen["wrapped"] = hasattr(training.training_log, "__lrmoe_training_log__")
+        seen["train_wrapped"] = hasattr(training.train, "__lrmoe_training_log__")
+
+    monkeypatch.setattr(
+        entry.inprocess_restart, "maybe_wrap_for_inprocess_restart", lambda p: (fake_pretrain, None)
+    )
+    entry.main()
+    assert seen == {"container": "container", "wrapped": lrmoe, "train_wrapped": lrmoe}
+    if not lrmoe:
+        assert training.training_log is original

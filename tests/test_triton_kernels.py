@@ -62,7 +62,7 @@ def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     info = torch.finfo(dtype)
     _, e = torch.frexp(x.double().abs().clamp_min(info.tiny))
     # |x| = m * 2^e with m in [0.5, 1): the ulp is eps * 2^(e - 1).
-    return torch.ldexp(torch.full(x.shape, info.eps, dtype=torch.float64), e - 1)
+    return torch.ldexp(torch.full(x.shape, info.eps, dtype=torch.float64, device=x.device), e - 1)
 
 
 def assert_within(
