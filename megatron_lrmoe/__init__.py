@@ -5,7 +5,7 @@ Importing this package changes nothing in Megatron; build layers through the spe
 
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.experts import LRGroupedMLP
-from megatron_lrmoe.layer import LRMoELayer
+from megatron_lrmoe.layer import LRMoELayer, set_lrmoe_training_step
 from megatron_lrmoe.megatron.args import add_lrmoe_args
 from megatron_lrmoe.specs import get_lrmoe_moe_spec, lrmoe_decoder_block_spec, lrmoe_layer_spec
 
@@ -13,6 +13,7 @@ __all__ = [
     "LRMoEConfig",
     "LRGroupedMLP",
     "LRMoELayer",
+    "set_lrmoe_training_step",
     "add_lrmoe_args",
     "get_lrmoe_moe_spec",
     "lrmoe_decoder_block_spec",

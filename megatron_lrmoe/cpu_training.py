@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from megatron_lrmoe.layer import set_lrmoe_training_step
 from megatron_lrmoe.config import LRMoEConfig
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -672,6 +673,8 @@ class Trainer:
         s = self.settings
         batches = [self._next_batch() for _ in range(s.num_microbatches)]
         self.model.train()
+        # Sampling keyed by the step: a resumed run draws what the uninterrupted run draws.
+        set_lrmoe_training_step(self.model, self.step)
         start = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

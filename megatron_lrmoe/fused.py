@@ -256,7 +256,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
 
 def _uniforms(call: ExpertCall, n: int, device: torch.device) -> torch.Tensor:
     plan = call.plan
-    return draw_uniforms(call.lrmoe.seed, (plan.layer_number, plan.call_index), n, device)
+    return draw_uniforms(call.lrmoe.seed, (plan.layer_number, *plan.stream), n, device)
 
 
 def _select_local(call: ExpertCall, scores: torch.Tensor):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -69,24 +69,39 @@ class LRMoELayer(MoELayer):
         if self.use_shared_expert and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
         self._call_index = 0
+        self._step: Optional[int] = None
+        self._calls_in_step = 0
         self.last_call_stats: Optional[CallStats] = None
+
+    def set_training_step(self, step: int) -> None:
+        """Key the sampling stream by the training step (and the call within it).
+
+        Without it the stream is keyed by a per-layer call counter, which restarts at 0 when a
+        run is resumed; keyed by the step, a resumed run draws exactly what the uninterrupted run
+        would have drawn, so no sampler state needs to be checkpointed.
+        """
+        if step != self._step:
+            self._step = int(step)
+            self._calls_in_step = 0
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Dispatch, experts and combine as one op whose backward is LRMoE's."""
         dispatcher = self.token_dispatcher
         dispatcher.tokens_per_expert = None
         call_index = self._call_index
+        stream = (call_index,) if self._step is None else (self._step, self._calls_in_step)
         # Counted on grad-enabled calls only, so a recomputed forward (activation checkpointing)
         # draws the same sample stream as a plain one and reruns agree.
         if torch.is_grad_enabled():
             self._call_index += 1
+            self._calls_in_step += 1
         plan = CallPlan.build(
             dispatcher.global_counts,
             ep_rank=dispatcher.ep_rank,
             num_local_experts=self.num_local_experts,
             lrmoe=self.lrmoe_config,
             layer_number=int(self.layer_number or 0),
-            call_index=call_index,
+            stream=stream,
         )
         stats = None
         if self.lrmoe_config.record_stats:
@@ -109,3 +124,19 @@ class LRMoELayer(MoELayer):
         output = LRMoEExpertsFunction.apply(hidden_states, probs, call, *fc1, *fc2)
         self.last_call_stats = stats
         return output, None
+
+
+def set_lrmoe_training_step(model: Any, step: int) -> int:
+    """Tell every ``LRMoELayer`` in ``model`` (a module or a list of model chunks) the step.
+
+    Call it before each training step with the number of steps completed so far (Megatron's
+    ``iteration``); ``lrmoe-pretrain`` does. Returns the number of layers updated.
+    """
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, LRMoELayer):
+                module.set_training_step(step)
+                count += 1
+    return count

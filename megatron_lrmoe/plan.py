@@ -30,7 +30,8 @@ class CallPlan:
         source_quota: ``[P, E]`` the quota split over source ranks (scope "local"), else None.
             Invariants: ``source_quota <= global_counts`` and ``source_quota.sum(0) == quota``.
         layer_number: Megatron's layer number (keys the sampling stream).
-        call_index: Forward call counter of the layer (keys the sampling stream).
+        stream: The rest of the sampling stream's key: ``(training step, call within the step)``
+            when the layer knows the step (``set_lrmoe_training_step``), else ``(call index,)``.
     """
 
     ep_rank: int
@@ -40,7 +41,7 @@ class CallPlan:
     quota: torch.Tensor
     source_quota: Optional[torch.Tensor]
     layer_number: int
-    call_index: int
+    stream: tuple[int, ...]
 
     @classmethod
     def build(
@@ -50,7 +51,7 @@ class CallPlan:
         num_local_experts: int,
         lrmoe: LRMoEConfig,
         layer_number: int,
-        call_index: int,
+        stream: tuple[int, ...],
     ) -> "CallPlan":
         """Fix quotas (and their split over sources) from the global counts."""
         global_counts = global_counts.to(torch.int64).cpu()
@@ -66,7 +67,7 @@ class CallPlan:
             quota=quota,
             source_quota=source_quota,
             layer_number=layer_number,
-            call_index=call_index,
+            stream=tuple(int(x) for x in stream),
         )
         if lrmoe.debug_check_invariants:
             plan.check_invariants()

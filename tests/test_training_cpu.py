@@ -90,6 +90,7 @@ def _training_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["keep1_full_to_stock"] = resumed(None, dirs["keep1_full"], optimizer=True)
     _, out["lrmoe_full_uninterrupted"] = uninterrupted(keep_half, init, dirs["lrmoe_full"], True)
     out["lrmoe_full_to_stock"] = resumed(None, dirs["lrmoe_full"], optimizer=True)
+    out["lrmoe_full_resumed"] = resumed(keep_half, dirs["lrmoe_full"], optimizer=True)
     return out
 
 
@@ -181,6 +182,20 @@ def test_optimizer_checkpoints_move_between_stock_and_lrmoe(curves: dict[str, An
     want = curves["lrmoe_full_uninterrupted"][SAVE_AT]
     assert math.isclose(first, want, rel_tol=RTOL_EXACT), (first, want)
     assert all(math.isfinite(x) for x in curves["lrmoe_full_to_stock"])
+
+
+def test_lrmoe_resume_continues_the_sampled_curve(curves: dict[str, Any]) -> None:
+    """Keep 0.5 with sampling, resumed with optimizer state, is the uninterrupted curve.
+
+    The sampling stream is keyed by (seed, layer, training step, call within the step), so the
+    resumed run draws the same pairs as the uninterrupted one: no sampler state to checkpoint.
+    """
+    _assert_close(
+        curves["lrmoe_full_resumed"],
+        curves["lrmoe_full_uninterrupted"][SAVE_AT:],
+        RTOL_EXACT,
+        "LRMoE keep 0.5 -> LRMoE keep 0.5 with optimizer state",
+    )
 
 
 def test_corpus_split_is_by_file_and_skips_site_packages(tmp_path: Path) -> None:

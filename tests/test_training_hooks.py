@@ -145,6 +145,8 @@ class FakeLRMoELayer(LRMoELayer):
         self.layer_number = layer_number
         self.last_call_stats: Optional[CallStats] = None
         self.weight = torch.nn.Parameter(torch.ones(1))
+        self._step: Optional[int] = None  # set_training_step's state
+        self._calls_in_step = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         self.last_call_stats = _known_call(self.layer_number)
@@ -444,3 +446,13 @@ def test_real_lrmoe_layers_two_ranks() -> None:
     lines = results[1]["lines"]
     assert len(lines) == 4 and all("lrmoe kept: 0." in line for line in lines[1::2])
     assert lines[3] == results[1]["last"]
+
+
+def test_training_step_reaches_the_layers() -> None:
+    """train() starts the layers at args.iteration; training_log(iteration) moves them on."""
+    from megatron_lrmoe import set_lrmoe_training_step
+
+    model = fake_model()
+    assert set_lrmoe_training_step(model, 7) == 2
+    layers = [m for m in model[0].modules() if isinstance(m, FakeLRMoELayer)]
+    assert all(layer._step == 7 and layer._calls_in_step == 0 for layer in layers)

@@ -42,6 +42,7 @@ from datetime import datetime
 from types import ModuleType
 from typing import Any, Callable, Optional
 
+from megatron_lrmoe.layer import set_lrmoe_training_step
 from megatron_lrmoe.metrics import LRMoEMetrics
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,7 @@ class LRMoETrainingLog:
     def __init__(self, groups: Optional[list[Any]] = None) -> None:
         self.groups = groups
         self.metrics: Optional[LRMoEMetrics] = None
+        self.model: Any = None
         self.last_line = ""
         self._module: Optional[ModuleType] = None
         self._originals: dict[str, Callable[..., Any]] = {}
@@ -201,6 +203,10 @@ class LRMoETrainingLog:
         @functools.wraps(original)
         def train(*args: Any, **kwargs: Any) -> Any:
             model = signature.bind(*args, **kwargs).arguments["model"]
+            self.model = model
+            # The sampling stream follows the training step, so a resumed run draws what an
+            # uninterrupted one would (see LRMoELayer.set_training_step).
+            set_lrmoe_training_step(model, int(getattr(_megatron_args(), "iteration", 0) or 0))
             previous = self.metrics
             metrics = self.metrics = self.make_metrics(model)
             try:
@@ -223,6 +229,8 @@ class LRMoETrainingLog:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
                 iteration = int(bound.arguments["iteration"])
+                if self.model is not None:
+                    set_lrmoe_training_step(self.model, iteration)
                 first = bool(bound.arguments["is_first_iteration"])
                 if first or iteration % _megatron_args().log_interval == 0:
                     self.report(iteration)
