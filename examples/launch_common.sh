@@ -1,0 +1,54 @@
+# Shared tail of the example launch scripts: training, data and LRMoE arguments, then torchrun.
+# Sourced (not run) by examples/*/pretrain.sh after they set MODEL_ARGS, MOE_ARGS,
+# PARALLEL_ARGS, VOCAB_SIZE and the environment defaults documented in those scripts.
+TRAIN_ARGS=(
+    --seq-length "$SEQ_LENGTH"
+    --micro-batch-size "$MBS" --global-batch-size "$GBS"
+    --train-iters "$TRAIN_ITERS"
+    --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS"
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+    --bf16
+    --seed "$SEED"
+    --transformer-impl "$TRANSFORMER_IMPL"
+    --log-interval "$LOG_INTERVAL" --log-throughput
+    --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
+)
+if [ "$TRANSFORMER_IMPL" = local ]; then
+    # Kernels that need Transformer Engine or apex.
+    TRAIN_ARGS+=(--no-rope-fusion --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+                 --no-persist-layer-norm)
+else
+    TRAIN_ARGS+=(--moe-grouped-gemm)
+fi
+if [ -n "$CKPT_DIR" ]; then
+    TRAIN_ARGS+=(--save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1000 --ckpt-format torch_dist)
+fi
+if [ -n "$DATA_PREFIX" ]; then
+    DATA_ARGS=(--data-path "$DATA_PREFIX" --split 98,2,0 --data-cache-path "$DATA_CACHE"
+               --num-workers 2)
+else
+    DATA_ARGS=(--mock-data)
+fi
+if [ -n "$TOKENIZER_MODEL" ]; then
+    DATA_ARGS+=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+                --vocab-size "$VOCAB_SIZE")
+else
+    DATA_ARGS+=(--tokenizer-type NullTokenizer --null-tokenizer-eod-id 256 --vocab-size "$VOCAB_SIZE")
+fi
+LRMOE_ARGS=()
+if [ "$LRMOE" = 1 ]; then
+    LRMOE_ARGS=(--lrmoe --lrmoe-keep-ratio "$KEEP_RATIO" --lrmoe-selection "$SELECTION"
+                --lrmoe-scope "$SCOPE" --lrmoe-activation-mode "$ACTIVATION_MODE")
+fi
+
+ARGS=("${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}"
+      "${DATA_ARGS[@]}" "${LRMOE_ARGS[@]}" "$@")
+if [ "${DRY_RUN:-0}" = 1 ]; then
+    printf '%s\n' "${ARGS[@]}"
+    exit 0
+fi
+cd "$ROOT"
+exec "$PYTHON" -m torch.distributed.run \
+    --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    pretrain_lrmoe.py "${ARGS[@]}"
