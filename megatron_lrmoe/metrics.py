@@ -23,10 +23,11 @@ Megatron's MoE metrics tracker (``get_moe_metrics_tracker()``) is not used. Its 
 ``clear()``s every entry, and ``megatron.training``'s ``training_log`` calls it every iteration
 with only the aux/z-loss ``track_names``, so a value recorded under an LRMoE name would be zeroed
 before any logging interval and never written; and it DP-averages per-layer sums, which is wrong
-for ratios. :class:`LRMoEMetrics` therefore keeps its own accumulator: references to the
-``CallStats`` of every training call since the last report. Nothing is read from them per call;
-:meth:`LRMoEMetrics.report` reads them once (the one device sync of the interval: score sums and
-CUDA-event timings) and does one all-reduce.
+for ratios. :class:`LRMoEMetrics` therefore keeps its own accumulator. A call's stats are folded
+into it as soon as its backward has run (host integers into a host tensor, score sums into a
+device tensor without a sync, the call's span timer kept for later), so memory stays bounded by
+the calls in flight plus one timer per call; :meth:`LRMoEMetrics.report` reads the timers (the
+one device sync of the interval, CUDA events) and does one all-reduce.
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ class LRMoEMetrics:
         self.last_log_string = ""
         self._last_iteration = start_iteration
         self._pending: list[tuple[int, CallStats]] = []
+        self._host_acc: Optional[torch.Tensor] = None  # [len(_ROWS), num_layers] float64
+        self._score_acc: Optional[torch.Tensor] = None  # [2, num_layers] total / dropped
+        self._timers: list[tuple[int, Any]] = []  # (layer index, SpanTimer) read at report
         self._handles = [layer.register_forward_hook(self._on_forward) for layer in layers]
         if self.num_layers is None:
             logger.warning(
@@ -191,6 +195,7 @@ class LRMoEMetrics:
             layer_number: 1-based Megatron layer number.
             stats: The call's stats; read at the next :meth:`report`, not now.
         """
+        self._fold(final=False)
         self._pending.append((layer_number, stats))
 
     def close(self) -> None:
@@ -207,18 +212,23 @@ class LRMoEMetrics:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _accumulate(self, device: torch.device) -> torch.Tensor:
-        """``[len(_ROWS), num_layers]`` float64 sums of this rank's finished calls."""
-        acc = torch.zeros(len(_ROWS), self.num_layers, dtype=torch.float64)
-        done = [(n, s) for n, s in self._pending if s.backward_done]
-        if len(done) < len(self._pending):
-            logger.debug(
-                "LRMoEMetrics: %d calls without backward dropped", len(self._pending) - len(done)
-            )
-        self._pending = []
-        scores_total: list[torch.Tensor] = []
-        scores_kept: list[torch.Tensor] = []
-        score_layers: list[int] = []
+    def _fold(self, final: bool) -> None:
+        """Move finished calls from ``_pending`` into the accumulators (no device sync).
+
+        Args:
+            final: Also drop calls whose backward never ran (at report time).
+        """
+        if self.num_layers is None:
+            return
+        if self._host_acc is None:
+            self._host_acc = torch.zeros(len(_ROWS), self.num_layers, dtype=torch.float64)
+        done = [(n, st) for n, st in self._pending if st.backward_done]
+        waiting = [(n, st) for n, st in self._pending if not st.backward_done]
+        if final and waiting:
+            logger.debug("LRMoEMetrics: %d calls without backward dropped", len(waiting))
+            waiting = []
+        self._pending = waiting
+        scores: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         for layer_number, stats in done:
             i = layer_number - 1
             if not 0 <= i < self.num_layers:
@@ -226,26 +236,45 @@ class LRMoEMetrics:
                     f"LRMoEMetrics: layer_number {layer_number} outside num_layers "
                     f"({self.num_layers}); pass num_layers including MTP layers"
                 )
-            col = acc[:, i]
+            col = self._host_acc[:, i]
             col[_ROW["pairs"]] += stats.total_pairs
             col[_ROW["kept"]] += sum(stats.quota_per_expert)
             col[_ROW["bytes"]] += stats.backward_bytes
             col[_ROW["stock_bytes"]] += stats.stock_backward_bytes
-            # NOTE: device-to-host sync on GPU (CUDA events), once per report.
-            col[_ROW["overhead_ms"]] += sum(stats.timings_ms.values())
             col[_ROW["calls"]] += 1
             col[_ROW["ranks"]] = 1
+            if stats.timer is not None:
+                self._timers.append((i, stats.timer))
             if stats.score_total is not None and stats.score_kept is not None:
-                scores_total.append(stats.score_total.reshape(()).double())
-                scores_kept.append(stats.score_kept.reshape(()).double())
-                score_layers.append(i)
+                scores.append((i, stats.score_total, stats.score_kept))
+        if scores:
+            total = torch.stack([t.reshape(()).double() for _, t, _ in scores])
+            kept = torch.stack([k.reshape(()).double() for _, _, k in scores])
+            if self._score_acc is None or self._score_acc.device != total.device:
+                prev = self._score_acc
+                self._score_acc = torch.zeros(
+                    2, self.num_layers, dtype=torch.float64, device=total.device
+                )
+                if prev is not None:
+                    self._score_acc += prev.to(total.device)
+            index = torch.tensor([i for i, _, _ in scores], device=total.device)
+            self._score_acc[0].index_add_(0, index, total)
+            self._score_acc[1].index_add_(0, index, (total - kept).clamp_min(0.0))
+
+    def _accumulate(self, device: torch.device) -> torch.Tensor:
+        """``[len(_ROWS), num_layers]`` float64 sums of this rank's finished calls; resets."""
+        self._fold(final=True)
+        acc = self._host_acc.clone()
+        for i, timer in self._timers:
+            # NOTE: device-to-host sync on GPU (CUDA events), once per report.
+            acc[_ROW["overhead_ms"], i] += sum(timer.milliseconds().values())
         acc = acc.to(device)
-        if score_layers:
-            index = torch.tensor(score_layers, device=device)
-            total = torch.stack(scores_total).to(device)
-            kept = torch.stack(scores_kept).to(device)
-            acc[_ROW["score_total"]].index_add_(0, index, total)
-            acc[_ROW["score_dropped"]].index_add_(0, index, (total - kept).clamp_min(0.0))
+        if self._score_acc is not None:
+            acc[_ROW["score_total"]] += self._score_acc[0].to(device)
+            acc[_ROW["score_dropped"]] += self._score_acc[1].to(device)
+        self._host_acc = None
+        self._score_acc = None
+        self._timers = []
         return acc
 
     def _reduce(self, acc: torch.Tensor) -> int:

@@ -251,3 +251,17 @@ def test_metrics_survive_megatron_tracker_zeroing() -> None:
         assert res["scalars"]["lrmoe/backward_bytes_saved"] > 0
     # Every rank reports the same (reduced) numbers.
     assert results[0]["scalars"] == results[1]["scalars"]
+
+
+def test_finished_calls_are_folded_so_memory_stays_bounded() -> None:
+    """Only calls still waiting for their backward stay referenced between reports."""
+    metrics = LRMoEMetrics(num_layers=1)
+    for _ in range(500):
+        metrics.record(1, _exact_call())
+        assert len(metrics._pending) <= 1
+    waiting = _trimmed_call()
+    waiting.backward_done = False
+    metrics.record(1, waiting)
+    metrics.record(1, _exact_call())
+    assert waiting in [stats for _, stats in metrics._pending]  # kept until its backward runs
+    assert metrics.report(1)["lrmoe/backward_bytes"] == pytest.approx(501 * 800.0)
