@@ -27,7 +27,7 @@ from megatron_lrmoe.compaction import (
     row_chunk_ids,
 )
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.ops import expert_mlp_backward, expert_mlp_forward
+from megatron_lrmoe.ops import expert_mlp_forward, weighted_expert_mlp_backward
 from megatron_lrmoe.ops.activation import GluSpec
 from megatron_lrmoe.ops.rowwise import row_dot, scale_rows
 from megatron_lrmoe.plan import CallPlan
@@ -97,12 +97,15 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         |           |          | [L,F1,H] / [L,H,F] in forward and again in backward        |
         | z         | [S, H]   | expert output before the routing weight, back at source |
         | out       | [S, H]   | ``probs * z`` (output)                                 |
-    Saved: ``z`` and ``probs`` at the source (exact router gradient for every pair, dropped or
-    not: ``d probs = <g, z>``); ``||x||^2`` per pair when scoring is needed; on the expert side
-    the received rows ``x`` and the fc1 output ``h`` ("save" mode), or nothing there and the
-    source's ``tokens`` ("recompute" mode: they are re-sent for kept pairs only).
+    Keep ratio < 1 saves ``z`` and ``probs`` at the source (exact router gradient for every
+    pair, dropped or not: ``d probs = <g, z>``) and ``||x||^2`` per pair for scoring. Keep ratio
+    1 instead sends the probs to the experts, which scale the activation before fc2 as Megatron
+    does and return ``d probs`` in backward: nothing ``[S, H]`` is saved at the source. Expert
+    side: the received rows ``x`` and the fc1 output ``h`` ("save" mode), or nothing there and
+    the source's ``tokens`` ("recompute" mode: they are re-sent for kept pairs only).
 
-    Backward:
+    Backward (keep ratio < 1; at 1 steps 2-3 send every unscaled row and step 4 also returns
+    ``d probs`` by one more small all-to-all):
         1. ``d probs = <g, z>`` for all S pairs.
         2. score ``p^2 ||g||^2 ||x||^2``; select quota pairs (scope local: per (this source,
            expert) quota; scope global: scores go to the expert owner, which selects and sends
@@ -130,18 +133,27 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         x_recv = comm.all_to_all_rows(tokens, plan.send_splits, plan.recv_splits, call.group)
         x = call.reorder(x_recv, plan.recv_counts)
         save_h = lrmoe.activation_mode == "save"
+        exact = lrmoe.is_exact
+        # Keep ratio 1: Megatron's layout, the routing weight goes to the experts and scales the
+        # activation before fc2; nothing [S, H] is kept at the source. Keep ratio < 1: the source
+        # applies it and keeps z, so d probs of dropped pairs needs no expert backward.
+        probs_e = None
+        if exact:
+            probs_recv = comm.all_to_all_rows(probs, plan.send_splits, plan.recv_splits, call.group)
+            probs_e = call.reorder(probs_recv, plan.recv_counts)
         z, h = expert_mlp_forward(
-            x, w1, w2, plan.tokens_per_local_expert, call.spec, save_h=save_h
+            x, w1, w2, plan.tokens_per_local_expert, call.spec, save_h=save_h, probs=probs_e
         )
         z = call.reorder(z, plan.recv_counts.t())
         z = comm.all_to_all_rows(z, plan.recv_splits, plan.send_splits, call.group)
-        out = scale_rows(z, probs)
+        out = z if exact else scale_rows(z, probs)
 
-        x_sq = None if lrmoe.is_exact else row_sq_norms(tokens)
+        x_sq = None if exact else row_sq_norms(tokens)
         ctx.call = call
         ctx.save_for_backward(
-            z,
+            None if exact else z,
             probs,
+            probs_e,
             x_sq,
             x if save_h else None,
             h,
@@ -155,7 +167,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         call: ExpertCall = ctx.call
         plan, lrmoe, group = call.plan, call.lrmoe, call.group
-        z, probs, x_sq, x_saved, h_saved, tokens, *expert_params = ctx.saved_tensors
+        z, probs, probs_e, x_sq, x_saved, h_saved, tokens, *expert_params = ctx.saved_tensors
         w1 = torch.stack(expert_params[: ctx.num_local])
         w2 = torch.stack(expert_params[ctx.num_local :])
         g = grad_out.contiguous()
@@ -164,15 +176,15 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         stats = call.stats
         timer = SpanTimer(device) if stats is not None else None
 
-        # 1. Router gradient, exact for every pair.
-        d_probs = row_dot(g, z, probs.dtype)
+        # 1. Router gradient, exact for every pair (keep ratio 1: from the experts, step 4).
+        exact = lrmoe.is_exact
+        d_probs = None if exact else row_dot(g, z, probs.dtype)
 
         # 2. Selection.
-        exact = lrmoe.is_exact
         poison = None
         if exact:
             kept_index = None
-            row_scale = probs.float()
+            row_scale = None  # the experts apply the routing weight (Megatron's order)
             send_kept, recv_kept = plan.send_counts, plan.recv_counts
             kept_positions = None  # expert side keeps every row
             if stats is not None and lrmoe.debug_record_selection:
@@ -205,7 +217,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         # 3. Pack and exchange the kept gradient rows (and token rows in recompute mode).
         if timer:
             timer.start("packing")
-        g_kept = scale_rows(g, row_scale, index=kept_index)
+        g_kept = g if row_scale is None else scale_rows(g, row_scale, index=kept_index)
         recompute = lrmoe.activation_mode == "recompute"
         if recompute:
             x_kept = tokens if kept_index is None else tokens.index_select(0, kept_index)
@@ -230,9 +242,14 @@ class LRMoEExpertsFunction(torch.autograd.Function):
             h_k = h_saved.index_select(0, kept_positions)
 
         # 4. Expert backward on survivors only, then dx goes home.
-        dx_k, dw1, dw2 = expert_mlp_backward(
-            dz, x_k, h_k, w1, w2, kept_per_expert, call.spec, need_dx=ctx.needs_input_grad[0]
+        dx_k, dw1, dw2, d_probs_e = weighted_expert_mlp_backward(
+            dz, x_k, h_k, w1, w2, kept_per_expert, call.spec, probs_e,
+            need_dx=ctx.needs_input_grad[0],
         )
+        if d_probs_e is not None:
+            d_probs_e = call.reorder(d_probs_e, recv_kept.t())
+            d_probs_e = comm.all_to_all_rows(d_probs_e, recv_splits, send_splits, group)
+            d_probs = d_probs_e.to(probs.dtype)
         d_tokens = None
         if ctx.needs_input_grad[0]:
             dx_k = call.reorder(dx_k, recv_kept.t())
@@ -351,9 +368,15 @@ def _fill_backward_stats(
     stats.exchanges["dgrad"] = _exchange_stats(
         recv_kept, rank, hidden * elem, int(plan.recv_counts.sum()), hidden * elem
     )
-    # Stock also sends one routing-weight gradient per pair back; LRMoE computes it at source.
+    # Stock sends one routing-weight gradient per pair back. LRMoE does too at keep ratio 1;
+    # below it the source computes them from z.
     recv_rows = int(plan.recv_counts.sum())
-    stats.exchanges["probs_grad"] = ExchangeStats(0, 0, 0, 0, recv_rows, recv_rows * 4)
+    if call.lrmoe.is_exact:
+        stats.exchanges["probs_grad"] = _exchange_stats(
+            plan.recv_counts, rank, 4, recv_rows, 4
+        )
+    else:
+        stats.exchanges["probs_grad"] = ExchangeStats(0, 0, 0, 0, recv_rows, recv_rows * 4)
     if not call.lrmoe.is_exact and plan.ep_size > 1:
         if call.lrmoe.scope == "global":
             stats.exchanges["scores"] = _exchange_stats(plan.send_counts, rank, 4, 0, 0)

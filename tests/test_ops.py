@@ -368,6 +368,34 @@ def test_expert_mlp_backward_matches_autograd_reference(
     assert dw1.shape == w1.shape and dw2.shape == w2.shape
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
+@pytest.mark.parametrize("save_h", [True, False], ids=["save_h", "recompute_h"])
+@pytest.mark.parametrize("counts_name", ["mixed_with_empty", "all_in_one"])
+def test_weighted_expert_mlp_matches_autograd_reference(
+    spec: GluSpec, save_h: bool, counts_name: str
+) -> None:
+    """Probs applied before fc2 (Megatron's order): output and every gradient incl. d probs."""
+    from megatron_lrmoe.ops import weighted_expert_mlp_backward
+
+    counts = COUNT_CASES[counts_name]
+    x, w1, w2, probs = _mlp_tensors(counts, 16, 8, spec)
+    y, h = expert_mlp_forward(x, w1, w2, counts, spec, save_h=save_h, probs=probs)
+
+    xr, pr, w1r, w2r = (t.clone().requires_grad_(True) for t in (x, probs, w1, w2))
+    yr = reference_expert_mlp(xr, pr, w1r, w2r, counts, spec)
+    torch.testing.assert_close(y, yr.detach(), atol=1e-4, rtol=1e-4)
+
+    dy = torch.randn_like(y)
+    dx, dw1, dw2, dp = weighted_expert_mlp_backward(dy, x, h, w1, w2, counts, spec, probs)
+    rdx, rdp, rdw1, rdw2 = torch.autograd.grad(
+        yr, (xr, pr, w1r, w2r), dy, allow_unused=True, materialize_grads=True
+    )
+    torch.testing.assert_close(dx, rdx, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dp, rdp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dw1, rdw1, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dw2, rdw2, atol=1e-4, rtol=1e-4)
+
+
 def test_expert_mlp_zero_rows_and_options() -> None:
     spec = GluSpec(gated=True, kind="silu")
     x, w1, w2, _ = _mlp_tensors([0, 0, 0], 16, 8, spec)

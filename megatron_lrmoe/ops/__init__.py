@@ -21,6 +21,7 @@ from megatron_lrmoe.ops.expert_mlp import (
     expert_mlp_backward,
     expert_mlp_forward,
     grouped_expert_mlp,
+    weighted_expert_mlp_backward,
 )
 from megatron_lrmoe.ops.grouped_gemm import (
     GROUPED_MM_ENV,
@@ -51,4 +52,5 @@ __all__ = [
     "grouped_mm_nn",
     "grouped_mm_nt",
     "grouped_mm_tn",
+    "weighted_expert_mlp_backward",
 ]

@@ -44,6 +44,7 @@ from megatron_lrmoe.ops.grouped_gemm import (
     grouped_mm_nt,
     grouped_mm_tn,
 )
+from megatron_lrmoe.ops.rowwise import row_dot, scale_rows
 
 __all__ = [
     "GroupedExpertMLP",
@@ -78,8 +79,13 @@ def expert_mlp_forward(
     counts: Counts,
     spec: GluSpec,
     save_h: bool,
+    probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Runs fc1, the activation and fc2 for every expert.
+
+    With ``probs``, each row's activation is scaled by its routing weight before fc2, in
+    Megatron's order and rounding (``(act(h) * p).to(dtype)``); the output is then the weighted
+    expert output.
 
     Args:
         x: ``[N, H]`` input rows grouped by expert.
@@ -96,6 +102,8 @@ def expert_mlp_forward(
     groups = GroupSizes(counts)  # one offsets build shared by both products
     h = grouped_mm_nt(x, w1, groups)
     a = act_forward(h, spec)
+    if probs is not None:
+        a = scale_rows(a, probs)
     z = grouped_mm_nt(a, w2, groups)
     return z, (h if save_h else None)
 
@@ -132,6 +140,34 @@ def expert_mlp_backward(
         ``(dx, dw1, dw2)``: ``dx`` ``[N, H]`` or ``None``; ``dw1`` ``[G, F1, H]``; ``dw2``
         ``[G, H, F]``. Experts with no rows get zero weight gradients.
     """
+    dx, dw1, dw2, _ = weighted_expert_mlp_backward(
+        dz, x, h, w1, w2, counts, spec, None, need_dx=need_dx, wgrad_dtype=wgrad_dtype
+    )
+    return dx, dw1, dw2
+
+
+def weighted_expert_mlp_backward(
+    dz: torch.Tensor,
+    x: torch.Tensor,
+    h: torch.Tensor | None,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    counts: Counts,
+    spec: GluSpec,
+    probs: torch.Tensor | None,
+    need_dx: bool = True,
+    wgrad_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of :func:`expert_mlp_forward` with ``probs`` (Megatron's order).
+
+    ``dz`` is the gradient of the weighted output. With ``probs`` ``None`` this is
+    :func:`expert_mlp_backward`. Otherwise, as Megatron's autograd of ``fc2((a * p).to(dtype))``:
+    ``dW2 = dz^T (a p)``, ``d(a p) = dz W2``, ``d p = <d(a p), a>`` in fp32 and
+    ``d a = d(a p) p``.
+
+    Returns:
+        ``(dx, dw1, dw2, dprobs)``; ``dprobs`` is ``[N]`` fp32, or ``None`` without ``probs``.
+    """
     _check_shapes(x, w1, w2, spec, "expert_mlp_backward")
     if dz.shape != x.shape:
         raise ValueError(f"expert_mlp_backward: dz {tuple(dz.shape)} != x {tuple(x.shape)}")
@@ -141,14 +177,23 @@ def expert_mlp_backward(
     w1_dtype = wgrad_dtype if wgrad_dtype is not None else w1.dtype
     w2_dtype = wgrad_dtype if wgrad_dtype is not None else w2.dtype
     a = act_forward(h, spec)
-    dw2 = grouped_mm_tn(dz, a, groups, out_dtype=w2_dtype)
-    del a  # release [N, F] before the next [N, F1] temporaries
-    da = grouped_mm_nn(dz, w2, groups)
+    dprobs = None
+    if probs is None:
+        dw2 = grouped_mm_tn(dz, a, groups, out_dtype=w2_dtype)
+        del a  # release [N, F] before the next [N, F1] temporaries
+        da = grouped_mm_nn(dz, w2, groups)
+    else:
+        dw2 = grouped_mm_tn(dz, scale_rows(a, probs), groups, out_dtype=w2_dtype)
+        d_ap = grouped_mm_nn(dz, w2, groups)
+        dprobs = row_dot(d_ap, a, torch.float32)
+        del a
+        da = scale_rows(d_ap, probs)
+        del d_ap
     dh = act_backward(da, h, spec)
     del da
     dw1 = grouped_mm_tn(dh, x, groups, out_dtype=w1_dtype)
     dx = grouped_mm_nn(dh, w1, groups) if need_dx else None
-    return dx, dw1, dw2
+    return dx, dw1, dw2, dprobs
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
