@@ -25,6 +25,7 @@ from megatron_lrmoe.compaction import (
     exclusive_cumsum,
     host_to_device,
     row_chunk_ids,
+    scatter_rows,
 )
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.ops import expert_mlp_forward, weighted_expert_mlp_backward
@@ -254,11 +255,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx_k = call.reorder(dx_k, recv_kept.t())
             dx_k = comm.all_to_all_rows(dx_k, recv_splits, send_splits, group)
-            if kept_index is None:
-                d_tokens = dx_k
-            else:
-                d_tokens = dx_k.new_zeros((num_sent, hidden))
-                d_tokens.index_copy_(0, kept_index, dx_k)
+            d_tokens = dx_k if kept_index is None else scatter_rows(dx_k, kept_index, num_sent)
 
         if poison is not None:
             # Non-finite scores must reach Megatron's NaN check, never hide in a selection.
