@@ -397,10 +397,38 @@ def test_hanging_rank_hits_timeout() -> None:
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_hang_on_rank_one, 2, timeout=20)
     elapsed = time.monotonic() - start
-    assert elapsed < 50, f"timeout took {elapsed:.1f}s"
+    # The 20 s are rank 1's own, counted from its start-up (which a busy machine makes slow).
+    ready = info.value.ready_after_s
+    assert set(ready) == {0, 1}, ready
+    assert 20 <= elapsed - ready[1] < 50, f"timeout took {elapsed - ready[1]:.1f}s after start-up"
     message = str(info.value)
     assert "timed out" in message and "did not finish: [1]" in message
+    assert "rank 1 ran fn for more than 20.0s" in message
+    # Rank 0 returned at once: however long start-up took, it is not blamed.
     assert info.value.failed_ranks == [1]
+
+
+def test_deadlines_are_per_rank_and_exclude_start_up() -> None:
+    from megatron_lrmoe.testing.harness import _RunState
+
+    run = _RunState(start=0.0, timeout=20.0, startup_timeout=100.0)
+    # Start-up is slow (a loaded machine): nobody is overdue before the start-up budget ends.
+    assert run.overdue(2, now=99.0) == []
+    assert run.overdue(2, now=101.0) == [0, 1]
+    assert "rank 0 did not start within 100.0s" in run.describe([0])
+    # Rank 0 became ready at 60 s and finished; rank 1 became ready at 61 s and still runs.
+    run.ready_at = {0: 60.0, 1: 61.0}
+    run.values[0] = "done"
+    assert run.overdue(2, now=80.5) == []  # rank 1 has used 19.5 s of its 20
+    assert run.overdue(2, now=81.5) == [1]  # a finished rank is never overdue
+    assert run.ready_after_s() == {0: 60.0, 1: 61.0}
+
+
+def test_bad_timeouts_are_rejected() -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        run_distributed(_report_env, 2, "tag", timeout=0)
+    with pytest.raises(ValueError, match="startup_timeout"):
+        run_distributed(_report_env, 2, "tag", startup_timeout=-1.0)
 
 
 def test_crashed_rank_is_reported() -> None:

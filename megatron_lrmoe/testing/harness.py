@@ -37,7 +37,12 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedTestError", "init_megatron_parallel", "run_distributed"]
+__all__ = [
+    "DEFAULT_STARTUP_TIMEOUT_S",
+    "DistributedTestError",
+    "init_megatron_parallel",
+    "run_distributed",
+]
 
 # How long the parent keeps draining the result queue after noticing that a child exited, since
 # a child can put its result and exit before the queue's feeder thread has delivered it.
@@ -46,6 +51,12 @@ _EXIT_GRACE_S = 2.0
 _POLL_S = 0.1
 # After the first failure, how long to wait for the other ranks' reports before raising.
 _FAILURE_GRACE_S = 0.5
+# Default budget for a rank's start-up (spawn, imports, CPU shim, process-group rendezvous). It is
+# separate from ``timeout`` because start-up time is the machine's load, not the test's behaviour:
+# on a busy 2-core CI machine spawning a rank and importing torch + megatron can take a minute.
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+# Message kinds a child puts on the result queue.
+_READY, _OK, _ERROR = "ready", "ok", "error"
 # Substrings of gloo errors that only mean "a peer went away": symptoms, not causes.
 _PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
@@ -56,12 +67,21 @@ class DistributedTestError(RuntimeError):
     Attributes:
         failed_ranks: ranks that raised, crashed or timed out.
         tracebacks: rank -> formatted traceback (or a short reason) for each failed rank.
+        ready_after_s: rank -> seconds from the start of the run until that rank had finished
+            its start-up and began ``fn`` (ranks that never got there are absent).
     """
 
-    def __init__(self, message: str, failed_ranks: list[int], tracebacks: dict[int, str]) -> None:
+    def __init__(
+        self,
+        message: str,
+        failed_ranks: list[int],
+        tracebacks: dict[int, str],
+        ready_after_s: dict[int, float] | None = None,
+    ) -> None:
         super().__init__(message)
         self.failed_ranks = failed_ranks
         self.tracebacks = tracebacks
+        self.ready_after_s = dict(ready_after_s or {})
 
 
 def _free_loopback_port() -> int:
@@ -105,7 +125,7 @@ def _child_main(
     world_size: int,
     port: int,
     backend: str,
-    timeout: float,
+    pg_timeout: float,
     payload: bytes,
     results: Any,
 ) -> None:
@@ -134,17 +154,20 @@ def _child_main(
             backend,
             rank=rank,
             world_size=world_size,
-            # Collectives of surviving ranks must not outlive the parent's own deadline.
-            timeout=datetime.timedelta(seconds=max(timeout, 1.0)),
+            # The rendezvous waits for the slowest rank's start-up; the parent enforces the
+            # per-rank deadlines of ``fn`` itself and terminates whatever outlives them.
+            timeout=datetime.timedelta(seconds=max(pg_timeout, 1.0)),
         )
+        # From here on the rank runs the test's own code: the parent starts its clock now.
+        results.put((rank, _READY, None))
         result = fn(rank, world_size, *args, **kwargs)
         # Pickle here rather than in the queue's feeder thread, where a failure would only be
         # printed and the parent would wait for a result that never comes.
-        message = (rank, True, pickle.dumps(result))
+        message = (rank, _OK, pickle.dumps(result))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         # Report first, clean up afterwards: peers may be blocked in a collective, and the parent
         # should not wait for our teardown to learn about the failure.
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, _ERROR, traceback.format_exc()))
         _cleanup_child()
         return
     _cleanup_child()
@@ -164,9 +187,9 @@ def _stop(processes: list[Any]) -> None:
             proc.join(timeout=5.0)
 
 
-def _drain(results: Any, wait_s: float) -> list[tuple[int, bool, Any]]:
+def _drain(results: Any, wait_s: float) -> list[tuple[int, str, Any]]:
     """Read every message available within ``wait_s`` seconds."""
-    messages: list[tuple[int, bool, Any]] = []
+    messages: list[tuple[int, str, Any]] = []
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -181,6 +204,7 @@ def run_distributed(
     *args: Any,
     timeout: float = 300.0,
     backend: str = "gloo",
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned local processes.
@@ -192,6 +216,11 @@ def run_distributed(
     ``torch.distributed.init_process_group(backend)``; runs ``fn``; then destroys megatron's
     parallel state and the process group.
 
+    Deadlines are per rank and split in two, so that a slow machine cannot make a rank that
+    finished its work look hung: each rank has ``startup_timeout`` seconds from the start of the
+    run to finish its start-up (everything before ``fn``), and then ``timeout`` seconds of its
+    own to run ``fn``, counted from the moment it reported ready.
+
     A script (not a test module) that calls this must guard the call with
     ``if __name__ == "__main__":``, because ``spawn`` re-imports the main module in every child.
 
@@ -201,24 +230,30 @@ def run_distributed(
             picklable.
         world_size: number of ranks.
         *args: extra positional arguments for ``fn`` (picklable).
-        timeout: seconds for the whole run, process start-up included (also the children's
-            collective timeout).
+        timeout: seconds each rank may spend in ``fn`` after its start-up.
         backend: ``torch.distributed`` backend.
+        startup_timeout: seconds, from the start of the run, within which every rank must have
+            started (spawned, imported, joined the process group).
         **kwargs: extra keyword arguments for ``fn`` (picklable).
 
     Returns:
         The per-rank return values, in rank order.
 
     Raises:
-        ValueError: ``world_size < 1``.
+        ValueError: ``world_size < 1`` or a non-positive timeout.
         TypeError: ``fn`` or its arguments cannot be pickled.
         DistributedTestError: a rank raised (the message holds its traceback), a rank exited
-            without reporting, or the run exceeded ``timeout`` (the message names the ranks that
-            did not finish). The other ranks are terminated in every case. The likely root cause
-            is named first; ``failed_ranks`` and ``tracebacks`` hold the details.
+            without reporting, or a rank missed its deadline (the message names the ranks that
+            did not finish, and ``ready_after_s`` when each rank started ``fn``). The other ranks
+            are terminated in every case. The likely root cause is named first;
+            ``failed_ranks`` and ``tracebacks`` hold the details.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if timeout <= 0 or startup_timeout <= 0:
+        raise ValueError(
+            f"timeout ({timeout}) and startup_timeout ({startup_timeout}) must be positive"
+        )
     try:
         payload = pickle.dumps((fn, args, kwargs))
     except Exception as exc:  # pickle raises several unrelated exception types
@@ -233,40 +268,88 @@ def run_distributed(
     processes = [
         ctx.Process(
             target=_child_main,
-            args=(rank, world_size, port, backend, timeout, payload, results),
+            args=(rank, world_size, port, backend, startup_timeout + timeout, payload, results),
             name=f"run_distributed-rank{rank}",
             daemon=True,
         )
         for rank in range(world_size)
     ]
     start = time.monotonic()
-    deadline = start + timeout
-    values: dict[int, Any] = {}
+    run = _RunState(start=start, timeout=timeout, startup_timeout=startup_timeout)
+    name = getattr(fn, "__qualname__", fn)
     try:
         for proc in processes:
             proc.start()
-        while len(values) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = [r for r in range(world_size) if r not in values]
+        while len(run.values) < world_size:
+            overdue = run.overdue(world_size, time.monotonic())
+            if overdue:
+                missing = [r for r in range(world_size) if r not in run.values]
                 raise DistributedTestError(
-                    f"run_distributed({getattr(fn, '__qualname__', fn)!r}) timed out after "
-                    f"{timeout:.1f}s; ranks that did not finish: {missing}",
+                    f"run_distributed({name!r}) timed out: {run.describe(overdue)}; ranks that "
+                    f"did not finish: {missing}",
                     failed_ranks=missing,
                     tracebacks={r: "timed out" for r in missing},
+                    ready_after_s=run.ready_after_s(),
                 )
-            messages = _drain(results, min(remaining, _POLL_S))
-            failures = _absorb(messages, values)
+            messages = _drain(results, _POLL_S)
+            failures = run.absorb(messages)
             if not failures and not messages:
-                failures = _absorb(_check_dead_children(processes, values, results), values)
+                failures = run.absorb(_check_dead_children(processes, run.values, results))
             if failures:
-                raise _failure_error(fn, _gather_failures(failures, processes, values, results))
+                failures = _gather_failures(failures, processes, run, results)
+                raise _failure_error(fn, failures, run.ready_after_s())
     finally:
         _stop(processes)
         results.cancel_join_thread()
         results.close()
     logger.debug("run_distributed(%s) finished in %.1fs", fn, time.monotonic() - start)
-    return [values[rank] for rank in range(world_size)]
+    return [run.values[rank] for rank in range(world_size)]
+
+
+class _RunState:
+    """What the parent knows about its ranks: when each became ready, and their results."""
+
+    def __init__(self, start: float, timeout: float, startup_timeout: float) -> None:
+        self.start = start
+        self.timeout = timeout
+        self.startup_timeout = startup_timeout
+        self.ready_at: dict[int, float] = {}
+        self.values: dict[int, Any] = {}
+
+    def deadline(self, rank: int) -> float:
+        """When ``rank`` is overdue: start-up budget until ready, then its own ``fn`` budget."""
+        if rank in self.ready_at:
+            return self.ready_at[rank] + self.timeout
+        return self.start + self.startup_timeout
+
+    def overdue(self, world_size: int, now: float) -> list[int]:
+        """Unfinished ranks past their deadline."""
+        return [r for r in range(world_size) if r not in self.values and now > self.deadline(r)]
+
+    def describe(self, overdue: list[int]) -> str:
+        parts = []
+        for r in overdue:
+            if r in self.ready_at:
+                parts.append(f"rank {r} ran fn for more than {self.timeout:.1f}s")
+            else:
+                parts.append(f"rank {r} did not start within {self.startup_timeout:.1f}s")
+        return ", ".join(parts)
+
+    def ready_after_s(self) -> dict[int, float]:
+        return {r: t - self.start for r, t in sorted(self.ready_at.items())}
+
+    def absorb(self, messages: list[tuple[int, str, Any]]) -> dict[int, str]:
+        """Record ready times and results; return rank -> traceback for failures."""
+        failures: dict[int, str] = {}
+        now = time.monotonic()
+        for rank, kind, data in messages:
+            if kind == _READY:
+                self.ready_at.setdefault(rank, now)
+            elif kind == _OK:
+                self.values[rank] = pickle.loads(data)
+            else:
+                failures[rank] = data
+        return failures
 
 
 def _crash_message(rank: int, exitcode: int | None) -> str:
@@ -288,33 +371,22 @@ def _dead_unreported(processes: list[Any], reported: set[int]) -> list[int]:
 
 def _check_dead_children(
     processes: list[Any], values: dict[int, Any], results: Any
-) -> list[tuple[int, bool, Any]]:
+) -> list[tuple[int, str, Any]]:
     """Turn a child that exited without reporting into an error message for that rank."""
     dead = _dead_unreported(processes, set(values))
     if not dead:
         return []
     # Its result may still be in flight in the queue's pipe.
     messages = _drain(results, _EXIT_GRACE_S)
-    reported = {rank for rank, _, _ in messages} | set(values)
+    reported = {rank for rank, kind, _ in messages if kind != _READY} | set(values)
     for rank in dead:
         if rank not in reported:
-            messages.append((rank, False, _crash_message(rank, processes[rank].exitcode)))
+            messages.append((rank, _ERROR, _crash_message(rank, processes[rank].exitcode)))
     return messages
 
 
-def _absorb(messages: list[tuple[int, bool, Any]], values: dict[int, Any]) -> dict[int, str]:
-    """Store successful results in ``values``; return rank -> traceback for failures."""
-    failures: dict[int, str] = {}
-    for rank, ok, data in messages:
-        if ok:
-            values[rank] = pickle.loads(data)
-        else:
-            failures[rank] = data
-    return failures
-
-
 def _gather_failures(
-    failures: dict[int, str], processes: list[Any], values: dict[int, Any], results: Any
+    failures: dict[int, str], processes: list[Any], run: _RunState, results: Any
 ) -> dict[int, str]:
     """Complete the picture after a first failure, within a short grace period.
 
@@ -322,15 +394,16 @@ def _gather_failures(
     once and may report before the parent notices the dead process. Collect what else arrives
     quickly and name the ranks that died without reporting, so the root cause is in the error.
     """
-    for rank, ok, data in _drain(results, _FAILURE_GRACE_S):
-        if not ok:
-            failures.setdefault(rank, data)
-    for rank in _dead_unreported(processes, set(values) | set(failures)):
+    for rank, data in run.absorb(_drain(results, _FAILURE_GRACE_S)).items():
+        failures.setdefault(rank, data)
+    for rank in _dead_unreported(processes, set(run.values) | set(failures)):
         failures[rank] = _crash_message(rank, processes[rank].exitcode)
     return failures
 
 
-def _failure_error(fn: Callable[..., Any], failures: dict[int, str]) -> DistributedTestError:
+def _failure_error(
+    fn: Callable[..., Any], failures: dict[int, str], ready_after_s: dict[int, float]
+) -> DistributedTestError:
     """Build the error; the likely root cause comes first.
 
     Order: ranks that died without a traceback, then ordinary failures, then failures that are
@@ -354,6 +427,7 @@ def _failure_error(fn: Callable[..., Any], failures: dict[int, str]) -> Distribu
         f"(failed ranks: {ranks}); other ranks were terminated.\n{body}",
         failed_ranks=ranks,
         tracebacks=failures,
+        ready_after_s=ready_after_s,
     )
 
 
