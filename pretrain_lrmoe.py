@@ -33,9 +33,9 @@ the examples keep the real model's vocabulary size so the output layer has its r
 
 Megatron-specific trap handled here: ``megatron.training`` runs ``make`` to compile its dataset
 helper, which fails with the wheel although the wheel ships the compiled helper
-(``megatron_lrmoe.megatron.compat.use_prebuilt_dataset_helpers``).
+(``megatron_lrmoe.training.compat.use_prebuilt_dataset_helpers``).
 
-Statistics. With ``--lrmoe`` the LRMoE statistics (``megatron_lrmoe.metrics.LRMoEMetrics``: kept
+Statistics. With ``--lrmoe`` the LRMoE statistics (``megatron_lrmoe.observe.metrics.LRMoEMetrics``: kept
 ratio, dropped score fraction, backward bytes and bytes saved, overhead) are reduced over all
 ranks at every ``--log-interval`` (and the first iteration), written as ``lrmoe/...`` scalars to
 Megatron's TensorBoard and W&B writers (per layer with ``--moe-per-layer-logging``) and printed
@@ -44,7 +44,7 @@ in a line right after Megatron's iteration line::
      [...] iteration      100/   10000 | consumed samples: ... | lm loss: ... | ...
      [...] iteration      100/   10000 | lrmoe kept: 0.500 | lrmoe dropped score: 0.213 | ...
 
-``megatron.training.training_log`` has no hook for this; ``megatron_lrmoe.megatron.
+``megatron.training.training_log`` has no hook for this; ``megatron_lrmoe.training.
 training_hooks`` explains the explicit, version-checked wrappers ``main`` installs. Without
 ``--lrmoe`` nothing is installed.
 """
@@ -74,10 +74,10 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from megatron_lrmoe.megatron import compat
-from megatron_lrmoe.megatron.args import add_lrmoe_args, validate_lrmoe_args
-from megatron_lrmoe.megatron.model import gpt_model_config_from_args
-from megatron_lrmoe.megatron.training_hooks import install_lrmoe_training_log
+from megatron_lrmoe.training import compat
+from megatron_lrmoe.training.args import add_lrmoe_args, validate_lrmoe_args
+from megatron_lrmoe.training.model import gpt_model_config_from_args
+from megatron_lrmoe.training.hooks import install_lrmoe_training_log
 
 logger = logging.getLogger(__name__)
 
@@ -348,7 +348,7 @@ def main() -> None:
     except ValueError as e:
         raise SystemExit(f"pretrain_lrmoe.py: error: {e}") from e
     # --lrmoe only: LRMoE statistics at --log-interval, in a line after Megatron's iteration line
-    # and as lrmoe/... TensorBoard / W&B scalars (megatron_lrmoe.megatron.training_hooks).
+    # and as lrmoe/... TensorBoard / W&B scalars (megatron_lrmoe.training.hooks).
     install_lrmoe_training_log(args)
     # After our parse: it re-parses sys.argv without our flags and would mishandle --help.
     run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)

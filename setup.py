@@ -31,7 +31,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "lrmoe-demo=megatron_lrmoe.demo:main",
+            "lrmoe-demo=megatron_lrmoe.demo.main:main",
             "lrmoe-pretrain=pretrain_lrmoe:main",
         ]
     },

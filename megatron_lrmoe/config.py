@@ -117,7 +117,7 @@ def validate_transformer_config(config: Any, layer_name: str = "LRMoELayer") -> 
     Each rule names the offending value and the fix. Rules are listed in docs/config.md.
     """
     # Imported here so the config module stays importable without torch-heavy imports.
-    from megatron_lrmoe.ops.activation import activation_spec_from_config
+    from megatron_lrmoe.experts.activation import activation_spec_from_config
 
     num_experts: Optional[int] = config.num_moe_experts
     if not num_experts:

@@ -12,11 +12,11 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.dispatcher import LRAlltoAllTokenDispatcher
-from megatron_lrmoe.experts import LRGroupedMLP
-from megatron_lrmoe.fused import ExpertCall, LRMoEExpertsFunction
-from megatron_lrmoe.plan import CallPlan
-from megatron_lrmoe.stats import CallStats
+from megatron_lrmoe.dispatch.dispatcher import LRAlltoAllTokenDispatcher
+from megatron_lrmoe.experts.module import LRGroupedMLP
+from megatron_lrmoe.op import ExpertCall, LRMoEExpertsFunction
+from megatron_lrmoe.control.plan import CallPlan
+from megatron_lrmoe.observe.stats import CallStats
 
 logger = logging.getLogger(__name__)
 

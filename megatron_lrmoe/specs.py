@@ -11,7 +11,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.experts import LRGroupedMLP
+from megatron_lrmoe.experts.module import LRGroupedMLP
 from megatron_lrmoe.layer import LRMoELayer
 
 

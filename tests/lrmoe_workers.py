@@ -167,8 +167,8 @@ def _dense_reference(
     """
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_lrmoe.ops.activation import activation_spec_from_config
-    from megatron_lrmoe.ops.reference import reference_activation
+    from megatron_lrmoe.experts.activation import activation_spec_from_config
+    from megatron_lrmoe.experts.reference import reference_activation
 
     spec = activation_spec_from_config(cfg)
     w1 = w1_full.clone().requires_grad_(True)

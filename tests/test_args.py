@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lrmoe import LRMoEConfig, add_lrmoe_args
-from megatron_lrmoe.megatron.args import (
+from megatron_lrmoe.training.args import (
     LRMOE_FLAGS,
     lrmoe_config_from_args,
     validate_lrmoe_args,

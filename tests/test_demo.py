@@ -22,7 +22,7 @@ def _demo_command(*args: str) -> list[str]:
     script = Path(sys.executable).with_name("lrmoe-demo")
     if script.exists():
         return [str(script), *args]
-    code = "import sys; from megatron_lrmoe.demo import main; sys.exit(main())"
+    code = "import sys; from megatron_lrmoe.demo.main import main; sys.exit(main())"
     return [sys.executable, "-c", code, *args]
 
 
@@ -87,7 +87,7 @@ def test_help_lists_the_options() -> None:
 
 
 def test_bad_arguments_fail_before_starting_ranks(capsys: pytest.CaptureFixture) -> None:
-    from megatron_lrmoe.demo import main
+    from megatron_lrmoe.demo.main import main
 
     assert main(["--keep-ratio", "1.5"]) == 2
     assert "--keep-ratio" in capsys.readouterr().err

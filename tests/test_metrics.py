@@ -1,4 +1,4 @@
-"""``megatron_lrmoe.metrics``: values written for known calls, and Megatron's tracker zeroing.
+"""``megatron_lrmoe.observe.metrics``: values written for known calls, and Megatron's tracker zeroing.
 
 The first tests feed hand-made ``CallStats`` (no processes): every reported number is checked
 against a value computed by hand. The last test trains a tiny LRMoE GPT on 2 gloo ranks (EP=2)
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_lrmoe.metrics import LRMoEMetrics, format_log_string, stock_backward_bytes
-from megatron_lrmoe.stats import CallStats, ExchangeStats
+from megatron_lrmoe.observe.metrics import LRMoEMetrics, format_log_string, stock_backward_bytes
+from megatron_lrmoe.observe.stats import CallStats, ExchangeStats
 from megatron_lrmoe.testing import run_distributed
 
 TIMEOUT_S = 180.0
@@ -183,7 +183,7 @@ def _metrics_under_tracker_zeroing(rank: int, world_size: int) -> dict[str, Any]
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from megatron_lrmoe import LRMoEConfig, LRMoELayer
-    from megatron_lrmoe.cpu_training import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
+    from megatron_lrmoe.demo.trainer import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
     from megatron_lrmoe.testing import init_megatron_parallel
 
     init_megatron_parallel(ep=world_size)

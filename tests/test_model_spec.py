@@ -1,4 +1,4 @@
-"""Model specs and builder of the training entry point (``megatron_lrmoe.megatron.model``).
+"""Model specs and builder of the training entry point (``megatron_lrmoe.training.model``).
 
 One 2-rank gloo run (EP=2, local spec, CPU) builds a tiny MoE GPT with one dense layer, three
 MoE layers and one MTP layer, stock and with ``--lrmoe``, and reports what the tests check:
@@ -47,7 +47,7 @@ def _transformer_config(**overrides: Any) -> Any:
 def _model_config(transformer: Any, lrmoe: Any = None) -> Any:
     from megatron.training.models.gpt import GPTModelConfig
 
-    from megatron_lrmoe.megatron.model import LRMoEGPTModelConfig
+    from megatron_lrmoe.training.model import LRMoEGPTModelConfig
 
     kwargs = dict(
         transformer=transformer,
@@ -70,7 +70,7 @@ def _mlp_kind(mlp: Any) -> str:
 
 
 def _spec_facts(transformer: Any, lrmoe: Any) -> dict[str, Any]:
-    from megatron_lrmoe.megatron.model import gpt_decoder_spec, gpt_mtp_block_spec
+    from megatron_lrmoe.training.model import gpt_decoder_spec, gpt_mtp_block_spec
 
     stock_cfg = _model_config(transformer)
     stock = gpt_decoder_spec(stock_cfg)
@@ -150,7 +150,7 @@ def _model_spec_worker(rank: int, world_size: int, with_te: bool) -> dict[str, A
     from megatron.training.models.gpt import GPTModelBuilder
 
     from megatron_lrmoe import LRMoEConfig, LRMoELayer
-    from megatron_lrmoe.megatron.model import LRMoEGPTModelBuilder
+    from megatron_lrmoe.training.model import LRMoEGPTModelBuilder
     from megatron_lrmoe.testing import init_megatron_parallel
 
     init_megatron_parallel(ep=world_size)

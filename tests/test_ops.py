@@ -1,4 +1,4 @@
-"""Tests for ``megatron_lrmoe.ops`` against the slow references in ``ops/reference.py``.
+"""Tests for ``megatron_lrmoe.experts`` against the slow references in ``ops/reference.py``.
 
 Shape legend: N rows grouped by expert, G experts, H hidden, F FFN width, F1 = 2F if gated.
 
@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megatron_lrmoe.ops.grouped_gemm as gg
-from megatron_lrmoe.ops import (
+import megatron_lrmoe.experts.grouped_gemm as gg
+from megatron_lrmoe.experts import (
     GluSpec,
     GroupedExpertMLP,
     GroupSizes,
@@ -39,7 +39,7 @@ from megatron_lrmoe.ops import (
     grouped_mm_nt,
     grouped_mm_tn,
 )
-from megatron_lrmoe.ops.reference import (
+from megatron_lrmoe.experts.reference import (
     reference_activation,
     reference_expert_mlp,
     reference_grouped_mm_nn,
@@ -375,7 +375,7 @@ def test_weighted_expert_mlp_matches_autograd_reference(
     spec: GluSpec, save_h: bool, counts_name: str
 ) -> None:
     """Probs applied before fc2 (Megatron's order): output and every gradient incl. d probs."""
-    from megatron_lrmoe.ops import weighted_expert_mlp_backward
+    from megatron_lrmoe.experts import weighted_expert_mlp_backward
 
     counts = COUNT_CASES[counts_name]
     x, w1, w2, probs = _mlp_tensors(counts, 16, 8, spec)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
-from megatron_lrmoe.permutation import PairPermutation, PermuteTokens, UnpermutePairs, permute_probs
+from megatron_lrmoe.dispatch.permutation import PairPermutation, PermuteTokens, UnpermutePairs, permute_probs
 
 
 def _routing(t: int, e: int, k: int, incomplete: bool, seed: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Tests for megatron_lrmoe.planner: quotas, their split over sources, replica balancing.
+"""Tests for megatron_lrmoe.control.planner: quotas, their split over sources, replica balancing.
 
 Shapes: E experts, P ranks.
 """
@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from megatron_lrmoe.planner import (
+from megatron_lrmoe.control.planner import (
     balance_over_replicas,
     expert_quotas,
     greedy_balance_over_replicas,

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_lrmoe.megatron import compat
+from megatron_lrmoe.training import compat
 from megatron_lrmoe.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def _entry_point_worker(rank: int, world_size: int, data_prefix: str, cache: str
 
     import pretrain_lrmoe as entry
     from megatron_lrmoe import LRMoEConfig, LRMoELayer
-    from megatron_lrmoe.megatron.model import LRMoEGPTModelConfig, gpt_model_config_from_args
+    from megatron_lrmoe.training.model import LRMoEGPTModelConfig, gpt_model_config_from_args
     from megatron_lrmoe.testing import init_megatron_parallel
 
     facts: dict[str, Any] = {"helpers_patched": compat.use_prebuilt_dataset_helpers()}
@@ -268,7 +268,7 @@ def test_example_script_arguments_validate(
     from megatron.training import arguments
 
     import pretrain_lrmoe as entry
-    from megatron_lrmoe.megatron.args import lrmoe_config_from_args
+    from megatron_lrmoe.training.args import lrmoe_config_from_args
 
     proc = subprocess.run(
         ["bash", str(ROOT / "examples" / script)],

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_lrmoe.ops import rowwise
+from megatron_lrmoe.dispatch import rows as rowwise
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

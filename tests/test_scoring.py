@@ -1,4 +1,4 @@
-"""Tests for megatron_lrmoe.scoring: LRM scores, top-k and unbiased sampled selection.
+"""Tests for megatron_lrmoe.select.scoring: LRM scores, top-k and unbiased sampled selection.
 
 Shapes: N rows (token-expert pairs), G segments, H hidden, R independent draws.
 """
@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from megatron_lrmoe.scoring import (
+from megatron_lrmoe.select.scoring import (
     PROB_BITS,
     Selection,
     draw_uniforms,

@@ -1,7 +1,7 @@
 """End-to-end training on 2 gloo ranks (EP=2) with megatron.core: LRMoE against stock.
 
 One 2-rank run (module-scoped fixture) trains a tiny Qwen3-style MoE GPT through Megatron's DDP,
-optimizer and schedule (``megatron_lrmoe.cpu_training``) and returns loss curves; the tests
+optimizer and schedule (``megatron_lrmoe.demo.trainer``) and returns loss curves; the tests
 compare them. Runs that should agree start from the same weights and see the same data.
 
 * LRMoE at keep 1.0 against stock: same losses, fp32-tight. Not bit-exact: LRMoE's experts are
@@ -42,7 +42,7 @@ def _training_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch
 
     from megatron_lrmoe import LRMoEConfig
-    from megatron_lrmoe.cpu_training import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
+    from megatron_lrmoe.demo.trainer import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
     from megatron_lrmoe.testing import init_megatron_parallel
 
     init_megatron_parallel(ep=world_size)
@@ -202,7 +202,7 @@ def test_corpus_split_is_by_file_and_skips_site_packages(tmp_path: Path) -> None
     """Validation files are chosen by a hash of the relative path; site-packages is not stdlib."""
     import zlib
 
-    from megatron_lrmoe.cpu_training import load_stdlib_corpus
+    from megatron_lrmoe.demo.trainer import load_stdlib_corpus
 
     names = [f"pkg{i % 4}/mod_{i:03d}.py" for i in range(64)]
     for name in names:

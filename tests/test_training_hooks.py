@@ -1,4 +1,4 @@
-"""``megatron_lrmoe.megatron.training_hooks``: LRMoE statistics in megatron.training's log.
+"""``megatron_lrmoe.training.hooks``: LRMoE statistics in megatron.training's log.
 
 A full ``pretrain`` loop needs a GPU, so the wrappers run here inside a stand-in for
 ``megatron.training.training``: a module whose ``pretrain``, ``train`` and ``training_log`` have
@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from megatron_lrmoe.layer import LRMoELayer
-from megatron_lrmoe.megatron import training_hooks
-from megatron_lrmoe.megatron.training_hooks import (
+from megatron_lrmoe.training import hooks as training_hooks
+from megatron_lrmoe.training.hooks import (
     LRMoETrainingLog,
     check_training_functions,
     install_lrmoe_training_log,
     lrmoe_log_line,
 )
-from megatron_lrmoe.stats import CallStats, ExchangeStats
+from megatron_lrmoe.observe.stats import CallStats, ExchangeStats
 from megatron_lrmoe.testing import run_distributed
 
 TIMEOUT_S = 180.0
@@ -383,7 +383,7 @@ def test_call_by_global_name_is_checked(megatron_globals: Any) -> None:
 
 
 def test_version_is_checked(megatron_globals: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_lrmoe.megatron import compat
+    from megatron_lrmoe.training import compat
 
     monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.20.0")
     with pytest.raises(RuntimeError, match="needs megatron-core 0.19.x"):
@@ -408,7 +408,7 @@ def _real_layers_worker(rank: int, world_size: int) -> dict[str, Any]:
     from megatron.training import global_vars
 
     from megatron_lrmoe import LRMoEConfig
-    from megatron_lrmoe.cpu_training import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
+    from megatron_lrmoe.demo.trainer import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
     from megatron_lrmoe.testing import init_megatron_parallel
 
     init_megatron_parallel(ep=world_size)

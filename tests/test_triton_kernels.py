@@ -33,7 +33,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lrmoe.ops import GluSpec, act_backward, act_forward, rowwise, triton_kernels
+from megatron_lrmoe import triton_kernels
+from megatron_lrmoe.dispatch import rows as rowwise
+from megatron_lrmoe.experts import GluSpec, act_backward, act_forward
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()

@@ -9,21 +9,21 @@ Set ``LRMOE_GROUPED_MM=loop`` to force the per-group ``torch.mm`` loop instead o
 ``torch.nn.functional.grouped_mm`` (see ``grouped_gemm.py``).
 """
 
-from megatron_lrmoe.ops.activation import (
+from megatron_lrmoe.experts.activation import (
     ActivationKind,
     GluSpec,
     act_backward,
     act_forward,
     activation_spec_from_config,
 )
-from megatron_lrmoe.ops.expert_mlp import (
+from megatron_lrmoe.experts.mlp import (
     GroupedExpertMLP,
     expert_mlp_backward,
     expert_mlp_forward,
     grouped_expert_mlp,
     weighted_expert_mlp_backward,
 )
-from megatron_lrmoe.ops.grouped_gemm import (
+from megatron_lrmoe.experts.grouped_gemm import (
     GROUPED_MM_ENV,
     Counts,
     GroupedMMBackend,

@@ -36,15 +36,15 @@ from typing import Any
 
 import torch
 
-from megatron_lrmoe.ops.activation import GluSpec, act_backward, act_forward
-from megatron_lrmoe.ops.grouped_gemm import (
+from megatron_lrmoe.experts.activation import GluSpec, act_backward, act_forward
+from megatron_lrmoe.experts.grouped_gemm import (
     Counts,
     GroupSizes,
     grouped_mm_nn,
     grouped_mm_nt,
     grouped_mm_tn,
 )
-from megatron_lrmoe.ops.rowwise import row_dot, scale_rows
+from megatron_lrmoe.dispatch.rows import row_dot, scale_rows
 
 __all__ = [
     "GroupedExpertMLP",

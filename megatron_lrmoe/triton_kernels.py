@@ -6,19 +6,19 @@ Shape legend:
     H: row width of the row-wise ops (hidden size).
     F: activation output width; F1: fc1 width, ``2F`` when gated (``h = [gate | up]``) else ``F``.
 
-Why: the torch versions (``rowwise.py``, ``activation.py``) widen whole bf16 tensors to fp32
+Why: the torch versions (``dispatch/rows.py``, ``activation.py``) widen whole bf16 tensors to fp32
 temporaries and spend one kernel per intermediate, so at Qwen3-30B-A3B sizes (N = 131072,
 H = 2048, F = 768) they move several times the bytes the math needs. Every kernel here reads
 each input once, writes each output once and keeps the fp32 math in registers, rounding once
 into the output dtype, like the torch paths do.
 
 Selection: :func:`use_triton` is true when every tensor is on CUDA, ``triton`` imports, and the
-environment variable ``LRMOE_TRITON`` is not ``"0"``. The callers in ``rowwise.py`` and
+environment variable ``LRMOE_TRITON`` is not ``"0"``. The callers in ``dispatch/rows.py`` and
 ``activation.py`` also keep the torch path for fp64, for inputs that need autograd, and for
 unusual shapes, so their semantics do not change.
 
 Triton is imported lazily (first launch or first :func:`triton_available` call), so importing
-``megatron_lrmoe.ops`` works where triton is missing or broken. The kernel bodies below are
+``megatron_lrmoe.experts`` works where triton is missing or broken. The kernel bodies below are
 plain functions until then; they reference the module global ``tl``, which is bound on import.
 
 Under ``TRITON_INTERPRET=1`` (set before triton is first imported: triton's own helpers such as

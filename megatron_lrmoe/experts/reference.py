@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from megatron_lrmoe.ops.activation import GluSpec
+from megatron_lrmoe.experts.activation import GluSpec
 
 __all__ = [
     "reference_activation",

@@ -38,7 +38,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron_lrmoe.stats import CallStats
+from megatron_lrmoe.observe.stats import CallStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``lrmoe-demo``: stock Megatron MoE against LRMoE on a tiny Qwen3-style MoE GPT, on CPU.
 
 Two gloo ranks (EP=2) train the same model from the same initial weights on the same byte-level
-text (the Python standard library's own sources, see :mod:`megatron_lrmoe.cpu_training`), once
+text (the Python standard library's own sources, see :mod:`megatron_lrmoe.demo.trainer`), once
 with Megatron's stock ``MoELayer`` and once with ``LRMoELayer`` at the chosen keep ratio. The
 demo prints progress, then a table (steps and wall time to a target validation loss, final loss,
 cumulative MoE-layer time, backward exchange bytes), and writes ``loss_vs_time.png`` and
@@ -13,7 +13,7 @@ How things are measured:
   logging are excluded. Values are means over the two ranks.
 * MoE-layer time is wall clock inside every ``MoELayer`` (forward: forward pre-hook to forward
   hook; backward: full backward pre-hook to full backward hook), LRMoE's scoring, selection,
-  packing and exchanges included (:class:`megatron_lrmoe.cpu_training.MoELayerProbe`).
+  packing and exchanges included (:class:`megatron_lrmoe.demo.trainer.MoELayerProbe`).
 * Backward bytes are the bytes a rank sends in the MoE layers' backward exchanges per step:
   ``last_call_stats.backward_bytes`` for LRMoE, the alltoall dispatcher's splits for stock.
 * The target loss, unless ``--target-loss`` is given, is the stock run's validation loss at the
@@ -167,7 +167,7 @@ def _progress_line(name: str, steps: int, record: Any, train_seconds: float) -> 
         f"  val {record.valid_loss:6.3f}  train time {train_seconds:6.1f}s"
     )
     if record.metrics:
-        from megatron_lrmoe.metrics import format_log_string
+        from megatron_lrmoe.observe.metrics import format_log_string
 
         line += " |" + format_log_string(record.metrics)
     return line
@@ -178,7 +178,7 @@ def _demo_rank(rank: int, world_size: int, plan: DemoPlan) -> dict:
     if not plan.verbose:
         _quiet()
     from megatron_lrmoe.config import LRMoEConfig
-    from megatron_lrmoe.cpu_training import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
+    from megatron_lrmoe.demo.trainer import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
     from megatron_lrmoe.testing import init_megatron_parallel
 
     settings = TrainSettings(**plan.settings)

@@ -310,7 +310,7 @@ class MoELayerProbe:
 
     Backward bytes are the bytes this rank sends in the layer's backward exchanges: an LRMoE
     layer reports them in ``last_call_stats.backward_bytes``; for a stock ``MoELayer`` they are
-    derived from the alltoall dispatcher's splits (:func:`megatron_lrmoe.metrics.
+    derived from the alltoall dispatcher's splits (:func:`megatron_lrmoe.observe.metrics.
     stock_backward_bytes`), the same accounting as LRMoE's ``stock_backward_bytes``.
     """
 
@@ -359,7 +359,7 @@ class MoELayerProbe:
         if stats is not None:
             self._pending_stats.append(stats)  # its bytes are known once backward ran
             return
-        from megatron_lrmoe.metrics import stock_backward_bytes
+        from megatron_lrmoe.observe.metrics import stock_backward_bytes
 
         dispatcher = layer.token_dispatcher
         hidden = args[0]
@@ -540,7 +540,7 @@ class Trainer:
         init_from: A stock model's ``state_dict()`` to start from (so stock and LRMoE runs start
             from the same weights: LRMoE experts draw their initial values in a different order
             than ``SequentialMLP``); ``None`` keeps the seeded initialisation.
-        metrics: Collect LRMoE statistics through :class:`megatron_lrmoe.metrics.LRMoEMetrics`.
+        metrics: Collect LRMoE statistics through :class:`megatron_lrmoe.observe.metrics.LRMoEMetrics`.
         start_step: Resume at this step: the data stream and the LR schedule skip ahead to it
             (load the weights with :meth:`load` afterwards). The optimizer state starts fresh.
     """
@@ -616,7 +616,7 @@ class Trainer:
         self.probe = MoELayerProbe(self.model)
         self.metrics = None
         if metrics and lrmoe is not None:
-            from megatron_lrmoe.metrics import LRMoEMetrics
+            from megatron_lrmoe.observe.metrics import LRMoEMetrics
 
             self.metrics = LRMoEMetrics(self.model, start_iteration=start_step)
         self.step = 0

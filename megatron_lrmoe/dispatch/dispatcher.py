@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron_lrmoe import comm
-from megatron_lrmoe.permutation import (
+from megatron_lrmoe.dispatch import comm
+from megatron_lrmoe.dispatch.permutation import (
     PairPermutation,
     PermuteTokens,
     UnpermutePairs,

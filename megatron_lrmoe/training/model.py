@@ -51,7 +51,7 @@ from megatron.training.models.gpt import (
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.megatron.args import lrmoe_config_from_args
+from megatron_lrmoe.training.args import lrmoe_config_from_args
 from megatron_lrmoe.specs import lrmoe_decoder_block_spec, lrmoe_layer_spec
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class LRMoEGPTModelConfig(GPTModelConfig):
             exactly like ``GPTModelConfig``).
     """
 
-    builder: ClassVar[str] = "megatron_lrmoe.megatron.model.LRMoEGPTModelBuilder"
+    builder: ClassVar[str] = "megatron_lrmoe.training.model.LRMoEGPTModelBuilder"
     lrmoe: Optional[LRMoEConfig] = None
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.planner import expert_quotas, split_quota_over_sources
+from megatron_lrmoe.control.planner import expert_quotas, split_quota_over_sources
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lrmoe.ops import GroupedExpertMLP
-from megatron_lrmoe.ops.activation import activation_spec_from_config
+from megatron_lrmoe.experts.mlp import GroupedExpertMLP
+from megatron_lrmoe.experts.activation import activation_spec_from_config
 
 
 class ExpertLinear(torch.nn.Module):
@@ -154,6 +154,6 @@ class LRGroupedMLP(MegatronModule):
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
     ) -> dict:
         """Same keys, shapes and sharding as ``SequentialMLP.sharded_state_dict``."""
-        from megatron_lrmoe.checkpoint import sequential_mlp_sharded_state_dict
+        from megatron_lrmoe.experts.checkpoint import sequential_mlp_sharded_state_dict
 
         return sequential_mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata)

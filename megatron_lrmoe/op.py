@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from megatron_lrmoe import comm
-from megatron_lrmoe.compaction import (
+from megatron_lrmoe.dispatch import comm
+from megatron_lrmoe.dispatch.compaction import (
     chunk_transpose_index,
     exclusive_cumsum,
     host_to_device,
@@ -28,11 +28,11 @@ from megatron_lrmoe.compaction import (
     scatter_rows,
 )
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.ops import expert_mlp_forward, weighted_expert_mlp_backward
-from megatron_lrmoe.ops.activation import GluSpec
-from megatron_lrmoe.ops.rowwise import row_dot, scale_rows
-from megatron_lrmoe.plan import CallPlan
-from megatron_lrmoe.scoring import (
+from megatron_lrmoe.experts.mlp import expert_mlp_forward, weighted_expert_mlp_backward
+from megatron_lrmoe.experts.activation import GluSpec
+from megatron_lrmoe.dispatch.rows import row_dot, scale_rows
+from megatron_lrmoe.control.plan import CallPlan
+from megatron_lrmoe.select.scoring import (
     Selection,
     draw_uniforms,
     lrm_scores,
@@ -41,7 +41,7 @@ from megatron_lrmoe.scoring import (
     sanitize,
     select,
 )
-from megatron_lrmoe.stats import CallStats, ExchangeStats, SpanTimer
+from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lrmoe.ops import triton_kernels
+from megatron_lrmoe import triton_kernels
 
 CHUNK_ROWS = 16384
 

@@ -2,14 +2,14 @@
 
 ``megatron.training`` 0.19's ``training_log`` has no hook for extra log text: it builds the
 iteration line in a local variable and prints it (``print_rank_last``) in the same call, and the
-MoE metrics tracker it reports is cleared every iteration (see :mod:`megatron_lrmoe.metrics`).
+MoE metrics tracker it reports is cleared every iteration (see :mod:`megatron_lrmoe.observe.metrics`).
 Appending to that line would mean copying ``training_log`` or intercepting ``print_rank_last``
 while it runs. Instead :func:`install_lrmoe_training_log`, called explicitly by the entry point
 ``pretrain_lrmoe.main`` and only with ``--lrmoe``, wraps two functions of
 ``megatron.training.training``, both of which Megatron calls through their module-global names:
 
 * ``train(forward_step_func, model, ...)`` (called by ``pretrain``): the wrapper creates an
-  :class:`~megatron_lrmoe.metrics.LRMoEMetrics` over ``model`` (the model chunks being trained,
+  :class:`~megatron_lrmoe.observe.metrics.LRMoEMetrics` over ``model`` (the model chunks being trained,
   DDP-wrapped) before calling the original, so its forward hooks see every training call, and
   removes the hooks when ``train`` returns or raises.
 * ``training_log(...)`` (called by ``train`` after every iteration): the wrapper calls the
@@ -43,7 +43,7 @@ from types import ModuleType
 from typing import Any, Callable, Optional
 
 from megatron_lrmoe.layer import set_lrmoe_training_step
-from megatron_lrmoe.metrics import LRMoEMetrics
+from megatron_lrmoe.observe.metrics import LRMoEMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def check_training_functions(module: ModuleType) -> None:
     Args:
         module: ``megatron.training.training``.
     """
-    from megatron_lrmoe.megatron import compat
+    from megatron_lrmoe.training import compat
 
     compat.check_megatron_core_version()
     version = compat.megatron_core_version()
@@ -127,7 +127,7 @@ def check_training_functions(module: ModuleType) -> None:
             raise RuntimeError(
                 f"{module.__name__}.{name} has parameters {found}; the LRMoE training log wraps "
                 f"megatron-core 0.19.2's {name}{want} (installed: megatron-core {version}). "
-                "Update megatron_lrmoe/megatron/training_hooks.py for this version."
+                "Update megatron_lrmoe/training/hooks.py for this version."
             )
     for caller, callee in (("pretrain", "train"), ("train", "training_log")):
         fn = inspect.unwrap(getattr(module, caller))

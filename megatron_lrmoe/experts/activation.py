@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from megatron_lrmoe.ops import triton_kernels
+from megatron_lrmoe import triton_kernels
 
 __all__ = [
     "ActivationKind",

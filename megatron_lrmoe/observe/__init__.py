@@ -1,0 +1,1 @@
+"""Per-call statistics of LRMoE layers and their Megatron metrics."""

@@ -1,0 +1,1 @@
+"""LRM scores of token-expert pairs and the ``sample`` / ``topk`` selection of survivors."""

@@ -1,0 +1,1 @@
+"""Megatron training integration: ``--lrmoe-*`` flags, the GPT model builder, training hooks."""
