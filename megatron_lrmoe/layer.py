@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.dispatch.dispatcher import LRAlltoAllTokenDispatcher
 from megatron_lrmoe.experts.module import LRGroupedMLP
-from megatron_lrmoe.op import ExpertCall, LRMoEExpertsFunction
+from megatron_lrmoe.op import ExpertCall, lrmoe_experts
 from megatron_lrmoe.control.plan import CallPlan
 from megatron_lrmoe.observe.stats import CallStats
 
@@ -85,7 +85,15 @@ class LRMoELayer(MoELayer):
             self._calls_in_step = 0
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Dispatch, experts and combine as one op whose backward is LRMoE's."""
+        """Dispatch, experts and combine as one op whose backward is LRMoE's.
+
+        Args:
+            hidden_states: ``[T, H]`` this rank's tokens (the dispatcher does not permute).
+            probs: ``[S]`` routing weight of each pair in Megatron's pair order.
+
+        Returns:
+            ``([T, H] routed experts' output, None)``.
+        """
         dispatcher = self.token_dispatcher
         dispatcher.tokens_per_expert = None
         call_index = self._call_index
@@ -118,10 +126,11 @@ class LRMoELayer(MoELayer):
             lrmoe=self.lrmoe_config,
             spec=self.experts.spec,
             group=self.ep_group,
+            perm=dispatcher.pair_permutation,
             stats=stats,
         )
-        fc1, fc2 = self.experts.weight_params()
-        output = LRMoEExpertsFunction.apply(hidden_states, probs, call, *fc1, *fc2)
+        w1, w2 = self.experts.weights()
+        output = lrmoe_experts(hidden_states, probs, call, w1, w2)
         self.last_call_stats = stats
         return output, None
 

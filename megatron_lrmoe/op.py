@@ -1,15 +1,30 @@
-"""The fused expert op: dispatch all-to-all -> grouped experts -> combine all-to-all, whose
-backward is LRMoE's: score, select within quota, compact, exchange only the survivors.
+"""The LRMoE autograd op: permute -> dispatch all-to-all -> grouped experts -> combine
+all-to-all -> un-permute, with LRMoE's backward.
 
-Shape legend: P EP ranks, L local experts, E = P*L experts, H hidden, F1 fc1 width (2F gated),
-S pairs this rank sends (rows of the permuted tokens, destination-rank-major, i.e. sorted by
-global expert id), R pairs this rank's experts receive, K kept pairs.
+Shape legend: T tokens on this rank, H hidden, P EP ranks, L local experts, E = P*L experts,
+F expert ffn width, F1 fc1 width (2F gated), S pairs this rank sends (= its tokens' pairs),
+R pairs its experts receive, Ks kept pairs this rank sends, Kr kept pairs its experts receive.
 
 Row layouts:
-* source side ("send order"): the stock permutation output, sorted by global expert then token.
-* expert side, "recv order": rank-major ``[source rank][local expert]`` as the all-to-all
-  delivers it; "expert order": ``[local expert][source rank]``, what the grouped GEMM needs.
-Within every (rank, expert) chunk rows keep token order, which is the canonical tie-break order.
+* token side: ``[T, H]`` tokens; pairs in "send order" (Megatron's permute order: sorted by
+  global expert, tokens ascending), which is also destination-rank-major.
+* expert side: "recv order" is rank-major ``[source rank][local expert]`` as the all-to-all
+  delivers it; "expert order" is ``[local expert][source rank]``, what the grouped GEMM needs.
+  Within every (rank, expert) chunk rows keep token order, the canonical tie-break order.
+
+Two autograd functions share the forward and differ in what they keep and how they go back:
+
+* :class:`ExactMoEFunction` (keep ratio 1): Megatron's math and order, the routing weight scales
+  the activation before fc2 on the expert side, the backward sends every gradient row and
+  returns ``d probs`` from the experts. This is the baseline the trimmed path must beat.
+* :class:`TrimmedMoEFunction` (keep ratio < 1): the source applies the routing weight while
+  summing each token's pairs and keeps the expert output ``z`` so that the router gradient stays
+  exact for every pair without any expert backward; the backward runs the named stages
+  :func:`select_kept` -> :func:`pack_kept` -> :func:`exchange_kept` -> expert backward on the
+  survivors -> :func:`return_dx`, each consuming a small frozen plan.
+
+Device-to-host syncs: none in either backward with scope ``local`` (every count is a host
+integer of the forward plan); scope ``global`` needs one (the owners' kept counts).
 """
 
 from __future__ import annotations
@@ -19,41 +34,54 @@ from typing import Optional
 
 import torch
 
+from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control.plan import CallPlan
 from megatron_lrmoe.dispatch import comm
 from megatron_lrmoe.dispatch.compaction import (
     chunk_transpose_index,
     exclusive_cumsum,
     host_to_device,
     row_chunk_ids,
-    scatter_rows,
 )
-from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.experts.mlp import expert_mlp_forward, weighted_expert_mlp_backward
+from megatron_lrmoe.dispatch.permutation import PairPermutation
+from megatron_lrmoe.dispatch.rows import gather_sum, row_dot, scale_rows
 from megatron_lrmoe.experts.activation import GluSpec
-from megatron_lrmoe.dispatch.rows import row_dot, scale_rows
-from megatron_lrmoe.control.plan import CallPlan
+from megatron_lrmoe.experts.grouped_gemm import GroupSizes
+from megatron_lrmoe.experts.mlp import expert_backward, expert_forward
+from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
 from megatron_lrmoe.select.scoring import (
     Selection,
     draw_uniforms,
     lrm_scores,
     nonfinite_poison,
     row_sq_norms,
-    sanitize,
     select,
 )
-from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
+
+__all__ = ["ExactMoEFunction", "ExpertCall", "TrimmedMoEFunction", "lrmoe_experts"]
 
 
 @dataclass
 class ExpertCall:
-    """Everything the op needs besides tensors; one per layer call (not a tensor input)."""
+    """Everything the op needs besides tensors; one per layer call (not a tensor input).
+
+    Attributes:
+        plan: The controller's integer plan for this call (host).
+        lrmoe: The layer's LRMoE configuration.
+        spec: Expert activation.
+        group: The expert-parallel process group.
+        perm: This rank's token <-> pair index plan.
+        stats: Per-call statistics to fill, or ``None``.
+    """
 
     plan: CallPlan
     lrmoe: LRMoEConfig
     spec: GluSpec
     group: Optional[torch.distributed.ProcessGroup]
+    perm: PairPermutation
     stats: Optional[CallStats]
     _indices: dict = field(default_factory=dict)
+    _groups: Optional[GroupSizes] = None
 
     def reorder(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Reorder ``rows`` laid out as an a-major ``counts[A, B]`` chunk grid to b-major.
@@ -67,6 +95,377 @@ class ExpertCall:
         if index is None:
             index = self._indices[key] = chunk_transpose_index(counts, rows.device)
         return rows.index_select(0, index)
+
+    @property
+    def groups(self) -> GroupSizes:
+        """Rows per local expert in forward (offsets built once per call)."""
+        if self._groups is None:
+            self._groups = GroupSizes(self.plan.tokens_per_local_expert)
+        return self._groups
+
+    def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
+        """Send-order rows of this rank -> expert-order rows of its experts (forward split)."""
+        plan = self.plan
+        rows = comm.all_to_all_rows(rows, plan.send_splits, plan.recv_splits, self.group)
+        return self.reorder(rows, plan.recv_counts)
+
+    def to_sources(self, rows: torch.Tensor) -> torch.Tensor:
+        """Expert-order rows of this rank's experts -> send-order rows of their sources."""
+        plan = self.plan
+        rows = self.reorder(rows, plan.recv_counts.t())
+        return comm.all_to_all_rows(rows, plan.recv_splits, plan.send_splits, self.group)
+
+
+def lrmoe_experts(
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    call: ExpertCall,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts of one MoE layer call, ``[T, H] -> [T, H]``.
+
+    Args:
+        hidden: ``[T, H]`` this rank's tokens.
+        probs: ``[S]`` routing weight of each pair, in send order.
+        call: The call's plan and context.
+        w1: ``[L, F1, H]`` fc1 weights of the local experts.
+        w2: ``[L, H, F]`` fc2 weights.
+
+    Returns:
+        ``[T, H]``: for each token the sum of its pairs' routing-weighted expert outputs.
+    """
+    fn = ExactMoEFunction if call.lrmoe.is_exact else TrimmedMoEFunction
+    return fn.apply(hidden, probs, call, w1, w2)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Keep ratio 1: the exact path.
+# --------------------------------------------------------------------------------------------- #
+
+
+class ExactMoEFunction(torch.autograd.Function):
+    """Keep ratio 1: every pair forward and backward, in Megatron's order.
+
+    | name    | shape      | notes                                                        |
+    |---------|------------|--------------------------------------------------------------|
+    | hidden  | [T, H]     | input; gathered into send order, exchanged                   |
+    | probs   | [S]        | input; exchanged, scales the activation before fc2           |
+    | w1, w2  | [L,F1,H], [L,H,F] | inputs (the experts' parameters themselves)           |
+    | x       | [R, H]     | received rows, expert order: saved (fc1's weight gradient)   |
+    | h       | [R, F1]    | fc1 output: saved (the activation backward)                  |
+    | p_e     | [R]        | received routing weights: saved                              |
+    | out     | [T, H]     | each token's sum of its pairs' outputs                       |
+
+    Backward: every gradient row goes to the experts (one ``[S, H]`` gather and exchange), the
+    expert backward returns ``dx`` and ``d probs`` for every pair, and each token adds up its
+    pairs' ``dx``. The activation output is recomputed inside the fused activation backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
+        perm = call.perm
+        x = call.to_experts(hidden.index_select(0, perm.token_of_pair))
+        p_e = call.to_experts(probs)
+        z, h = expert_forward(x, w1, w2, call.groups, call.spec, probs=p_e)
+        out = gather_sum(call.to_sources(z), perm.slot_pair)
+        ctx.call = call
+        ctx.save_for_backward(x, h, p_e, w1, w2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        call: ExpertCall = ctx.call
+        x, h, p_e, w1, w2 = ctx.saved_tensors
+        perm = call.perm
+        g = grad_out.contiguous()
+        dz = call.to_experts(g.index_select(0, perm.token_of_pair))
+        dx, dw1, dw2, dp_e = expert_backward(
+            dz, x, h, w1, w2, call.groups, call.spec, probs=p_e,
+            need_dx=ctx.needs_input_grad[0],
+        )
+        d_probs = call.to_sources(dp_e).to(p_e.dtype)
+        d_hidden = None
+        if dx is not None:
+            d_hidden = gather_sum(call.to_sources(dx), perm.slot_pair)
+        if call.stats is not None:
+            _record_exact(call, g)
+        return d_hidden, d_probs, None, dw1, dw2
+
+
+# --------------------------------------------------------------------------------------------- #
+# Keep ratio < 1: the trimmed path and its backward stages.
+# --------------------------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class KeptPlan:
+    """What survives this call's backward, from :func:`select_kept`.
+
+    Attributes:
+        kept_index: ``[Ks]`` int64 kept pairs of this rank, ascending send-order positions.
+        weight: ``[Ks]`` fp32 gradient multiplier of each (1, or 1/inclusion probability).
+        send_kept: ``[P, L]`` host int64 kept rows this rank sends to (rank, local expert).
+        recv_kept: ``[P, L]`` host int64 kept rows its experts receive from (source, expert).
+        kept_positions: ``[Kr]`` int64 row of each received kept pair in the forward's
+            expert-order rows (``save`` mode, where the expert side kept them), else ``None``.
+        poison: 0-dim fp32, NaN when a score was not finite (added to the gradients).
+    """
+
+    kept_index: torch.Tensor
+    weight: torch.Tensor
+    send_kept: torch.Tensor
+    recv_kept: torch.Tensor
+    kept_positions: Optional[torch.Tensor]
+    poison: torch.Tensor
+
+
+class TrimmedMoEFunction(torch.autograd.Function):
+    """Keep ratio < 1: exact forward, quota-limited backward.
+
+    | name    | shape      | notes                                                         |
+    |---------|------------|---------------------------------------------------------------|
+    | hidden  | [T, H]     | input; saved (it is the router's saved input too, so free):   |
+    |         |            | ``||x||^2`` per token and, at EP 1 or in ``recompute`` mode, the |
+    |         |            | kept pairs' fc1 input rows are read from it in backward        |
+    | probs   | [S]        | input; saved                                                  |
+    | z       | [S, H]     | expert outputs at the source, unweighted: kept until the      |
+    |         |            | router gradient ``<g, z>`` is taken, then freed               |
+    | h       | [R, F1]    | ``save`` mode: fc1 output on the expert side                  |
+    | x       | [R, H]     | ``save`` mode at EP > 1: received rows (remote tokens)        |
+    | out     | [T, H]     | ``sum_k p * z`` per token (fp32 sum, one rounding)             |
+
+    ``z``, ``h`` and ``x`` are held on ``ctx`` rather than by ``save_for_backward`` so that each
+    is released as soon as the backward has taken what it needs from it (saved-tensor hooks,
+    e.g. activation offloading, do not see them).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
+        perm, plan = call.perm, call.plan
+        save = call.lrmoe.activation_mode == "save"
+        x = call.to_experts(hidden.index_select(0, perm.token_of_pair))
+        z, h = expert_forward(x, w1, w2, call.groups, call.spec)
+        z = call.to_sources(z)
+        out = gather_sum(z, perm.slot_pair, scale=probs)
+        ctx.call = call
+        ctx.save_for_backward(hidden, probs, w1, w2)
+        ctx.z = z
+        ctx.h = h if save else None
+        # At EP 1 every received row is a local token: read it from ``hidden`` instead.
+        ctx.x = x if save and plan.ep_size > 1 else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        call: ExpertCall = ctx.call
+        hidden, probs, w1, w2 = ctx.saved_tensors
+        perm = call.perm
+        stats = call.stats
+        timer = SpanTimer(grad_out.device) if stats is not None else None
+        g = grad_out.contiguous()
+
+        # Router gradient, exact for every pair: d probs = <g_token, z_pair>; then z goes.
+        d_probs = row_dot(g, ctx.z, probs.dtype, a_index=perm.token_of_pair)
+        ctx.z = None
+
+        kept = select_kept(call, g, hidden, probs, timer)
+        if timer:
+            timer.start("packing")
+        g_kept, x_kept = pack_kept(call, g, hidden, probs, kept)
+        if timer:
+            timer.stop("packing")
+        dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
+        x_k, h_k = _kept_activations(ctx, call, kept, hidden, x_in)
+        ctx.h = ctx.x = None
+        dx_k, dw1, dw2, _ = expert_backward(
+            dz, x_k, h_k, w1, w2, GroupSizes(kept.recv_kept.sum(0)), call.spec,
+            need_dx=ctx.needs_input_grad[0],
+        )
+        d_hidden = return_dx(call, kept, dx_k) if dx_k is not None else None
+
+        # Non-finite scores must reach Megatron's NaN check, never hide in a selection.
+        dw1 = dw1 + kept.poison.to(dw1.dtype)
+        dw2 = dw2 + kept.poison.to(dw2.dtype)
+        d_probs = d_probs + kept.poison.to(d_probs.dtype)
+        if stats is not None:
+            _record_trimmed(call, g, kept, timer)
+        return d_hidden, d_probs, None, dw1, dw2
+
+
+def _uniforms(call: ExpertCall, n: int, device: torch.device) -> torch.Tensor:
+    plan = call.plan
+    return draw_uniforms(call.lrmoe.seed, (plan.layer_number, *plan.stream), n, device)
+
+
+def select_kept(
+    call: ExpertCall,
+    g: torch.Tensor,
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    timer: Optional[SpanTimer],
+) -> KeptPlan:
+    """Stage 1: score every pair of this rank and select the survivors.
+
+    Score ``p^2 ||g_t||^2 ||x_t||^2``: both norms are token properties, taken once per token.
+    """
+    if timer:
+        timer.start("scoring")
+    tok = call.perm.token_of_pair
+    scores = lrm_scores(probs, row_sq_norms(g)[tok], row_sq_norms(hidden)[tok])
+    poison = nonfinite_poison(scores)
+    if timer:
+        timer.stop("scoring")
+        timer.start("selection")
+    if call.lrmoe.scope == "local" or call.plan.ep_size == 1:
+        kept = _select_local(call, scores, poison)
+    else:
+        kept = _select_global(call, scores, poison)
+    if timer:
+        timer.stop("selection")
+    stats = call.stats
+    if stats is not None:
+        clean = torch.nan_to_num(scores, nan=0.0, posinf=0.0, neginf=0.0)
+        stats.score_total = clean.sum()
+        stats.score_kept = clean[kept.kept_index].sum()
+        if call.lrmoe.debug_record_selection:
+            dense = torch.zeros(scores.numel(), dtype=torch.float32, device=scores.device)
+            stats.kept_weight = dense.index_copy_(0, kept.kept_index, kept.weight).cpu()
+            stats.kept_mask = stats.kept_weight > 0
+    return kept
+
+
+def _select_local(call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor) -> KeptPlan:
+    """Scope local: this source selects among its own pairs with its share of each quota."""
+    plan, lrmoe = call.plan, call.lrmoe
+    device = scores.device
+    counts = plan.global_counts[plan.ep_rank]  # [E] segments = experts, in send order
+    quota_src = plan.source_quota if plan.source_quota is not None else plan.quota.unsqueeze(0)
+    quota = quota_src[plan.ep_rank]
+    uniforms = None
+    if lrmoe.selection == "sample":
+        num_experts = counts.numel()
+        uniforms = _uniforms(call, plan.ep_size * num_experts, torch.device("cpu"))
+        uniforms = uniforms[plan.ep_rank * num_experts : (plan.ep_rank + 1) * num_experts]
+        uniforms = host_to_device(uniforms, device)
+    sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms)
+    p, nle = plan.ep_size, plan.num_local_experts
+    send_kept = quota.reshape(p, nle)
+    recv_kept = quota_src[:, plan.local_experts].contiguous()
+    kept_positions = None
+    if lrmoe.activation_mode == "save":
+        if p == 1:
+            # Send order is expert order: the kept pairs are the kept expert-side rows.
+            kept_positions = sel.kept_index
+        else:
+            # The expert side holds every received row; tell it which ones survived, as the
+            # position of each kept row inside its (source, expert) chunk.
+            seg = row_chunk_ids(quota, device)
+            within = sel.kept_index - host_to_device(exclusive_cumsum(counts), device)[seg]
+            within = comm.all_to_all_rows(
+                within, send_kept.sum(1).tolist(), recv_kept.sum(1).tolist(), call.group
+            )
+            # Chunk start of (source r, local expert l) in the expert-order layout.
+            chunk_start = exclusive_cumsum(plan.recv_counts.t().reshape(-1)).reshape(nle, p).t()
+            chunk_of_row = row_chunk_ids(recv_kept.reshape(-1), device)
+            positions = host_to_device(chunk_start.reshape(-1), device)[chunk_of_row] + within
+            kept_positions = call.reorder(positions, recv_kept)
+    return KeptPlan(sel.kept_index, sel.weight, send_kept, recv_kept, kept_positions, poison)
+
+
+def _select_global(call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor) -> KeptPlan:
+    """Scope global: each expert's owner selects among the pairs of all sources."""
+    plan, lrmoe, group = call.plan, call.lrmoe, call.group
+    device = scores.device
+    p, nle = plan.ep_size, plan.num_local_experts
+    recv_scores = call.to_experts(scores)
+    uniforms = None
+    if lrmoe.selection == "sample":
+        uniforms = _uniforms(call, plan.quota.numel(), torch.device("cpu"))[plan.local_experts]
+        uniforms = host_to_device(uniforms, device)
+    owner_sel = select(
+        lrmoe.selection, recv_scores, plan.tokens_per_local_expert, plan.local_quota, uniforms
+    )
+    weight_expert_order = owner_sel.dense_weight(recv_scores.shape[0])
+    weight_recv_order = call.reorder(weight_expert_order, plan.recv_counts.t())
+    weight_src = comm.all_to_all_rows(weight_recv_order, plan.recv_splits, plan.send_splits, group)
+    kept_src = weight_src > 0
+    # Kept counts per chunk on both sides; one host copy for both.
+    src_chunks = row_chunk_ids(plan.send_counts.reshape(-1), device)
+    recv_chunks = row_chunk_ids(plan.recv_counts.reshape(-1), device)
+    kept_recv_order = weight_recv_order > 0
+    counts = torch.zeros(2, p * nle, dtype=torch.int64, device=device)
+    counts[0].index_add_(0, src_chunks, kept_src.to(torch.int64))
+    counts[1].index_add_(0, recv_chunks, kept_recv_order.to(torch.int64))
+    counts = counts.cpu()  # NOTE: device-to-host sync: split sizes of the compacted exchange
+    send_kept = counts[0].reshape(p, nle)
+    recv_kept = counts[1].reshape(p, nle)
+    kept_index = torch.nonzero(kept_src).squeeze(1)
+    kept_positions = owner_sel.kept_index if lrmoe.activation_mode == "save" else None
+    return KeptPlan(
+        kept_index, weight_src[kept_index].float(), send_kept, recv_kept, kept_positions, poison
+    )
+
+
+def pack_kept(
+    call: ExpertCall,
+    g: torch.Tensor,
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    kept: KeptPlan,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Stage 2: the kept pairs' gradient rows ``p * w * g_t`` (and fc1 input rows ``x_t`` when
+    the expert side must recompute), packed densely in send order, which is already
+    (receiver rank, expert)-major. One fused gather-and-scale kernel; nothing ``[S, H]``.
+    """
+    tok = call.perm.token_of_pair.index_select(0, kept.kept_index)
+    row_scale = probs.float().index_select(0, kept.kept_index) * kept.weight
+    g_kept = scale_rows(g, row_scale, index=tok)
+    x_kept = None
+    if call.lrmoe.activation_mode == "recompute" and call.plan.ep_size > 1:
+        x_kept = hidden.index_select(0, tok)
+    return g_kept, x_kept
+
+
+def exchange_kept(
+    call: ExpertCall, kept: KeptPlan, g_kept: torch.Tensor, x_kept: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Stage 3: all-to-all of the kept rows only, into expert order on the receiver."""
+    send = kept.send_kept.sum(1).tolist()
+    recv = kept.recv_kept.sum(1).tolist()
+    dz = call.reorder(comm.all_to_all_rows(g_kept, send, recv, call.group), kept.recv_kept)
+    x_in = None
+    if x_kept is not None:
+        x_in = call.reorder(comm.all_to_all_rows(x_kept, send, recv, call.group), kept.recv_kept)
+    return dz, x_in
+
+
+def _kept_activations(
+    ctx, call: ExpertCall, kept: KeptPlan, hidden: torch.Tensor, x_in: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The kept rows' fc1 input and (``save`` mode) fc1 output, in expert order."""
+    if x_in is not None:  # recompute mode at EP > 1: the rows came with the gradients
+        return x_in, None
+    if call.plan.ep_size == 1:  # every row is a local token
+        x_k = hidden.index_select(0, call.perm.token_of_pair.index_select(0, kept.kept_index))
+    else:
+        x_k = ctx.x.index_select(0, kept.kept_positions)
+    h_k = None if ctx.h is None else ctx.h.index_select(0, kept.kept_positions)
+    return x_k, h_k
+
+
+def return_dx(call: ExpertCall, kept: KeptPlan, dx_k: torch.Tensor) -> torch.Tensor:
+    """Stage 5: kept rows' ``dx`` go home; each token adds up its kept pairs' rows."""
+    send = kept.send_kept.sum(1).tolist()
+    recv = kept.recv_kept.sum(1).tolist()
+    dx_k = call.reorder(dx_k, kept.recv_kept.t())
+    dx_k = comm.all_to_all_rows(dx_k, recv, send, call.group)
+    return gather_sum(dx_k, call.perm.slot_rows(kept.kept_index))
+
+
+# --------------------------------------------------------------------------------------------- #
+# Statistics
+# --------------------------------------------------------------------------------------------- #
 
 
 def _exchange_stats(
@@ -86,299 +485,58 @@ def _exchange_stats(
     )
 
 
-class LRMoEExpertsFunction(torch.autograd.Function):
-    """Dispatch, expert MLP and combine of one MoE layer call, with a quota-limited backward.
-
-    Forward (exact, every pair):
-        | name      | shape    | notes                                                  |
-        |-----------|----------|--------------------------------------------------------|
-        | tokens    | [S, H]   | permuted token rows (input)                            |
-        | probs     | [S]      | routing weight of each pair (input)                    |
-        | params    | L x [F1,H], L x [H,F] | per-expert weights (inputs); stacked to     |
-        |           |          | [L,F1,H] / [L,H,F] in forward and again in backward        |
-        | z         | [S, H]   | expert output before the routing weight, back at source |
-        | out       | [S, H]   | ``probs * z`` (output)                                 |
-    Keep ratio < 1 saves ``z`` and ``probs`` at the source (exact router gradient for every
-    pair, dropped or not: ``d probs = <g, z>``) and ``||x||^2`` per pair for scoring. Keep ratio
-    1 instead sends the probs to the experts, which scale the activation before fc2 as Megatron
-    does and return ``d probs`` in backward: nothing ``[S, H]`` is saved at the source. Expert
-    side: the received rows ``x`` and the fc1 output ``h`` ("save" mode), or nothing there and
-    the source's ``tokens`` ("recompute" mode: they are re-sent for kept pairs only).
-
-    Backward (keep ratio < 1; at 1 steps 2-3 send every unscaled row and step 4 also returns
-    ``d probs`` by one more small all-to-all):
-        1. ``d probs = <g, z>`` for all S pairs.
-        2. score ``p^2 ||g||^2 ||x||^2``; select quota pairs (scope local: per (this source,
-           expert) quota; scope global: scores go to the expert owner, which selects and sends
-           back the weights).
-        3. pack kept rows ``p * w * g`` (+ ``x`` in recompute mode) by (receiver, expert);
-           all-to-all of those rows only.
-        4. grouped dgrad / wgrad on the survivors; all-to-all of their ``dx`` back.
-        5. scatter ``dx`` into the send order (dropped rows get zero).
-    """
-
-    @staticmethod
-    def forward(
-        ctx,
-        tokens: torch.Tensor,
-        probs: torch.Tensor,
-        call: ExpertCall,
-        *expert_params: torch.Tensor,
-    ) -> torch.Tensor:
-        plan, lrmoe = call.plan, call.lrmoe
-        num_local = len(expert_params) // 2
-        # Stacked per call and not saved: keeping [L, F1, H] + [L, H, F] alive until backward
-        # would cost a copy of the layer's expert weights in activation memory.
-        w1 = torch.stack(expert_params[:num_local])
-        w2 = torch.stack(expert_params[num_local:])
-        x_recv = comm.all_to_all_rows(tokens, plan.send_splits, plan.recv_splits, call.group)
-        x = call.reorder(x_recv, plan.recv_counts)
-        save_h = lrmoe.activation_mode == "save"
-        exact = lrmoe.is_exact
-        # Keep ratio 1: Megatron's layout, the routing weight goes to the experts and scales the
-        # activation before fc2; nothing [S, H] is kept at the source. Keep ratio < 1: the source
-        # applies it and keeps z, so d probs of dropped pairs needs no expert backward.
-        probs_e = None
-        if exact:
-            probs_recv = comm.all_to_all_rows(probs, plan.send_splits, plan.recv_splits, call.group)
-            probs_e = call.reorder(probs_recv, plan.recv_counts)
-        z, h = expert_mlp_forward(
-            x, w1, w2, plan.tokens_per_local_expert, call.spec, save_h=save_h, probs=probs_e
-        )
-        z = call.reorder(z, plan.recv_counts.t())
-        z = comm.all_to_all_rows(z, plan.recv_splits, plan.send_splits, call.group)
-        out = z if exact else scale_rows(z, probs)
-
-        x_sq = None if exact else row_sq_norms(tokens)
-        ctx.call = call
-        ctx.save_for_backward(
-            None if exact else z,
-            probs,
-            probs_e,
-            x_sq,
-            x if save_h else None,
-            h,
-            tokens if not save_h else None,
-            *expert_params,
-        )
-        ctx.num_local = num_local
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        call: ExpertCall = ctx.call
-        plan, lrmoe, group = call.plan, call.lrmoe, call.group
-        z, probs, probs_e, x_sq, x_saved, h_saved, tokens, *expert_params = ctx.saved_tensors
-        w1 = torch.stack(expert_params[: ctx.num_local])
-        w2 = torch.stack(expert_params[ctx.num_local :])
-        g = grad_out.contiguous()
-        device = g.device
-        num_sent = g.shape[0]
-        stats = call.stats
-        timer = SpanTimer(device) if stats is not None else None
-
-        # 1. Router gradient, exact for every pair (keep ratio 1: from the experts, step 4).
-        exact = lrmoe.is_exact
-        d_probs = None if exact else row_dot(g, z, probs.dtype)
-
-        # 2. Selection.
-        poison = None
-        if exact:
-            kept_index = None
-            row_scale = None  # the experts apply the routing weight (Megatron's order)
-            send_kept, recv_kept = plan.send_counts, plan.recv_counts
-            kept_positions = None  # expert side keeps every row
-            if stats is not None and lrmoe.debug_record_selection:
-                stats.kept_weight = torch.ones(num_sent)
-                stats.kept_mask = stats.kept_weight > 0
-        else:
-            if timer:
-                timer.start("scoring")
-            scores = lrm_scores(probs, row_sq_norms(g), x_sq)
-            poison = nonfinite_poison(scores)
-            scores = sanitize(scores)
-            if timer:
-                timer.stop("scoring")
-                timer.start("selection")
-            if lrmoe.scope == "local" or plan.ep_size == 1:
-                sel, send_kept, recv_kept, kept_positions = _select_local(call, scores)
-            else:
-                sel, send_kept, recv_kept, kept_positions = _select_global(call, scores)
-            kept_index = sel.kept_index
-            row_scale = probs.float()[kept_index] * sel.weight
-            if timer:
-                timer.stop("selection")
-            if stats is not None:
-                stats.score_total = scores.sum()
-                stats.score_kept = scores[kept_index].sum()
-                if lrmoe.debug_record_selection:
-                    stats.kept_weight = sel.dense_weight(num_sent).cpu()
-                    stats.kept_mask = stats.kept_weight > 0
-
-        # 3. Pack and exchange the kept gradient rows (and token rows in recompute mode).
-        if timer:
-            timer.start("packing")
-        g_kept = g if row_scale is None else scale_rows(g, row_scale, index=kept_index)
-        recompute = lrmoe.activation_mode == "recompute"
-        if recompute:
-            x_kept = tokens if kept_index is None else tokens.index_select(0, kept_index)
-            payload = torch.cat([g_kept, x_kept.to(g.dtype)], dim=-1)
-        else:
-            payload = g_kept
-        if timer:
-            timer.stop("packing")
-        send_splits = send_kept.sum(1).tolist()
-        recv_splits = recv_kept.sum(1).tolist()
-        payload = comm.all_to_all_rows(payload, send_splits, recv_splits, group)
-        payload = call.reorder(payload, recv_kept)
-        hidden = g.shape[-1]
-        kept_per_expert = recv_kept.sum(0)
-        if recompute:
-            dz, x_k, h_k = payload[:, :hidden].contiguous(), payload[:, hidden:].contiguous(), None
-        elif kept_positions is None:
-            dz, x_k, h_k = payload, x_saved, h_saved
-        else:
-            dz = payload
-            x_k = x_saved.index_select(0, kept_positions)
-            h_k = h_saved.index_select(0, kept_positions)
-
-        # 4. Expert backward on survivors only, then dx goes home.
-        dx_k, dw1, dw2, d_probs_e = weighted_expert_mlp_backward(
-            dz, x_k, h_k, w1, w2, kept_per_expert, call.spec, probs_e,
-            need_dx=ctx.needs_input_grad[0],
-        )
-        if d_probs_e is not None:
-            d_probs_e = call.reorder(d_probs_e, recv_kept.t())
-            d_probs_e = comm.all_to_all_rows(d_probs_e, recv_splits, send_splits, group)
-            d_probs = d_probs_e.to(probs.dtype)
-        d_tokens = None
-        if ctx.needs_input_grad[0]:
-            dx_k = call.reorder(dx_k, recv_kept.t())
-            dx_k = comm.all_to_all_rows(dx_k, recv_splits, send_splits, group)
-            d_tokens = dx_k if kept_index is None else scatter_rows(dx_k, kept_index, num_sent)
-
-        if poison is not None:
-            # Non-finite scores must reach Megatron's NaN check, never hide in a selection.
-            dw1 = dw1 + poison.to(dw1.dtype)
-            dw2 = dw2 + poison.to(dw2.dtype)
-            d_probs = d_probs + poison.to(d_probs.dtype)
-
-        if stats is not None:
-            _fill_backward_stats(stats, call, g, payload, send_kept, recv_kept, timer)
-        return (d_tokens, d_probs, None, *dw1.unbind(0), *dw2.unbind(0))
-
-
-def _uniforms(call: ExpertCall, n: int, device: torch.device) -> torch.Tensor:
-    plan = call.plan
-    return draw_uniforms(call.lrmoe.seed, (plan.layer_number, *plan.stream), n, device)
-
-
-def _select_local(call: ExpertCall, scores: torch.Tensor):
-    """Scope local: this source selects among its own pairs with its share of each quota."""
-    plan, lrmoe = call.plan, call.lrmoe
-    device = scores.device
-    counts = plan.global_counts[plan.ep_rank]  # [E] segments = experts, in send order
-    quota_src = plan.source_quota if plan.source_quota is not None else plan.quota.unsqueeze(0)
-    quota = quota_src[plan.ep_rank]
-    uniforms = None
-    if lrmoe.selection == "sample":
-        num_experts = counts.numel()
-        uniforms = _uniforms(call, plan.ep_size * num_experts, device)
-        uniforms = uniforms[plan.ep_rank * num_experts : (plan.ep_rank + 1) * num_experts]
-    sel = select(lrmoe.selection, scores, counts, quota, uniforms)
-    p, nle = plan.ep_size, plan.num_local_experts
-    send_kept = quota.reshape(p, nle)
-    recv_kept = quota_src[:, plan.local_experts].contiguous()
-    kept_positions = None
-    if lrmoe.activation_mode == "save":
-        # The expert side holds every received row; tell it which ones survived, as the
-        # position of each kept row inside its (source, expert) chunk.
-        seg = row_chunk_ids(quota, device)
-        within = sel.kept_index - host_to_device(exclusive_cumsum(counts), device)[seg]
-        within = comm.all_to_all_rows(
-            within, send_kept.sum(1).tolist(), recv_kept.sum(1).tolist(), call.group
-        )
-        # Chunk start of (source r, local expert l) in the expert-order layout.
-        chunk_start = exclusive_cumsum(plan.recv_counts.t().reshape(-1)).reshape(nle, p).t()
-        chunk_of_row = row_chunk_ids(recv_kept.reshape(-1), device)
-        positions = host_to_device(chunk_start.reshape(-1), device)[chunk_of_row] + within
-        kept_positions = call.reorder(positions, recv_kept)
-    return sel, send_kept, recv_kept, kept_positions
-
-
-def _select_global(call: ExpertCall, scores: torch.Tensor):
-    """Scope global: each expert's owner selects among the pairs of all sources."""
-    plan, lrmoe, group = call.plan, call.lrmoe, call.group
-    device = scores.device
-    p, nle = plan.ep_size, plan.num_local_experts
-    recv_scores = comm.all_to_all_rows(scores, plan.send_splits, plan.recv_splits, group)
-    recv_scores = call.reorder(recv_scores, plan.recv_counts)
-    uniforms = None
-    if lrmoe.selection == "sample":
-        uniforms = _uniforms(call, plan.quota.numel(), device)[plan.local_experts]
-    owner_sel = select(
-        lrmoe.selection, recv_scores, plan.tokens_per_local_expert, plan.local_quota, uniforms
+def _record_exact(call: ExpertCall, g: torch.Tensor) -> None:
+    stats, plan = call.stats, call.plan
+    if call.lrmoe.debug_record_selection:
+        stats.kept_weight = torch.ones(plan.send_counts.sum().item())
+        stats.kept_mask = stats.kept_weight > 0
+    _fill_exchanges(call, g, plan.send_counts, plan.recv_counts, g.shape[-1])
+    stats.exchanges["probs_grad"] = _exchange_stats(
+        plan.recv_counts, plan.ep_rank, 4, int(plan.recv_counts.sum()), 4
     )
-    weight_expert_order = owner_sel.dense_weight(recv_scores.shape[0])
-    weight_recv_order = call.reorder(weight_expert_order, plan.recv_counts.t())
-    weight_src = comm.all_to_all_rows(weight_recv_order, plan.recv_splits, plan.send_splits, group)
-    kept_src = weight_src > 0
-    # Kept counts per chunk on both sides; one host copy for both.
-    src_chunks = row_chunk_ids(plan.send_counts.reshape(-1), device)
-    recv_chunks = row_chunk_ids(plan.recv_counts.reshape(-1), device)
-    kept_recv_order = weight_recv_order > 0
-    counts = torch.zeros(2, p * nle, dtype=torch.int64, device=device)
-    counts[0].index_add_(0, src_chunks, kept_src.to(torch.int64))
-    counts[1].index_add_(0, recv_chunks, kept_recv_order.to(torch.int64))
-    counts = counts.cpu()  # NOTE: device-to-host sync: split sizes of the compacted exchange
-    send_kept = counts[0].reshape(p, nle)
-    recv_kept = counts[1].reshape(p, nle)
-    kept_index = torch.nonzero(kept_src).squeeze(1)
-    sel = Selection(
-        kept_index=kept_index,
-        weight=weight_src[kept_index].float(),
-        kept_per_segment=send_kept.reshape(-1),
+    stats.backward_done = True
+
+
+def _record_trimmed(
+    call: ExpertCall, g: torch.Tensor, kept: KeptPlan, timer: Optional[SpanTimer]
+) -> None:
+    stats, plan, lrmoe = call.stats, call.plan, call.lrmoe
+    hidden = g.shape[-1]
+    recompute_rows = lrmoe.activation_mode == "recompute" and plan.ep_size > 1
+    _fill_exchanges(
+        call, g, kept.send_kept, kept.recv_kept, hidden * (2 if recompute_rows else 1)
     )
-    kept_positions = owner_sel.kept_index if lrmoe.activation_mode == "save" else None
-    return sel, send_kept, recv_kept, kept_positions
+    recv_rows = int(plan.recv_counts.sum())
+    # Stock returns one routing-weight gradient per pair; the trimmed path computes them at
+    # the source from z.
+    stats.exchanges["probs_grad"] = ExchangeStats(0, 0, 0, 0, recv_rows, recv_rows * 4)
+    if plan.ep_size > 1:
+        rank = plan.ep_rank
+        if lrmoe.scope == "global":
+            stats.exchanges["scores"] = _exchange_stats(plan.send_counts, rank, 4, 0, 0)
+            stats.exchanges["weights"] = _exchange_stats(plan.recv_counts, rank, 4, 0, 0)
+        elif lrmoe.activation_mode == "save":
+            stats.exchanges["positions"] = _exchange_stats(kept.send_kept, rank, 8, 0, 0)
+    stats.timer = timer
+    stats.backward_done = True
 
 
-def _fill_backward_stats(
-    stats: CallStats,
+def _fill_exchanges(
     call: ExpertCall,
     g: torch.Tensor,
-    payload: torch.Tensor,
     send_kept: torch.Tensor,
     recv_kept: torch.Tensor,
-    timer: Optional[SpanTimer],
+    grad_row_width: int,
 ) -> None:
-    plan = call.plan
+    stats, plan = call.stats, call.plan
     rank = plan.ep_rank
     elem = g.element_size()
     hidden = g.shape[-1]
-    stock_rows = int(plan.send_counts.sum())
     stats.kept_pairs_sent = int(send_kept.sum())
     stats.kept_per_local_expert = recv_kept.sum(0).tolist()
     stats.exchanges["grad"] = _exchange_stats(
-        send_kept, rank, payload.shape[-1] * elem, stock_rows, hidden * elem
+        send_kept, rank, grad_row_width * elem, int(plan.send_counts.sum()), hidden * elem
     )
     stats.exchanges["dgrad"] = _exchange_stats(
         recv_kept, rank, hidden * elem, int(plan.recv_counts.sum()), hidden * elem
     )
-    # Stock sends one routing-weight gradient per pair back. LRMoE does too at keep ratio 1;
-    # below it the source computes them from z.
-    recv_rows = int(plan.recv_counts.sum())
-    if call.lrmoe.is_exact:
-        stats.exchanges["probs_grad"] = _exchange_stats(
-            plan.recv_counts, rank, 4, recv_rows, 4
-        )
-    else:
-        stats.exchanges["probs_grad"] = ExchangeStats(0, 0, 0, 0, recv_rows, recv_rows * 4)
-    if not call.lrmoe.is_exact and plan.ep_size > 1:
-        if call.lrmoe.scope == "global":
-            stats.exchanges["scores"] = _exchange_stats(plan.send_counts, rank, 4, 0, 0)
-            stats.exchanges["weights"] = _exchange_stats(plan.recv_counts, rank, 4, 0, 0)
-        elif call.lrmoe.activation_mode == "save":
-            stats.exchanges["positions"] = _exchange_stats(send_kept, rank, 8, 0, 0)
-    stats.timer = timer
-    stats.backward_done = True

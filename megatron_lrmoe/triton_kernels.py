@@ -42,6 +42,7 @@ __all__ = [
     "TRITON_ENV",
     "act_backward_triton",
     "act_forward_triton",
+    "gather_sum_triton",
     "row_dot_triton",
     "scale_rows_triton",
     "triton_available",
@@ -134,48 +135,94 @@ def _row_dot_kernel(
     out_ptr,
     a_ptr,
     b_ptr,
+    a_index_ptr,
     n_rows,
     width,
     a_stride,
     b_stride,
+    A_INDEX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``out[i] = sum_j a[i, j] * b[i, j]`` in fp32 for ``BLOCK_M`` rows, looping over H."""
+    """``out[i] = sum_j a[a_index[i] (or i), j] * b[i, j]`` in fp32 for ``BLOCK_M`` rows."""
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
     rows = offs_m.to(tl.int64)
+    if A_INDEX:
+        a_rows = tl.load(a_index_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    else:
+        a_rows = rows
     # Elementwise fp32 partial sums, reduced once at the end: fewer cross-thread reductions.
     acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
     for h0 in range(0, width, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask = mask_m[:, None] & (offs_h < width)[None, :]
-        a = tl.load(a_ptr + rows[:, None] * a_stride + offs_h[None, :], mask=mask, other=0.0)
+        a = tl.load(a_ptr + a_rows[:, None] * a_stride + offs_h[None, :], mask=mask, other=0.0)
         b = tl.load(b_ptr + rows[:, None] * b_stride + offs_h[None, :], mask=mask, other=0.0)
         acc = acc + a.to(tl.float32) * b.to(tl.float32)
     dot = tl.sum(acc, axis=1)
     tl.store(out_ptr + offs_m, dot.to(out_ptr.dtype.element_ty), mask=mask_m)
 
 
+def _gather_sum_kernel(
+    out_ptr,
+    rows_ptr,
+    index_ptr,
+    scale_ptr,
+    n_out,
+    width,
+    slots,
+    rows_stride,
+    out_stride,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[t] = sum_k scale[i] * rows[i]`` over ``i = index[t, k] >= 0``, k in order, fp32."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_m = offs_m < n_out
+    mask_h = offs_h < width
+    out_rows = offs_m.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    for k in range(0, slots):
+        src = tl.load(index_ptr + out_rows * slots + k, mask=mask_m, other=-1).to(tl.int64)
+        valid = src >= 0
+        mask = valid[:, None] & mask_h[None, :]
+        x = tl.load(rows_ptr + src[:, None] * rows_stride + offs_h[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + src, mask=mask_m & valid, other=0.0).to(tl.float32)
+            x = x * scale[:, None]
+        acc = acc + x
+    dst = out_rows[:, None] * out_stride + offs_h[None, :]
+    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_h[None, :])
+
+
 def _act_fwd_kernel(
     out_ptr,
     h_ptr,
+    p_ptr,
     n_rows,
     width,
     h_stride,
     out_stride,
     GATED: tl.constexpr,
     KIND: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    """``a = act(gate) * up`` (gated) or ``act(h)`` on a tile; ``width`` is F."""
+    """``a = act(gate) * up`` (gated) or ``act(h)`` on a tile, times ``p[row]`` with probs."""
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (offs_m < n_rows)[:, None] & (offs_f < width)[None, :]
+    mask_m = offs_m < n_rows
+    mask = mask_m[:, None] & (offs_f < width)[None, :]
     rows = offs_m.to(tl.int64)
     src = rows[:, None] * h_stride + offs_f[None, :]
     g = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
@@ -187,52 +234,85 @@ def _act_fwd_kernel(
     if GATED:
         up = tl.load(h_ptr + src + width, mask=mask, other=0.0).to(tl.float32)
         a = a * up
+    if HAS_PROBS:
+        p = tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+        a = a * p[:, None]
     dst = rows[:, None] * out_stride + offs_f[None, :]
     tl.store(out_ptr + dst, a.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _act_bwd_kernel(
     dh_ptr,
-    da_ptr,
+    act_ptr,
+    dprobs_ptr,
+    d_ptr,
     h_ptr,
+    p_ptr,
     n_rows,
     width,
     h_stride,
-    da_stride,
+    d_stride,
     dh_stride,
+    act_stride,
     GATED: tl.constexpr,
     KIND: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    STORE_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    """``dh = [d_a * up * act'(gate) | d_a * act(gate)]`` (gated) or ``d_a * act'(h)``."""
-    pid_m = tl.program_id(0)
-    pid_f = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (offs_m < n_rows)[:, None] & (offs_f < width)[None, :]
+    """Activation backward for ``BLOCK_M`` rows, looping over F.
+
+    ``d`` is the gradient of the activation output, or with probs of ``act * p`` (Megatron's
+    order: the routing weight scales the activation before fc2). Writes ``dh`` (with probs:
+    of ``d * p``), optionally ``act`` (times ``p`` with probs: fc2's input, for its weight
+    gradient) and with probs ``dprobs = <d, act>`` in fp32.
+    """
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_rows
     rows = offs_m.to(tl.int64)
-    src = rows[:, None] * h_stride + offs_f[None, :]
-    dst = rows[:, None] * dh_stride + offs_f[None, :]
-    g = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
-    da = tl.load(da_ptr + rows[:, None] * da_stride + offs_f[None, :], mask=mask, other=0.0)
-    da = da.to(tl.float32)
-    # Mirrors activation._act_and_grad term by term so the roundings line up with torch.
-    if KIND == 0:
-        s = 1.0 / (1.0 + tl.exp(-g))
-        act = g * s
-        dact = s * (1.0 + g * (1.0 - s))
-    else:
-        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
-        pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327
-        act = g * cdf
-        dact = cdf + g * pdf
-    if GATED:
-        up = tl.load(h_ptr + src + width, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dh_ptr + dst, (da * up * dact).to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(dh_ptr + dst + width, (da * act).to(dh_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(dh_ptr + dst, (da * dact).to(dh_ptr.dtype.element_ty), mask=mask)
+    if HAS_PROBS:
+        p = tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+    dot = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    for f0 in range(0, width, BLOCK_F):
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        mask = mask_m[:, None] & (offs_f < width)[None, :]
+        src = rows[:, None] * h_stride + offs_f[None, :]
+        dst = rows[:, None] * dh_stride + offs_f[None, :]
+        g = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + rows[:, None] * d_stride + offs_f[None, :], mask=mask, other=0.0)
+        d = d.to(tl.float32)
+        # Mirrors activation._act_and_grad term by term so the roundings line up with torch.
+        if KIND == 0:
+            s = 1.0 / (1.0 + tl.exp(-g))
+            act = g * s
+            dact = s * (1.0 + g * (1.0 - s))
+        else:
+            cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+            pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327
+            act = g * cdf
+            dact = cdf + g * pdf
+        if GATED:
+            up = tl.load(h_ptr + src + width, mask=mask, other=0.0).to(tl.float32)
+            out = act * up
+        else:
+            out = act
+        if HAS_PROBS:
+            dot = dot + d * out
+            d = d * p[:, None]
+        if GATED:
+            tl.store(dh_ptr + dst, (d * up * dact).to(dh_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_ptr + dst + width, (d * act).to(dh_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(dh_ptr + dst, (d * dact).to(dh_ptr.dtype.element_ty), mask=mask)
+        if STORE_ACT:
+            if HAS_PROBS:
+                out = out * p[:, None]
+            a_dst = rows[:, None] * act_stride + offs_f[None, :]
+            tl.store(act_ptr + a_dst, out.to(act_ptr.dtype.element_ty), mask=mask)
+    if HAS_PROBS:
+        tl.store(dprobs_ptr + rows, tl.sum(dot, axis=1), mask=mask_m)
 
 
 @functools.lru_cache(maxsize=1)
@@ -250,6 +330,7 @@ def _kernels() -> SimpleNamespace:
     kernels = SimpleNamespace(
         scale_rows=triton.jit(_scale_rows_kernel),
         row_dot=triton.jit(_row_dot_kernel),
+        gather_sum=triton.jit(_gather_sum_kernel),
         act_fwd=triton.jit(_act_fwd_kernel),
         act_bwd=triton.jit(_act_bwd_kernel),
     )
@@ -370,24 +451,41 @@ def scale_rows_triton(
 
 
 def row_dot_triton(
-    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, block_h: int | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    a_index: torch.Tensor | None = None,
+    *,
+    block_h: int | None = None,
 ) -> torch.Tensor:
-    """``<a[i], b[i]>`` for every row, fp32 accumulation, one kernel.
+    """``<a[a_index[i] (or i)], b[i]>`` for every row of ``b``, fp32 accumulation, one kernel.
 
     Args:
-        a, b: ``[N, H]`` bf16/fp16/fp32 (may differ from each other).
+        a: ``[M, H]`` bf16/fp16/fp32 (``M = N`` without ``a_index``).
+        b: ``[N, H]`` bf16/fp16/fp32 (may differ from ``a``'s dtype).
         out_dtype: Result dtype (the fp32 sum is rounded once into it).
+        a_index: Optional ``[N]`` int32/int64 rows of ``a`` (not range-checked: that would cost a
+            sync), so a gathered ``a`` is never materialised.
         block_h: Column block override (a power of two), for tests and tuning.
 
     Returns:
         ``[N]`` in ``out_dtype``.
     """
-    if a.dim() != 2 or a.shape != b.shape:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"row_dot_triton: a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if a_index is None and a.shape != b.shape:
+        raise ValueError(f"row_dot_triton: a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if a_index is not None and (
+        a_index.shape != b.shape[:1] or a_index.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"row_dot_triton: a_index must be [{b.shape[0]}] int32/int64, got "
+            f"{a_index.dtype} {tuple(a_index.shape)}"
+        )
     _check_dtype("a", a)
     _check_dtype("b", b)
-    n_rows, width = a.shape
-    out = torch.empty(n_rows, dtype=out_dtype, device=a.device)
+    n_rows, width = b.shape
+    out = torch.empty(n_rows, dtype=out_dtype, device=b.device)
     if n_rows == 0:
         return out
     a, b = _unit_cols(a), _unit_cols(b)
@@ -396,15 +494,72 @@ def row_dot_triton(
         _col_block(width, block_h) if block_h is not None else min(_col_block(width, None), 512)
     )
     block_m = max(1, (_TILE // 2) // block_h)
-    with _device_ctx(a):
-        _kernels_for(a).row_dot[(_cdiv(n_rows, block_m),)](
+    with _device_ctx(b):
+        _kernels_for(b).row_dot[(_cdiv(n_rows, block_m),)](
             out,
             a,
             b,
+            a_index.contiguous() if a_index is not None else out,  # placeholder when unread
             n_rows,
             width,
             a.stride(0),
             b.stride(0),
+            A_INDEX=a_index is not None,
+            BLOCK_M=block_m,
+            BLOCK_H=block_h,
+            num_warps=_NUM_WARPS,
+        )
+    return out
+
+
+def gather_sum_triton(
+    rows: torch.Tensor,
+    index: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    block_h: int | None = None,
+) -> torch.Tensor:
+    """``out[t] = sum_k scale[i] * rows[i]`` for ``i = index[t, k] >= 0``, fp32, one kernel.
+
+    Args:
+        rows: ``[R, H]`` bf16/fp16/fp32.
+        index: ``[T, K]`` int64 source rows, ``-1`` for an empty slot (not range-checked).
+        scale: Optional ``[R]`` factor per *source* row.
+        block_h: Column block override (a power of two), for tests and tuning.
+
+    Returns:
+        ``[T, H]`` in ``rows.dtype``; slots are added in ``k`` order, rounded once.
+    """
+    if rows.dim() != 2 or index.dim() != 2 or index.dtype != torch.int64:
+        raise ValueError(
+            f"gather_sum_triton: rows {tuple(rows.shape)}, index {index.dtype} "
+            f"{tuple(index.shape)} (want [R, H] and [T, K] int64)"
+        )
+    if scale is not None and scale.shape != rows.shape[:1]:
+        raise ValueError(f"gather_sum_triton: scale {tuple(scale.shape)} for {rows.shape[0]} rows")
+    _check_dtype("rows", rows)
+    n_out, slots = index.shape
+    width = rows.shape[1]
+    out = torch.empty((n_out, width), dtype=rows.dtype, device=rows.device)
+    if out.numel() == 0:
+        return out
+    rows = _unit_cols(rows)
+    index = index.contiguous()
+    block_h = _col_block(width, block_h)
+    block_m = max(1, (_TILE // 2) // block_h)
+    grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
+    with _device_ctx(rows):
+        _kernels_for(rows).gather_sum[grid](
+            out,
+            rows,
+            index,
+            scale.contiguous() if scale is not None else out,  # placeholder when unread
+            n_out,
+            width,
+            slots,
+            rows.stride(0),
+            out.stride(0),
+            HAS_SCALE=scale is not None,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
             num_warps=_NUM_WARPS,
@@ -424,7 +579,12 @@ def _kind_code(kind: str) -> int:
 
 
 def act_forward_triton(
-    h: torch.Tensor, gated: bool, kind: str, *, block_f: int | None = None
+    h: torch.Tensor,
+    gated: bool,
+    kind: str,
+    probs: torch.Tensor | None = None,
+    *,
+    block_f: int | None = None,
 ) -> torch.Tensor:
     """Fused activation forward: ``act(gate) * up`` (gated, ``h = [gate | up]``) or ``act(h)``.
 
@@ -432,6 +592,8 @@ def act_forward_triton(
         h: ``[..., F1]`` bf16/fp16/fp32 fc1 output (``F1`` even when gated).
         gated: GLU-style input.
         kind: ``"silu"`` or ``"gelu"`` (exact erf form).
+        probs: Optional per-row factor (``[M]`` for ``M`` rows of ``h``), applied in fp32 before
+            the single rounding: Megatron's routing weight before fc2.
         block_f: Column block override (a power of two), for tests and tuning.
 
     Returns:
@@ -446,6 +608,7 @@ def act_forward_triton(
     if out.numel() == 0:
         return out
     h2, out2 = _as_rows(h), out.view(-1, width)
+    _check_probs(probs, h2.shape[0], "act_forward_triton")
     block_f = _col_block(width, block_f)
     block_m = max(1, _TILE // block_f)
     grid = (_cdiv(h2.shape[0], block_m), _cdiv(width, block_f))
@@ -453,12 +616,14 @@ def act_forward_triton(
         _kernels_for(h).act_fwd[grid](
             out2,
             h2,
+            probs.contiguous() if probs is not None else out2,  # placeholder when unread
             h2.shape[0],
             width,
             h2.stride(0),
             out2.stride(0),
             GATED=bool(gated),
             KIND=code,
+            HAS_PROBS=probs is not None,
             BLOCK_M=block_m,
             BLOCK_F=block_f,
             num_warps=_NUM_WARPS,
@@ -466,52 +631,88 @@ def act_forward_triton(
     return out
 
 
+def _check_probs(probs: torch.Tensor | None, rows: int, what: str) -> None:
+    if probs is not None and (probs.shape != (rows,) or probs.dtype not in KERNEL_DTYPES):
+        raise ValueError(f"{what}: probs must be [{rows}] float, got {probs.dtype} "
+                         f"{tuple(probs.shape)}")
+
+
 def act_backward_triton(
-    d_a: torch.Tensor, h: torch.Tensor, gated: bool, kind: str, *, block_f: int | None = None
-) -> torch.Tensor:
-    """Fused analytic activation backward (the gradient of :func:`act_forward_triton`).
+    d: torch.Tensor,
+    h: torch.Tensor,
+    gated: bool,
+    kind: str,
+    probs: torch.Tensor | None = None,
+    store_act: bool = False,
+    *,
+    block_f: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Fused analytic activation backward, optionally through Megatron's routing weight.
+
+    Without ``probs``, ``d`` is the gradient of ``a = act(h)`` and ``dh = d * act'(h)``. With
+    ``probs`` it is the gradient of ``a * p`` (the fc2 input); then ``dh`` is taken through
+    ``d * p`` and ``dprobs = <d, a>``. ``store_act`` also returns fc2's input (``a``, or
+    ``a * p``) recomputed from ``h``, for fc2's weight gradient, so ``h`` is read only once.
 
     Args:
-        d_a: ``[..., F]`` bf16/fp16/fp32 gradient of the activation output.
+        d: ``[..., F]`` bf16/fp16/fp32 gradient of the activation output (see above).
         h: ``[..., F1]`` bf16/fp16/fp32 fc1 output the forward used.
         gated: GLU-style input.
         kind: ``"silu"`` or ``"gelu"`` (exact erf form).
+        probs: Optional per-row routing weight ``[M]``.
+        store_act: Also return the recomputed activation output.
         block_f: Column block override (a power of two), for tests and tuning.
 
     Returns:
-        ``[..., F1]`` contiguous gradient w.r.t. ``h``, in ``h``'s dtype.
+        ``(dh [..., F1] in h's dtype, act [..., F] in h's dtype or None, dprobs [M] fp32 or
+        None)``.
     """
     _check_dtype("h", h)
-    _check_dtype("d_a", d_a)
+    _check_dtype("d", d)
     code = _kind_code(kind)
     if h.dim() < 1 or (gated and h.shape[-1] % 2):
         raise ValueError(f"act_backward_triton: bad fc1 shape {tuple(h.shape)} (gated={gated})")
     width = h.shape[-1] // 2 if gated else h.shape[-1]
-    if d_a.shape != h.shape[:-1] + (width,):
+    if d.shape != h.shape[:-1] + (width,):
         raise ValueError(
-            f"act_backward_triton: d_a {tuple(d_a.shape)} does not match h {tuple(h.shape)}"
+            f"act_backward_triton: d {tuple(d.shape)} does not match h {tuple(h.shape)}"
         )
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    act = torch.empty(d.shape, dtype=h.dtype, device=h.device) if store_act else None
+    h2, d2, dh2 = _as_rows(h), _as_rows(d), dh.view(-1, h.shape[-1])
+    _check_probs(probs, h2.shape[0], "act_backward_triton")
+    dprobs = (
+        torch.empty(h2.shape[0], dtype=torch.float32, device=h.device)
+        if probs is not None
+        else None
+    )
     if dh.numel() == 0:
-        return dh
-    h2, da2, dh2 = _as_rows(h), _as_rows(d_a), dh.view(-1, h.shape[-1])
-    block_f = _col_block(width, block_f)
-    block_m = max(1, _TILE // block_f)
-    grid = (_cdiv(h2.shape[0], block_m), _cdiv(width, block_f))
+        if dprobs is not None:
+            dprobs.zero_()
+        return dh, act, dprobs
+    act2 = act.view(-1, width) if act is not None else dh2
+    block_f = _col_block(width, block_f) if block_f is not None else min(_col_block(width, None), 256)
+    block_m = max(1, (_TILE // 2) // block_f)
     with _device_ctx(h):
-        _kernels_for(h).act_bwd[grid](
+        _kernels_for(h).act_bwd[(_cdiv(h2.shape[0], block_m),)](
             dh2,
-            da2,
+            act2,
+            dprobs if dprobs is not None else dh2,  # placeholders when unread
+            d2,
             h2,
+            probs.contiguous() if probs is not None else dh2,
             h2.shape[0],
             width,
             h2.stride(0),
-            da2.stride(0),
+            d2.stride(0),
             dh2.stride(0),
+            act2.stride(0),
             GATED=bool(gated),
             KIND=code,
+            HAS_PROBS=probs is not None,
+            STORE_ACT=bool(store_act),
             BLOCK_M=block_m,
             BLOCK_F=block_f,
             num_warps=_NUM_WARPS,
         )
-    return dh
+    return dh, act, dprobs

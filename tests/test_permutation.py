@@ -1,4 +1,9 @@
-"""Gather-based pair permutation against Megatron's own permute / unpermute (the reference)."""
+"""Gather-based pair permutation against Megatron's own permute / unpermute (the reference).
+
+The op moves rows with ``tokens.index_select(0, token_of_pair)`` (tokens -> pairs) and
+``gather_sum(rows, slot_pair)`` (pairs -> tokens, the combine and the dispatch's input gradient);
+the references are Megatron's ``permute`` / ``unpermute`` and their autograd.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
-from megatron_lrmoe.dispatch.permutation import PairPermutation, PermuteTokens, UnpermutePairs, permute_probs
+from megatron_lrmoe.dispatch.permutation import PairPermutation, permute_probs
+from megatron_lrmoe.dispatch.rows import gather_sum
 
 
 def _routing(t: int, e: int, k: int, incomplete: bool, seed: int) -> torch.Tensor:
@@ -38,18 +44,43 @@ def test_matches_megatron_permute(t: int, e: int, k: int, incomplete: bool) -> N
     ((out_ref * g).sum() + (probs_perm_ref * torch.arange(s)).sum()).backward()
 
     perm = PairPermutation.build(routing_map, s, k)
-    assert perm.complete == (not incomplete or s == t * k)
-    x_new, p_new = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    rows = PermuteTokens.apply(x_new, perm)
+    assert perm.num_pairs == s and perm.slot_pair.shape == (t, k)
+    p_new = probs.clone().requires_grad_()
+    rows = x.index_select(0, perm.token_of_pair)
     probs_perm = permute_probs(p_new, perm)
-    out = UnpermutePairs.apply(rows * w, perm)
-    ((out * g).sum() + (probs_perm * torch.arange(s)).sum()).backward()
+    out = gather_sum(rows * w, perm.slot_pair)
+    (probs_perm * torch.arange(s)).sum().backward()
+    # The permute's input gradient: each token adds up its pairs' gradient rows (here those of
+    # ``(out * g).sum()``: the token gradient gathered to every pair, times w).
+    dx = gather_sum(g.index_select(0, perm.token_of_pair) * w, perm.slot_pair)
 
     assert torch.equal(rows, rows_ref.detach())
     assert torch.equal(probs_perm, probs_perm_ref.detach())
     torch.testing.assert_close(out, out_ref.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(x_new.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(p_new.grad, p_ref.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_slot_rows_and_scaled_gather_sum() -> None:
+    """Kept rows go back to their tokens; dropped pairs and empty slots add nothing."""
+    routing_map = _routing(9, 6, 3, incomplete=True, seed=5)
+    s = int(routing_map.sum())
+    perm = PairPermutation.build(routing_map, s, 3)
+    gen = torch.Generator().manual_seed(2)
+    pair_rows = torch.randn(s, 5, generator=gen, dtype=torch.float64)
+    scale = torch.rand(s, generator=gen, dtype=torch.float64)
+    kept = torch.tensor([i for i in range(s) if i % 3 != 1])
+    got = gather_sum(pair_rows[kept], perm.slot_rows(kept))
+    want = torch.zeros(9, 5, dtype=torch.float64)
+    got_scaled = gather_sum(pair_rows, perm.slot_pair, scale=scale)
+    want_scaled = torch.zeros(9, 5, dtype=torch.float64)
+    for i in range(s):
+        t = int(perm.token_of_pair[i])
+        want_scaled[t] += scale[i] * pair_rows[i]
+        if i % 3 != 1:
+            want[t] += pair_rows[i]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_scaled, want_scaled, rtol=1e-12, atol=1e-12)
 
 
 def test_too_many_pairs_per_token_is_an_error() -> None:

@@ -1,4 +1,4 @@
-"""Fused Triton kernels (``ops/triton_kernels.py``) against the torch paths they replace.
+"""Fused Triton kernels (``triton_kernels.py``) against the torch paths they replace.
 
 Shape legend: N rows, K gathered rows (``len(index)``), H row width, F activation width,
 F1 = 2F if gated.
@@ -18,7 +18,9 @@ Tolerances (against the torch path of the same op, same dtype):
         libraries), plus 16 fp32 epsilons of the tensor's largest magnitude for elements where
         fp32 itself cancels (GELU's negative tail, the SiLU derivative's zero crossing).
     row_dot: 1 ulp of the output dtype plus 1e-5 of the row's ``sum |a * b|`` (fp32 sums in a
-        different order).
+        different order); the activation's ``dprobs`` likewise.
+    gather_sum: fp32 bit-exact (the same fp32 adds in the same slot order); bf16/fp16 1 ulp
+        under the interpreter (truncating rounding).
 """
 
 from __future__ import annotations
@@ -317,8 +319,59 @@ def test_interp_activation(small_tiles, spec: GluSpec, dtype, block_f, shape) ->
     got = triton_kernels.act_forward_triton(h, spec.gated, spec.kind, block_f=block_f)
     assert_within(got, act_forward(h, spec), ulps, rel, what="act_forward")
 
-    got = triton_kernels.act_backward_triton(d_a, h, spec.gated, spec.kind, block_f=block_f)
-    assert_within(got, act_backward(d_a, h, spec), ulps, rel, what="act_backward")
+    got, act, dp = triton_kernels.act_backward_triton(
+        d_a, h, spec.gated, spec.kind, store_act=True, block_f=block_f
+    )
+    ref, ref_act, _ = act_backward(d_a, h, spec, store_act=True)
+    assert dp is None
+    assert_within(got, ref, ulps, rel, what="act_backward")
+    assert_within(act, ref_act, ulps, rel, what="act_backward act")
+
+    # Megatron's order: the routing weight scales the activation before fc2.
+    rows = h.reshape(-1, h.shape[-1]).shape[0]
+    probs = torch.rand(rows, generator=g) + 0.05
+    got = triton_kernels.act_forward_triton(h, spec.gated, spec.kind, probs, block_f=block_f)
+    assert_within(got, act_forward(h, spec, probs), ulps, rel, what="act_forward probs")
+    got, act, dp = triton_kernels.act_backward_triton(
+        d_a, h, spec.gated, spec.kind, probs, store_act=True, block_f=block_f
+    )
+    ref, ref_act, ref_dp = act_backward(d_a, h, spec, probs, store_act=True)
+    assert_within(got, ref, ulps, rel, what="act_backward probs")
+    assert_within(act, ref_act, ulps, rel, what="act_backward probs act")
+    a32 = act_forward(h.float(), spec).reshape(rows, f)
+    _check_row_dot(dp, d_a.reshape(rows, f), a32, ref_dp)
+
+
+@interp
+@pytest.mark.parametrize("n, block_h, layout", ROW_CASES, ids=ROW_CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_row_dot_gathered(small_tiles, dtype, n: int, block_h, layout: str) -> None:
+    g = _gen(500 + n)
+    a = _rows_layout(torch.randn(9, 200, generator=g).to(dtype), layout)
+    b = _rows_layout(torch.randn(n, 200, generator=g).to(dtype), "row_strided")
+    a_index = torch.randint(0, 9, (n,), generator=g)
+    got = triton_kernels.row_dot_triton(a, b, torch.float32, a_index, block_h=block_h)
+    _check_row_dot(got, a[a_index], b, rowwise.row_dot(a, b, torch.float32, a_index))
+
+
+@interp
+@pytest.mark.parametrize("slots", [1, 3, 8])
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_gather_sum(small_tiles, dtype, slots: int, scaled: bool) -> None:
+    g = _gen(600 + slots)
+    r, t, h = 29, 17, 200
+    rows = _rows_layout(torch.randn(r, h, generator=g).to(dtype), "row_strided")
+    index = torch.randint(-1, r, (t, slots), generator=g)  # -1: empty slot; repeats allowed
+    scale = torch.rand(r, generator=g) if scaled else None
+    got = triton_kernels.gather_sum_triton(rows, index, scale, block_h=64)
+    ref = rowwise.gather_sum(rows, index, scale)
+    if dtype == torch.float32:
+        assert torch.equal(got, ref)
+    else:
+        assert_within(got, ref, ulps=1, what="gather_sum")
+    empty = triton_kernels.gather_sum_triton(rows, torch.full((3, slots), -1), scale)
+    assert torch.count_nonzero(empty) == 0 and empty.shape == (3, h)
 
 
 @interp
@@ -333,6 +386,10 @@ def test_interp_launchers_reject_bad_inputs() -> None:
         )
     with pytest.raises(ValueError, match="does not match"):
         triton_kernels.act_backward_triton(torch.randn(3, 5), torch.randn(3, 8), True, "silu")
+    with pytest.raises(ValueError, match="probs"):
+        triton_kernels.act_forward_triton(torch.randn(3, 8), True, "silu", torch.rand(2))
+    with pytest.raises(ValueError, match="int64"):
+        triton_kernels.gather_sum_triton(torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="power of two"):
         triton_kernels.act_forward_triton(torch.randn(3, 8), False, "silu", block_f=24)
 
@@ -393,8 +450,8 @@ def test_cuda_realistic_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
             d_a = torch.randn(n, f, device=dev, dtype=bf16)
             a = act_forward(h, spec)
             assert_within(a, _torch_path(monkeypatch, act_forward, h, spec), 1, 16 * FP32_EPS)
-            dh = act_backward(d_a, h, spec)
-            ref = _torch_path(monkeypatch, act_backward, d_a, h, spec)
+            dh, _, _ = act_backward(d_a, h, spec)
+            ref, _, _ = _torch_path(monkeypatch, act_backward, d_a, h, spec)
             assert_within(dh, ref, 1, 16 * FP32_EPS, what=f"act_backward {spec}")
             if spec.gated and spec.kind == "silu":
                 timings["swiglu fwd"] = (

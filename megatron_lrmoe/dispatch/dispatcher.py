@@ -1,13 +1,15 @@
 """Megatron's six-stage alltoall dispatcher, with LRMoE's metadata and a fused middle.
 
-Shape legend: T tokens on this rank, E experts, P EP ranks, L local experts.
+Shape legend: T tokens on this rank, E experts, P EP ranks, L local experts, S pairs.
 
-Stages 1 and 6 (``dispatch_preprocess``: count + permute; ``combine_postprocess``: unpermute +
-shared-expert output) do what stock does, with Megatron's pair order, but permute and unpermute
-through gathers instead of atomic scatter-adds (``permutation.py``). ``preprocess`` keeps the
-all-gathered ``[P, E]`` pair counts, which the quota controller needs. Stages 2-5 (the two all-to-alls and the chunk sorts) run inside
-``LRMoEExpertsFunction`` because its backward must differ from the autograd of the forward
-exchanges; here they only drive the shared-expert overlap hooks at the same points as stock.
+Stage 1 (``dispatch_preprocess``) gathers the ``[P, E]`` pair counts (the controller's input,
+one device-to-host copy, as stock's split sizes need) and builds the token <-> pair index plan
+(``permutation.py``), but moves no rows: the op in ``op.py`` takes the ``[T, H]`` tokens and
+does the permutation, both all-to-alls, the experts and the un-permutation itself, because its
+backward must differ from the autograd of those steps (the trimmed backward never materialises
+a ``[S, H]`` gradient). Stages 2-5 are pass-throughs that only drive the shared-expert overlap
+hooks at stock's points; stage 6 (``combine_postprocess``) restores the shape and adds the
+shared-expert output.
 """
 
 from __future__ import annotations
@@ -16,12 +18,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_lrmoe.dispatch import comm
-from megatron_lrmoe.dispatch.permutation import (
-    PairPermutation,
-    PermuteTokens,
-    UnpermutePairs,
-    permute_probs,
-)
+from megatron_lrmoe.dispatch.permutation import PairPermutation, permute_probs
 
 
 class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
@@ -55,10 +52,11 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def dispatch_preprocess(
         self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     ):
-        """Stage 1: metadata (one host sync, in ``preprocess``) and the pair permutation.
+        """Stage 1: metadata (one host sync, in ``preprocess``) and the pair index plan.
 
         Returns:
-            ``[S, H]`` token rows and ``[S]`` routing weights, in Megatron's pair order.
+            ``[T, H]`` token rows (not permuted: the op gathers them) and the ``[S]`` routing
+            weights in Megatron's pair order.
         """
         self.hidden_shape = hidden_states.shape
         self.probs = probs
@@ -70,26 +68,25 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.hidden_shape_before_permute = hidden.shape
         perm = PairPermutation.build(routing_map, self.num_out_tokens, self.config.moe_router_topk)
         self.pair_permutation = perm
-        return PermuteTokens.apply(hidden, perm), permute_probs(probs, perm)
+        return hidden, permute_probs(probs, perm)
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Stage 6: each token sums its pairs' outputs; shared-expert output added."""
-        output = UnpermutePairs.apply(hidden_states, self.pair_permutation)
+        """Stage 6: the op already summed each token's pairs; shared-expert output added."""
         self.pair_permutation = None
-        output = output.view(self.hidden_shape)
+        output = hidden_states.view(self.hidden_shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts.get_output()
         return output
 
-    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
-        """Stage 2, no communication here (the fused op exchanges); shared-expert fc1 hook."""
+    def token_dispatch(self, hidden_states, permuted_probs):
+        """Stage 2, no communication here (the op exchanges); shared-expert fc1 hook."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
             self.shared_experts.linear_fc1_forward_and_act()
-        return permutated_local_input_tokens, permuted_probs
+        return hidden_states, permuted_probs
 
     def dispatch_postprocess(self, hidden_states, probs):
-        """Stage 3, pass-through: the fused op sorts rows by local expert itself."""
+        """Stage 3, pass-through: the op sorts rows by local expert itself."""
         tokens_per_expert = self.tokens_per_expert
         self.tokens_per_expert = None
         return hidden_states, tokens_per_expert, probs

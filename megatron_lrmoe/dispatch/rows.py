@@ -1,7 +1,7 @@
 """Row-wise products in fp32 without an fp32 copy of a whole ``[N, H]`` tensor.
 
 Shape legend: N input rows, K output rows of a gathered :func:`scale_rows` (``len(index)``),
-H hidden.
+H hidden; for :func:`gather_sum` T output rows (tokens) with up to K slots each.
 
 On CUDA (with ``triton`` importable and ``LRMOE_TRITON != "0"``) both ops run one fused Triton
 kernel from ``triton_kernels.py``: one read of each input, one write of the output, fp32 math
@@ -81,28 +81,86 @@ def scale_rows(
     return out
 
 
-def row_dot(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``<a[i], b[i]>`` for every row, accumulated in fp32, returned as ``out_dtype``.
+def row_dot(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    a_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``<a[a_index[i] (or i)], b[i]>`` for every row of ``b``, accumulated in fp32.
 
     Args:
-        a, b: ``[N, H]``.
+        a: ``[M, H]`` (``M = N`` without ``a_index``).
+        b: ``[N, H]``.
         out_dtype: Result dtype.
+        a_index: Optional ``[N]`` int64 rows of ``a``: the gather is fused on the Triton path
+            (e.g. the token gradient row of every pair, without a ``[N, H]`` copy).
 
     Returns:
         ``[N]`` in ``out_dtype``.
     """
     if (
-        triton_kernels.use_triton(a, b)
+        triton_kernels.use_triton(a, b, *(() if a_index is None else (a_index,)))
         and a.dim() == 2
-        and a.shape == b.shape
+        and b.dim() == 2
+        and (a.shape == b.shape if a_index is None else a.shape[1] == b.shape[1])
         and a.dtype in triton_kernels.KERNEL_DTYPES
         and b.dtype in triton_kernels.KERNEL_DTYPES
         and out_dtype.is_floating_point
         and not _needs_autograd(a, b)
     ):
-        return triton_kernels.row_dot_triton(a, b, out_dtype)
-    out = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
-    for lo in range(0, a.shape[0], CHUNK_ROWS):
+        return triton_kernels.row_dot_triton(a, b, out_dtype, a_index)
+    wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    out = torch.empty(b.shape[0], dtype=wide, device=b.device)
+    for lo in range(0, b.shape[0], CHUNK_ROWS):
         hi = lo + CHUNK_ROWS
-        out[lo:hi] = (a[lo:hi].float() * b[lo:hi].float()).sum(-1)
+        a_rows = a[lo:hi] if a_index is None else a.index_select(0, a_index[lo:hi])
+        out[lo:hi] = (a_rows.to(wide) * b[lo:hi].to(wide)).sum(-1)
     return out.to(out_dtype)
+
+
+def gather_sum(
+    rows: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[t] = sum_k scale[i] * rows[i]`` over the slots ``i = index[t, k] >= 0``.
+
+    The token side of a permutation: every token adds up the rows of its pairs (the combine's
+    unpermute, and the input gradient of the dispatch's permute), as a gather instead of an
+    atomic scatter-add. Slots are added in ``k`` order in fp32 (fp64 for fp64 rows) and rounded
+    once, so the result does not depend on thread scheduling.
+
+    Args:
+        rows: ``[R, H]`` pair rows.
+        index: ``[T, K]`` int64 row of each slot, ``-1`` for an empty one.
+        scale: Optional ``[R]`` factor per row (e.g. the routing weight of each pair).
+
+    Returns:
+        ``[T, H]`` in ``rows.dtype``.
+    """
+    if (
+        triton_kernels.use_triton(rows, index, *(() if scale is None else (scale,)))
+        and rows.dim() == 2
+        and rows.dtype in triton_kernels.KERNEL_DTYPES
+        and index.dim() == 2
+        and index.dtype == torch.int64
+        and (scale is None or scale.shape == rows.shape[:1])
+    ):
+        return triton_kernels.gather_sum_triton(rows, index, scale)
+    wide = torch.promote_types(rows.dtype, torch.float32)
+    num_out, slots = index.shape
+    out = rows.new_empty((num_out, rows.shape[1]))
+    # A zero row stands in for empty slots.
+    padded = torch.cat([rows, rows.new_zeros((1, rows.shape[1]))])
+    safe = torch.where(index < 0, rows.shape[0], index)
+    scale_padded = None if scale is None else torch.cat([scale.to(wide), scale.new_zeros(1, dtype=wide)])
+    for lo in range(0, num_out, CHUNK_ROWS):
+        hi = lo + CHUNK_ROWS
+        acc = torch.zeros((safe[lo:hi].shape[0], rows.shape[1]), dtype=wide, device=rows.device)
+        for k in range(slots):
+            src = safe[lo:hi, k]
+            x = padded.index_select(0, src).to(wide)
+            if scale_padded is not None:
+                x = x * scale_padded.index_select(0, src).unsqueeze(-1)
+            acc += x
+        out[lo:hi] = acc.to(rows.dtype)
+    return out

@@ -1,4 +1,4 @@
-"""Expert math on rows grouped by expert: grouped GEMMs, activation, expert MLP.
+"""Expert math on rows grouped by expert: weights, grouped GEMMs, activation, expert MLP.
 
 Shape legend:
     N: rows grouped by expert (contiguous per group, in group order, no padding).
@@ -16,13 +16,6 @@ from megatron_lrmoe.experts.activation import (
     act_forward,
     activation_spec_from_config,
 )
-from megatron_lrmoe.experts.mlp import (
-    GroupedExpertMLP,
-    expert_mlp_backward,
-    expert_mlp_forward,
-    grouped_expert_mlp,
-    weighted_expert_mlp_backward,
-)
 from megatron_lrmoe.experts.grouped_gemm import (
     GROUPED_MM_ENV,
     Counts,
@@ -33,6 +26,7 @@ from megatron_lrmoe.experts.grouped_gemm import (
     grouped_mm_nt,
     grouped_mm_tn,
 )
+from megatron_lrmoe.experts.mlp import expert_backward, expert_forward
 
 __all__ = [
     "ActivationKind",
@@ -40,17 +34,14 @@ __all__ = [
     "GROUPED_MM_ENV",
     "GluSpec",
     "GroupSizes",
-    "GroupedExpertMLP",
     "GroupedMMBackend",
     "act_backward",
     "act_forward",
     "activation_spec_from_config",
-    "expert_mlp_backward",
-    "expert_mlp_forward",
-    "grouped_expert_mlp",
+    "expert_backward",
+    "expert_forward",
     "grouped_mm_backend",
     "grouped_mm_nn",
     "grouped_mm_nt",
     "grouped_mm_tn",
-    "weighted_expert_mlp_backward",
 ]

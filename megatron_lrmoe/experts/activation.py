@@ -108,63 +108,99 @@ def _use_kernels(*tensors: torch.Tensor) -> bool:
     )
 
 
-def act_forward(h: torch.Tensor, spec: GluSpec) -> torch.Tensor:
-    """Applies the activation.
+def act_forward(
+    h: torch.Tensor, spec: GluSpec, probs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Applies the activation, optionally times a per-row routing weight.
 
     Args:
         h: ``[N, F1]`` fc1 output.
         spec: Activation description.
+        probs: Optional ``[N]`` routing weight of each row, multiplied in the fp32 math before
+            the one rounding (Megatron applies it to the activation before fc2).
 
     Returns:
         ``[N, F]`` in ``h``'s dtype.
     """
     _check_width(h, spec)
-    if _use_kernels(h):
-        return triton_kernels.act_forward_triton(h, spec.gated, spec.kind)
+    if _use_kernels(h, *(() if probs is None else (probs,))):
+        return triton_kernels.act_forward_triton(h, spec.gated, spec.kind, probs)
+    return _act_fp(h, spec, probs).to(h.dtype)
+
+
+def _act_fp(h: torch.Tensor, spec: GluSpec, probs: torch.Tensor | None) -> torch.Tensor:
+    """The activation (times ``probs``) in the compute dtype, unrounded."""
     hf = h.to(_compute_dtype(h.dtype))
     if spec.gated:
         gate, up = hf.chunk(2, dim=-1)
         a = _act(gate, spec.kind) * up
     else:
         a = _act(hf, spec.kind)
-    return a.to(h.dtype)
+    if probs is not None:
+        a = a * _per_row(probs, a)
+    return a
 
 
-def act_backward(d_a: torch.Tensor, h: torch.Tensor, spec: GluSpec) -> torch.Tensor:
+def _per_row(probs: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[M]`` row factors (``M`` rows of ``like``'s leading dims) as a broadcastable column."""
+    return probs.to(like.dtype).reshape(like.shape[:-1]).unsqueeze(-1)
+
+
+def act_backward(
+    d: torch.Tensor,
+    h: torch.Tensor,
+    spec: GluSpec,
+    probs: torch.Tensor | None = None,
+    store_act: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradient of :func:`act_forward` w.r.t. ``h``, computed analytically (no autograd).
 
+    Without ``probs``, ``d`` is the gradient of ``a = act(h)``. With ``probs`` it is the gradient
+    of ``a * p`` (fc2's input in Megatron's order); ``dh`` is then taken through ``d * p`` and the
+    routing weight's gradient ``<d, a>`` is returned too (fp32 math on the unrounded ``a``).
+
     Args:
-        d_a: ``[N, F]`` gradient of the activation output.
+        d: ``[N, F]`` gradient of the activation output (see above).
         h: ``[N, F1]`` the fc1 output the forward used.
         spec: Activation description.
+        probs: Optional ``[N]`` routing weight of each row.
+        store_act: Also return fc2's input recomputed from ``h`` (``a``, or ``a * p``) in
+            ``h``'s dtype, so the caller's fc2 weight gradient needs no second pass over ``h``.
 
     Returns:
-        ``[N, F1]`` gradient w.r.t. ``h``, in ``h``'s dtype.
+        ``(dh [N, F1] in h's dtype, act [N, F] or None, dprobs [N] fp32 or None)``.
 
     Raises:
-        ValueError: If ``d_a``'s shape does not match ``h`` under ``spec``.
+        ValueError: If ``d``'s shape does not match ``h`` under ``spec``.
     """
     _check_width(h, spec)
     f = h.shape[-1] // spec.fc1_multiplier
-    if d_a.shape[:-1] != h.shape[:-1] or d_a.shape[-1] != f:
+    if d.shape[:-1] != h.shape[:-1] or d.shape[-1] != f:
         raise ValueError(
-            f"act_backward: d_a {tuple(d_a.shape)} does not match h {tuple(h.shape)} "
+            f"act_backward: d {tuple(d.shape)} does not match h {tuple(h.shape)} "
             f"(gated={spec.gated})"
         )
-    if _use_kernels(d_a, h):
-        return triton_kernels.act_backward_triton(d_a, h, spec.gated, spec.kind)
+    if _use_kernels(d, h, *(() if probs is None else (probs,))):
+        return triton_kernels.act_backward_triton(
+            d, h, spec.gated, spec.kind, probs, store_act
+        )
     cdt = _compute_dtype(h.dtype)
-    daf = d_a.to(cdt)
+    df = d.to(cdt)
+    dprobs = None
+    if probs is not None:
+        dprobs = (df * _act_fp(h, spec, None)).sum(-1).reshape(-1).to(torch.float32)
+        df = df * _per_row(probs, df)
+    act = _act_fp(h, spec, probs).to(h.dtype) if store_act else None
     if not spec.gated:
         _, dact = _act_and_grad(h.to(cdt), spec.kind)
-        return (daf * dact).to(h.dtype)
+        return (df * dact).to(h.dtype), act, dprobs
     gate, up = h.to(cdt).chunk(2, dim=-1)
-    act, dact = _act_and_grad(gate, spec.kind)
+    a, dact = _act_and_grad(gate, spec.kind)
     # Write both halves straight into an h-dtype buffer: no fp32 [N, F1] concatenation.
     dh = torch.empty_like(h, memory_format=torch.contiguous_format)
-    dh[..., :f].copy_(daf * up * dact)
-    dh[..., f:].copy_(daf * act)
-    return dh
+    dh[..., :f].copy_(df * up * dact)
+    dh[..., f:].copy_(df * a)
+    return dh, act, dprobs
 
 
 def activation_spec_from_config(config: Any) -> GluSpec:

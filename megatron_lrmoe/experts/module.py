@@ -25,7 +25,6 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lrmoe.experts.mlp import GroupedExpertMLP
 from megatron_lrmoe.experts.activation import activation_spec_from_config
 
 
@@ -133,19 +132,16 @@ class LRGroupedMLP(MegatronModule):
         fc1, fc2 = self.weight_params()
         return torch.stack([p.grad for p in fc1]), torch.stack([p.grad for p in fc2])
 
-    def forward(
-        self,
-        permuted_local_hidden_states: torch.Tensor,
-        tokens_per_expert: torch.Tensor,
-        permuted_probs: torch.Tensor,
-    ) -> tuple[torch.Tensor, None]:
-        """Megatron experts interface: rows grouped by local expert -> (output, None)."""
-        counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).cpu()
-        w1, w2 = self.stacked_weights()
-        out = GroupedExpertMLP.apply(
-            permuted_local_hidden_states, permuted_probs, w1, w2, counts, self.spec
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([L, F1, H], [L, H, F])`` expert weights for the op (autograd reaches the experts)."""
+        return self.stacked_weights()
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        """Not used: LRMoELayer computes its experts inside its own op (``op.py``)."""
+        raise RuntimeError(
+            f"{type(self).__name__} is computed by LRMoELayer's fused op; build the layer with "
+            "megatron_lrmoe.get_lrmoe_moe_spec instead of calling the experts module directly"
         )
-        return out, None
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in backward (no delayed wgrad)."""
