@@ -84,6 +84,17 @@ class CudaTimer:
         return statistics.median(self.samples[name])
 
 
+def expert_grads(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([L, F1, H], [L, H, F])`` expert weight gradients of a stock or an LRMoE layer."""
+    experts = layer.experts
+    if hasattr(experts, "weights"):  # LRGroupedMLP: one parameter per projection
+        w1, w2 = experts.weights()
+        return w1.grad, w2.grad
+    fc1 = torch.stack([e.linear_fc1.weight.grad for e in experts.local_experts])
+    fc2 = torch.stack([e.linear_fc2.weight.grad for e in experts.local_experts])
+    return fc1, fc2
+
+
 def write_json(path: str, payload: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2)

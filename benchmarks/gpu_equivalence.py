@@ -20,7 +20,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import QWEN3_30B_A3B_MOE, init_distributed, moe_config, write_json  # noqa
+from benchmarks.common import (  # noqa: E402
+    QWEN3_30B_A3B_MOE,
+    expert_grads,
+    init_distributed,
+    moe_config,
+    write_json,
+)
 
 
 def _grads(layer: Any, x: torch.Tensor, up: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -28,9 +34,7 @@ def _grads(layer: Any, x: torch.Tensor, up: torch.Tensor) -> dict[str, torch.Ten
     out, _ = layer(x)
     out.backward(up.to(out.dtype))
     res = {"out": out.detach().float(), "dx": x.grad.float(), "router": layer.router.weight.grad.float()}
-    # Stock SequentialMLP and LRGroupedMLP share the per-expert parameter layout.
-    res["fc1"] = torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]).float()
-    res["fc2"] = torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]).float()
+    res["fc1"], res["fc2"] = (g.float() for g in expert_grads(layer))
     for p in layer.parameters():
         p.grad = None
     return res

@@ -1,14 +1,28 @@
-"""One MoE layer, stock Megatron-Core vs LRMoE, forward / backward / memory / backward bytes.
+"""One MoE layer, stock Megatron-Core vs LRMoE: time, memory, floor, overheads, syncs, launches.
 
 Run (one process per GPU; EP = number of processes):
 
-    torchrun --nproc_per_node=2 benchmarks/layer_bench.py --tokens 4096 16384 --out bench.json
+    torchrun --nproc_per_node=1 benchmarks/layer_bench.py --tokens 4096 16384 --out ep1.json
+    torchrun --nproc_per_node=2 benchmarks/layer_bench.py --tokens 4096 16384 --out ep2.json
 
 Variants: stock ``MoELayer`` as installed (alltoall dispatcher + ``SequentialMLP`` local experts:
-no Transformer Engine on our GPU machine), and ``LRMoELayer`` at each keep ratio x activation
-mode x selection policy. All variants run inside one process on the same inputs and weights.
-Timings are CUDA events, median of ``--iters`` after ``--warmup`` iterations; backward bytes are
-the sizes of the backward exchanges (all ranks' rows counted once per sender).
+no Transformer Engine on our GPU machine) and ``LRMoELayer`` at keep 1.0 and each keep ratio x
+selection policy (``save``), plus ``recompute`` and (EP > 1) scope ``global`` at keep 0.5. All
+variants run in one process on the same inputs and weights, measured round-robin (iteration i of
+every variant before iteration i+1 of any), so drift of the machine hits all alike.
+
+Per variant and token count (medians over ``--iters`` after ``--warmup``):
+    fwd_ms, bwd_ms: CUDA events around the forward and the backward call.
+    bwd_cpu_ms: host time of the ``backward()`` call (it returns once everything is queued, so
+        below bwd_ms means the GPU, not Python, is the bottleneck).
+    overhead_ms: GPU time of scoring + selection + packing (the layer's own CUDA-event spans).
+    saved_mib: memory allocated after the forward with the output alive, minus before.
+    peak_mib: peak allocated during the backward, minus before the forward.
+    bwd_syncs: synchronising CUDA calls inside the backward (torch's sync debug mode).
+    kernels_fwd / kernels_bwd: CUDA kernel launches per call (torch.profiler), with the
+        profiler's backward CPU and CUDA totals.
+Floor (same run): the six grouped GEMMs of the experts (fc1, fc2 forward; dgrad and wgrad of
+both) on the same rows and group sizes, plus at EP > 1 the four all-to-alls of the pair rows.
 """
 
 from __future__ import annotations
@@ -16,82 +30,221 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
-from typing import Any
+import time
+import warnings
+from typing import Any, Callable, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import CudaTimer, init_distributed, moe_config, write_json  # noqa: E402
+from benchmarks.common import init_distributed, moe_config, write_json  # noqa: E402
 
 
-def _variants(keeps: list[float], modes: list[str], selections: list[str], scopes: list[str]):
+@dataclasses.dataclass
+class Variant:
+    name: str
+    lrmoe: Any  # LRMoEConfig, or None for stock
+    samples: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.samples.setdefault(key, []).append(value)
+
+    def median(self, key: str) -> Optional[float]:
+        vals = self.samples.get(key)
+        return statistics.median(vals) if vals else None
+
+
+def _variants(ep: int, keeps: list[float], selections: list[str], extras: bool) -> list[Variant]:
     from megatron_lrmoe import LRMoEConfig
 
-    out = []
+    out = [Variant("LRMoE keep 1.0", LRMoEConfig(keep_ratio=1.0))]
     for keep in keeps:
-        for mode in modes:
-            if keep >= 1.0:
-                out.append(LRMoEConfig(keep_ratio=1.0, activation_mode=mode))
-                continue
-            for sel in selections:
-                for scope in scopes:
-                    out.append(
-                        LRMoEConfig(keep_ratio=keep, selection=sel, activation_mode=mode, scope=scope)
-                    )
+        if keep >= 1.0:
+            continue
+        for sel in selections:
+            out.append(Variant(f"LRMoE keep {keep} {sel}", LRMoEConfig(keep_ratio=keep, selection=sel)))
+    if extras:
+        out.append(
+            Variant(
+                "LRMoE keep 0.5 sample recompute",
+                LRMoEConfig(keep_ratio=0.5, activation_mode="recompute"),
+            )
+        )
+        if ep > 1:
+            out.append(
+                Variant("LRMoE keep 0.5 sample global", LRMoEConfig(keep_ratio=0.5, scope="global"))
+            )
     return out
 
 
-def _stock_backward_bytes(layer: Any, hidden: int, elem: int) -> int:
-    d = layer.token_dispatcher
-    sent = int(sum(d.input_splits))
-    recv = int(sum(d.output_splits))
-    # grad of the combine (tokens -> experts), grad of the dispatch (experts -> tokens), probs.
-    return sent * hidden * elem + recv * hidden * elem + recv * 4
+def _zero_grads(layer: Any) -> None:
+    for p in layer.parameters():
+        p.grad = None
 
 
-def _measure(layer: Any, x: torch.Tensor, upstream: torch.Tensor, warmup: int, iters: int):
-    timer = CudaTimer()
-    peak = 0
-    for it in range(warmup + iters):
-        inp = x.detach().requires_grad_(True)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        if it < warmup:
+def _timed_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant) -> None:
+    inp = x.detach().requires_grad_(True)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    ev[0].record()
+    out, _ = layer(inp)
+    ev[1].record()
+    t0 = time.perf_counter()
+    out.backward(up)
+    v.add("bwd_cpu_ms", (time.perf_counter() - t0) * 1e3)
+    ev[2].record()
+    ev[2].synchronize()
+    v.add("fwd_ms", ev[0].elapsed_time(ev[1]))
+    v.add("bwd_ms", ev[1].elapsed_time(ev[2]))
+    stats = getattr(layer, "last_call_stats", None)
+    if stats is not None:
+        t = stats.timings_ms
+        v.add("overhead_ms", sum(t.get(k, 0.0) for k in ("scoring", "selection", "packing")))
+        for k, val in t.items():
+            v.add(f"{k}_ms", val)
+    del out, inp
+    _zero_grads(layer)
+
+
+def _memory_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant) -> None:
+    inp = x.detach().requires_grad_(True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out, _ = layer(inp)
+    torch.cuda.synchronize()
+    v.add("saved_mib", (torch.cuda.memory_allocated() - base) / 2**20)
+    torch.cuda.reset_peak_memory_stats()
+    # Count synchronising calls the backward makes (warn mode reports each one).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out.backward(up)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    v.add("peak_mib", (torch.cuda.max_memory_allocated() - base) / 2**20)
+    v.add("bwd_syncs", sum("synchroniz" in str(w.message) for w in caught))
+    del out, inp
+    _zero_grads(layer)
+
+
+def _profile_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant, out_dir: str) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    inp = x.detach().requires_grad_(True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("lrmoe_bench_fwd"):
             out, _ = layer(inp)
-            out.backward(upstream)
-        else:
-            out, _ = timer.time("fwd", lambda: layer(inp))
-            timer.time("bwd", lambda: out.backward(upstream))
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        del out, inp
-        for p in layer.parameters():
-            p.grad = None
-    return timer.median("fwd"), timer.median("bwd"), peak
+            torch.cuda.synchronize()
+        with record_function("lrmoe_bench_bwd"):
+            out.backward(up)
+            torch.cuda.synchronize()
+    events = prof.events()
+    spans = {e.name: (e.time_range.start, e.time_range.end) for e in events if e.name.startswith("lrmoe_bench_")}
+
+    def launches(span: tuple[int, int]) -> int:
+        return sum(
+            1
+            for e in events
+            if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+            and span[0] <= e.time_range.start <= span[1]
+        )
+
+    v.add("kernels_fwd", launches(spans["lrmoe_bench_fwd"]))
+    v.add("kernels_bwd", launches(spans["lrmoe_bench_bwd"]))
+    safe = v.name.replace(" ", "_").replace(".", "")
+    with open(os.path.join(out_dir, f"profile_{safe}.txt"), "w", encoding="utf-8") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    del out, inp
+    _zero_grads(layer)
+
+
+def _floor(layer: Any, ep: int, tokens: int, warmup: int, iters: int) -> dict[str, float]:
+    """Grouped GEMMs of the experts on the last call's rows, and (EP > 1) four all-to-alls."""
+    from megatron_lrmoe.experts.grouped_gemm import GroupSizes, grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
+    from megatron_lrmoe.dispatch import comm
+
+    plan_counts = layer.token_dispatcher.global_counts
+    rank, nle = layer.token_dispatcher.ep_rank, layer.num_local_experts
+    recv_counts = plan_counts[:, rank * nle : (rank + 1) * nle]
+    groups = GroupSizes(recv_counts.sum(0))
+    rows = int(recv_counts.sum())
+    w1, w2 = (w.detach() for w in layer.experts.weights())
+    hid, f1, f = w1.shape[2], w1.shape[1], w2.shape[2]
+    dev, dt = w1.device, w1.dtype
+    x = torch.randn(rows, hid, device=dev, dtype=dt)
+    a = torch.randn(rows, f, device=dev, dtype=dt)
+    dz = torch.randn(rows, hid, device=dev, dtype=dt)
+    dh = torch.randn(rows, f1, device=dev, dtype=dt)
+
+    def fwd() -> None:
+        grouped_mm_nt(x, w1, groups)
+        grouped_mm_nt(a, w2, groups)
+
+    def bwd() -> None:
+        grouped_mm_nn(dz, w2, groups)
+        grouped_mm_tn(dz, a, groups)
+        grouped_mm_tn(dh, x, groups)
+        grouped_mm_nn(dh, w1, groups)
+
+    send = plan_counts[rank].reshape(ep, nle).sum(1).tolist()
+    recv = recv_counts.sum(1).tolist()
+    s_rows = torch.randn(int(sum(send)), hid, device=dev, dtype=dt)
+    group = layer.ep_group
+
+    def a2a() -> None:
+        r = comm.all_to_all_rows(s_rows, send, recv, group)
+        comm.all_to_all_rows(r, recv, send, group)
+        r = comm.all_to_all_rows(s_rows, send, recv, group)
+        comm.all_to_all_rows(r, recv, send, group)
+
+    out = {}
+    for name, fn in (("gemm_fwd_ms", fwd), ("gemm_bwd_ms", bwd), ("a2a4_ms", a2a)):
+        if name == "a2a4_ms" and ep == 1:
+            out[name] = 0.0
+            continue
+        samples = []
+        for it in range(warmup + iters):
+            torch.distributed.barrier()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            if it >= warmup:
+                samples.append(s.elapsed_time(e))
+        out[name] = statistics.median(samples)
+    out["floor_ms"] = out["gemm_fwd_ms"] + out["gemm_bwd_ms"] + out["a2a4_ms"]
+    out["rows"] = rows
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="tokens per GPU")
-    parser.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.75, 0.5, 0.25])
-    parser.add_argument("--modes", nargs="+", default=["save", "recompute"])
+    parser.add_argument("--keep", type=float, nargs="+", default=[0.75, 0.5, 0.25])
     parser.add_argument("--selections", nargs="+", default=["sample", "topk"])
-    parser.add_argument("--scopes", nargs="+", default=["local"])
+    parser.add_argument("--no-extras", action="store_true", help="skip recompute / global rows")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--no-stock", action="store_true", help="skip the stock layer")
+    parser.add_argument("--no-profile", action="store_true", help="skip the kernel-launch profile")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "layer_bench.json"))
     args = parser.parse_args()
 
-    from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
 
     ep = int(os.environ.get("WORLD_SIZE", "1"))
     pg = init_distributed(ep)
     rank = torch.distributed.get_rank()
     cfg = moe_config(ep)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
     stock = None
     if not args.no_stock:
         stock = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)(
@@ -100,46 +253,77 @@ def main() -> None:
     lr = get_lrmoe_moe_spec(LRMoEConfig())(config=cfg, pg_collection=pg, layer_number=1).cuda()
     if stock is not None:
         lr.load_state_dict(stock.state_dict(), strict=False)
-    rows = []
+    variants = _variants(ep, args.keep, args.selections, not args.no_extras)
+    if stock is not None:
+        variants.insert(0, Variant("stock MoELayer (SequentialMLP)", None))
+
+    def layer_for(v: Variant) -> Any:
+        if v.lrmoe is None:
+            return stock
+        lr.lrmoe_config = v.lrmoe
+        return lr
+
+    rows: list[dict] = []
     for tokens in args.tokens:
         gen = torch.Generator(device="cuda").manual_seed(100 + rank)
         x = torch.randn(tokens, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-        upstream = torch.randn_like(x)
-        if stock is not None:
-            fwd, bwd, peak = _measure(stock, x, upstream, args.warmup, args.iters)
-            rows.append(dict(
-                tokens=tokens, variant="stock MoELayer (SequentialMLP)", fwd_ms=fwd, bwd_ms=bwd,
-                total_ms=fwd + bwd, peak_mem_gb=peak / 2**30,
-                bwd_bytes=_stock_backward_bytes(stock, cfg.hidden_size, 2),
-            ))
-        for variant in _variants(args.keep, args.modes, args.selections, args.scopes):
-            lr.lrmoe_config = variant
-            fwd, bwd, peak = _measure(lr, x, upstream, args.warmup, args.iters)
-            stats = lr.last_call_stats
-            timings = stats.timings_ms
-            rows.append(dict(
-                tokens=tokens,
-                variant=f"LRMoE keep={variant.keep_ratio} {variant.activation_mode} "
-                f"{variant.selection if variant.keep_ratio < 1 else ''} "
-                f"{variant.scope if variant.keep_ratio < 1 else ''}".strip(),
-                config=dataclasses.asdict(variant),
-                fwd_ms=fwd, bwd_ms=bwd, total_ms=fwd + bwd, peak_mem_gb=peak / 2**30,
-                bwd_bytes=stats.backward_bytes, stock_bwd_bytes=stats.stock_backward_bytes,
-                overhead_ms=sum(timings.get(k, 0.0) for k in ("scoring", "selection", "packing")),
-                timings_ms=timings, kept_ratio=stats.kept_ratio,
-            ))
+        up = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for v in variants:
+            v.samples = {}
+            for _ in range(args.warmup):
+                _timed_step(layer_for(v), x, up, Variant("warmup", None))
+        for _ in range(args.iters):
+            for v in variants:
+                torch.distributed.barrier()
+                _timed_step(layer_for(v), x, up, v)
+        for v in variants:
+            torch.distributed.barrier()
+            _memory_step(layer_for(v), x, up, v)
+            if not args.no_profile and rank == 0 and ep == 1:
+                # Profiling one rank of several would desynchronise the collectives; at EP > 1
+                # run benchmarks/profile_layer.py instead.
+                _profile_step(layer_for(v), x, up, v, out_dir)
+        lr.lrmoe_config = LRMoEConfig(keep_ratio=1.0)
+        _timed_step(lr, x, up, Variant("floor-setup", None))
+        floor = _floor(lr, ep, tokens, args.warmup, args.iters)
+        keep1 = next(v for v in variants if v.name == "LRMoE keep 1.0")
+        for v in variants:
+            row = {"tokens": tokens, "variant": v.name}
+            if v.lrmoe is not None:
+                row["config"] = dataclasses.asdict(v.lrmoe)
+            for key in sorted(v.samples):
+                row[key] = v.median(key)
+            row["total_ms"] = row["fwd_ms"] + row["bwd_ms"]
+            if v.lrmoe is not None:
+                k = v.lrmoe.keep_ratio
+                row["bwd_vs_keep1"] = row["bwd_ms"] / keep1.median("bwd_ms")
+                row["fwd_vs_keep1"] = row["fwd_ms"] / keep1.median("fwd_ms")
+                row["bwd_target"] = None if k >= 1 else k + 0.05
+            rows.append(row)
+        rows.append({"tokens": tokens, "variant": "floor", **floor})
         if rank == 0:
+            print(f"== {tokens} tokens/GPU, EP={ep}; floor {floor['floor_ms']:.2f} ms "
+                  f"(gemm fwd {floor['gemm_fwd_ms']:.2f} bwd {floor['gemm_bwd_ms']:.2f} a2a "
+                  f"{floor['a2a4_ms']:.2f}); keep 1.0 total / floor "
+                  f"{(keep1.median('fwd_ms') + keep1.median('bwd_ms')) / floor['floor_ms']:.3f}",
+                  flush=True)
             for r in rows:
-                if r["tokens"] == tokens:
-                    print(
-                        f"{tokens:6d} {r['variant']:42s} fwd {r['fwd_ms']:7.2f} bwd {r['bwd_ms']:7.2f}"
-                        f" total {r['total_ms']:7.2f} ms  peak {r['peak_mem_gb']:6.2f} GB"
-                        f"  bwd bytes {r['bwd_bytes'] / 2**20:8.1f} MiB"
-                        f"  overhead {r.get('overhead_ms', 0.0):.3f} ms",
-                        flush=True,
-                    )
+                if r["tokens"] != tokens or r["variant"] == "floor":
+                    continue
+                print(
+                    f"{r['variant']:34s} fwd {r['fwd_ms']:6.2f} bwd {r['bwd_ms']:6.2f} "
+                    f"(cpu {r['bwd_cpu_ms']:6.2f}) bwd/keep1 {r.get('bwd_vs_keep1', 0):.3f} "
+                    f"ovh {r.get('overhead_ms') or 0:.3f} saved {r['saved_mib']:7.0f} peak "
+                    f"{r['peak_mib']:7.0f} MiB syncs {r['bwd_syncs']:.0f} "
+                    f"launches {r.get('kernels_fwd', 0):.0f}/{r.get('kernels_bwd', 0):.0f}",
+                    flush=True,
+                )
     if rank == 0:
-        write_json(args.out, dict(ep=ep, device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows))
+        write_json(
+            args.out,
+            dict(ep=ep, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                 command=" ".join(sys.argv), rows=rows),
+        )
     torch.distributed.destroy_process_group()
 
 
