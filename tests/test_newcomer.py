@@ -220,3 +220,24 @@ def test_pytest_ini_hides_only_the_listed_warnings(tmp_path: Path) -> None:
     assert "1 passed, 1 warning" in proc.stdout, proc.stdout[-3000:]
     assert "Something new" in proc.stdout
     assert "Torch Norm" not in proc.stdout and "Defaulting to rank 0" not in proc.stdout
+
+
+# -- docs/demo.md is generated -------------------------------------------------------------------
+
+
+def test_demo_page_matches_its_committed_run() -> None:
+    """docs/demo.md is what scripts/demo_report.py renders from docs/runs/demo/ (regenerate both
+    with the command the page names, never edit the page by hand)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("demo_report", ROOT / "scripts/demo_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    run_dir = ROOT / report.RUN_DIR
+    results = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+    run = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    page = (ROOT / report.PAGE).read_text(encoding="utf-8")
+    assert page == report.render(results, run)
+    assert (run_dir / "loss_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.REGENERATE in page
