@@ -60,7 +60,7 @@ lrmoe_env_install() {
   local root="$1" venv="$2" py="$2/bin/python" log
   log="$(mktemp "${TMPDIR:-/tmp}/lrmoe-env.XXXXXX.log")"
   echo "env.sh: installing megatron-lrmoe and its dependencies into $venv" \
-    "(the first time downloads ~3 GB of wheels)" >&2
+    "(a first install downloads torch's CUDA wheels: minutes)" >&2
   if ! { "$py" -m pip install --upgrade pip && "$py" -m pip install -e "$root[$EXTRAS]"; } \
       >"$log" 2>&1; then
     cat "$log" >&2
