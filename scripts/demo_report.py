@@ -170,7 +170,7 @@ seed {settings["seed"]}
 ![loss vs time and step]({RUN_DIR.relative_to("docs").as_posix()}/loss_vs_time.png)
 
 Timings come from one run on a shared CPU machine and are noisy; the losses and bytes do not
-depend on the machine. On CPU both runs use the same kind of expert math; GPU measurements are
+depend on the machine's load. On CPU both runs use the same kind of expert math; GPU measurements are
 in `docs/benchmarks.md`.
 """
 
