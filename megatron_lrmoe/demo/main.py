@@ -63,7 +63,7 @@ ENVIRONMENT_WARNINGS = (
     "Could not determine rank from torch.distributed",
     "full scope is deprecated",
     "MimoModelConfig is experimental",
-    # torch >= 2.11 on megatron_lrmoe.dispatch.comm's count exchange (the tests still see it).
+    # torch 2.14 on megatron_lrmoe.dispatch.comm's count exchange; --verbose shows it.
     "`torch.distributed.all_gather_into_tensor` is deprecated",
 )
 # torch's CUDA wheels log "No CUDA runtime is found" from this logger when it is imported.
