@@ -3,7 +3,8 @@
 A thin counterpart of Megatron-LM's ``pretrain_gpt.py`` (which the megatron-core wheel does not
 ship) for megatron-core 0.19 with its bundled ``megatron.training``: same arguments, same
 config-container call of ``megatron.training.pretrain``, same batch and loss handling, plus the
-``--lrmoe`` / ``--lrmoe-*`` flags (``python pretrain_lrmoe.py --help``, group "LRMoE"). Without
+``--lrmoe`` / ``--lrmoe-*`` flags (``python pretrain_lrmoe.py --lrmoe-help`` lists them alone, at
+once; ``--help`` lists them after Megatron's ~3,900 lines, group "LRMoE"). Without
 ``--lrmoe`` the model is built by Megatron's own ``GPTModelBuilder`` and the run is a stock
 run; with it every MoE layer, Multi-Token-Prediction layers included, is an ``LRMoELayer``.
 
@@ -53,10 +54,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from functools import partial
 from typing import Any, Iterator, Optional
 
-import torch
+from megatron_lrmoe.training.args import LRMOE_HELP_FLAG, lrmoe_help_text
+
+if __name__ == "__main__" and LRMOE_HELP_FLAG in sys.argv[1:]:
+    # Answer before the torch / megatron imports below, which take seconds; the console script
+    # (lrmoe-pretrain) gets the same text from the flag's argparse action in main().
+    sys.stdout.write(lrmoe_help_text())
+    sys.exit(0)
+
+# Imports after the early exit above, on purpose.
+import torch  # noqa: E402
 from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -335,14 +346,39 @@ def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     return sorted(ranks)
 
 
+# Set on the handler log_to_stderr adds, so that a second call adds none.
+_STDERR_HANDLER_MARK = "__lrmoe_stderr__"
+
+
+def log_to_stderr() -> None:
+    """Send this entry point's and megatron_lrmoe's log records (INFO and up) to stderr.
+
+    Importing ``megatron.training`` configures the root logger to print INFO records on stdout,
+    where ours would land in the middle of ``--help`` text and the iteration lines. Idempotent.
+    """
+    for name in ("megatron_lrmoe", logger.name):
+        package_logger = logging.getLogger(name)
+        if any(getattr(h, _STDERR_HANDLER_MARK, False) for h in package_logger.handlers):
+            continue
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+        setattr(handler, _STDERR_HANDLER_MARK, True)
+        package_logger.addHandler(handler)
+        package_logger.setLevel(logging.INFO)
+        package_logger.propagate = False
+
+
 def main() -> None:
     """Console entry point ``lrmoe-pretrain`` (also ``python pretrain_lrmoe.py``)."""
+    log_to_stderr()
     compat.check_megatron_core_version()
-    compat.use_prebuilt_dataset_helpers()
     args = parse_and_validate_args(
         extra_args_provider=extra_args_provider,
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
+    # After parsing, so that --help / --lrmoe-help / a bad flag answer without it; before
+    # pretrain(), whose initialisation would run `make`.
+    compat.use_prebuilt_dataset_helpers()
     try:
         check_args(args)
     except ValueError as e:

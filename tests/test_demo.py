@@ -39,6 +39,9 @@ def test_quick_demo_end_to_end(tmp_path: Path) -> None:
     proc = _run("--quick", "--out-dir", str(out_dir))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     stdout = proc.stdout
+    # Quiet by default (--verbose shows them): no warnings about what the machine lacks.
+    for noise in ("No CUDA runtime", "Apex is not installed", "Warning:"):
+        assert noise not in proc.stderr + stdout, proc.stderr[-4000:]
 
     # Progress while it runs, then the table.
     assert "[stock] step" in stdout and "[lrmoe] step" in stdout, stdout

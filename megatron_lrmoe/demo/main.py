@@ -32,20 +32,42 @@ shared 2-core machine are still noisy: compare cumulative times, not single step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
+import re
 import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from megatron_lrmoe.config import ACTIVATION_MODES, SCOPES, SELECTIONS
 
 WORLD_SIZE = 2  # ranks = expert-parallel size
 RUN_NAMES = ("stock", "lrmoe")
 TARGET_FRACTION = 0.75  # default target: stock's validation loss at 3/4 of its steps
+
+# Hidden unless --verbose: warnings that only say what this CPU machine lacks (CUDA, Transformer
+# Engine, Apex, absl), or that megatron-core and torch print on their own defaults. Message
+# prefixes, matched like Python's -W option matches them (start of the message, any case), so
+# every other warning still shows.
+ENVIRONMENT_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "Only transformer-engine>=1.7.0 supports MoE experts",
+    "absl.logging is not installed",
+    "The following imports from `dynamic_context.py` will be removed",
+    "Could not determine rank from torch.distributed",
+    "full scope is deprecated",
+    "MimoModelConfig is experimental",
+    # torch 2.14 on megatron_lrmoe.dispatch.comm's count exchange; --verbose shows it.
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+)
+# torch's CUDA wheels log "No CUDA runtime is found" from this logger when it is imported.
+QUIET_TORCH_LOGGERS = ("torch.utils.cpp_extension",)
 
 
 @dataclass(frozen=True)
@@ -145,7 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seeds weights, data order and sampling (default %(default)s)",
     )
     parser.add_argument(
-        "--verbose", action="store_true", help="show Megatron's warnings and log messages"
+        "--verbose",
+        action="store_true",
+        help=(
+            "show the warnings about what this machine lacks (CUDA, Transformer Engine, Apex) "
+            "and Megatron's log messages, which are hidden by default"
+        ),
     )
     return parser
 
@@ -154,11 +181,49 @@ def build_parser() -> argparse.ArgumentParser:
 # Ranks.
 # ------------------------------------------------------------------------------------------------
 def _quiet() -> None:
-    """Hide import-time warnings and Megatron's per-model log lines (the demo prints its own)."""
-    import logging
+    """Hide Megatron's per-model log lines in a rank (the demo prints its own progress).
 
-    warnings.filterwarnings("ignore")
+    Import-time warnings are hidden before this runs, by the environment that
+    :func:`_quiet_environment` gives the spawned ranks.
+    """
     logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def _quiet_environment() -> Iterator[None]:
+    """Hide ``ENVIRONMENT_WARNINGS`` and ``QUIET_TORCH_LOGGERS`` in this process and in the ranks
+    it spawns while the context is open; restores warnings filters, logger levels and the
+    environment afterwards.
+
+    The ranks are fresh interpreters that import torch and megatron.core before any demo code
+    runs in them, so they get the filters through ``PYTHONWARNINGS`` (read at interpreter start)
+    and ``TORCH_LOGS`` (read when torch is imported).
+    """
+    saved_env = {name: os.environ.get(name) for name in ("PYTHONWARNINGS", "TORCH_LOGS")}
+    loggers = [logging.getLogger(name) for name in QUIET_TORCH_LOGGERS]
+    saved_levels = [logger.level for logger in loggers]
+
+    def extend(name: str, items: Sequence[str]) -> None:
+        os.environ[name] = ",".join(filter(None, [saved_env[name], *items]))
+
+    # PYTHONWARNINGS separates filters by ',' and fields by ':'; the prefixes contain neither.
+    extend("PYTHONWARNINGS", [f"ignore:{prefix}" for prefix in ENVIRONMENT_WARNINGS])
+    extend("TORCH_LOGS", [f"-{name}" for name in QUIET_TORCH_LOGGERS])
+    try:
+        with warnings.catch_warnings():
+            for prefix in ENVIRONMENT_WARNINGS:
+                warnings.filterwarnings("ignore", message=re.escape(prefix))
+            for logger in loggers:  # in case torch is imported already
+                logger.setLevel(logging.ERROR)
+            yield
+    finally:
+        for logger, level in zip(loggers, saved_levels):
+            logger.setLevel(level)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _progress_line(name: str, steps: int, record: Any, train_seconds: float) -> str:
@@ -398,6 +463,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         return 2
 
+    # Default: hide the warnings and log lines about what this machine lacks, here and in the
+    # ranks, before anything imports torch or megatron.core; --verbose shows them.
+    with contextlib.nullcontext() if args.verbose else _quiet_environment():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the demo for parsed and checked ``args``; returns the process exit status."""
     from megatron_lrmoe.config import LRMoEConfig
     from megatron_lrmoe.testing import DistributedTestError, run_distributed
 
@@ -429,10 +502,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()
     # Generous: a loaded 2-core machine runs the default demo in a few minutes.
     timeout = 600.0 + 30.0 * settings["steps"]
-    saved_warnings = os.environ.get("PYTHONWARNINGS")
-    if not args.verbose:
-        # Inherited by the spawned ranks: their imports would print a page of warnings.
-        os.environ["PYTHONWARNINGS"] = "ignore"
     try:
         per_rank = run_distributed(_demo_rank, WORLD_SIZE, plan, timeout=timeout)
     except DistributedTestError as e:
@@ -441,11 +510,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 1
-    finally:
-        if saved_warnings is None:
-            os.environ.pop("PYTHONWARNINGS", None)
-        else:
-            os.environ["PYTHONWARNINGS"] = saved_warnings
     wall = time.perf_counter() - started
 
     runs = {name: merge_ranks([r["runs"][name] for r in per_rank]) for name in RUN_NAMES}

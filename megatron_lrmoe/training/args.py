@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -23,7 +24,9 @@ from megatron_lrmoe.config import ACTIVATION_MODES, SCOPES, SELECTIONS, LRMoECon
 
 __all__ = [
     "LRMOE_FLAGS",
+    "LRMOE_HELP_FLAG",
     "add_lrmoe_args",
+    "lrmoe_help_text",
     "lrmoe_config_from_args",
     "validate_lrmoe_args",
 ]
@@ -38,6 +41,9 @@ def _flag(field_name: str) -> str:
 
 LRMOE_FLAGS: dict[str, str] = {name: _flag(name) for name in _DEFAULTS}
 """``LRMoEConfig`` field name -> its command-line flag."""
+
+LRMOE_HELP_FLAG = "--lrmoe-help"
+"""Prints only the "LRMoE" argument group and exits (Megatron's ``--help`` is ~3,900 lines)."""
 
 _HELP: dict[str, str] = {
     "keep_ratio": (
@@ -80,6 +86,32 @@ _HELP: dict[str, str] = {
 }
 
 
+class _LRMoEHelpAction(argparse.Action):
+    """``--lrmoe-help``: like ``-h``, but prints the LRMoE group only."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: Optional[str] = None) -> None:
+        super().__init__(
+            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        sys.stdout.write(lrmoe_help_text(parser.prog))
+        parser.exit()
+
+
+def lrmoe_help_text(prog: str = "pretrain_lrmoe.py") -> str:
+    """The help text of the "LRMoE" argument group alone (what ``--lrmoe-help`` prints).
+
+    Builds a parser with only this group, so no Megatron import is needed.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage="%(prog)s <Megatron GPT / MoE flags> --lrmoe [--lrmoe-* ...]",
+        add_help=False,
+    )
+    return add_lrmoe_args(parser).format_help()
+
+
 def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the "LRMoE" argument group; use as Megatron's ``extra_args_provider``.
 
@@ -102,8 +134,14 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help=(
             "Build every MoE layer, MTP layers included, as an LRMoE layer (exact forward, "
-            "quota-limited backward). Without it the model is stock Megatron."
+            f"quota-limited backward). Without it the model is stock Megatron. {LRMOE_HELP_FLAG} "
+            "lists only the LRMoE flags."
         ),
+    )
+    group.add_argument(
+        LRMOE_HELP_FLAG,
+        action=_LRMoEHelpAction,
+        help="Show the LRMoE flags only (this group) and exit.",
     )
     for name, default in _DEFAULTS.items():
         text = _HELP[name] % {"def": default}
