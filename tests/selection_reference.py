@@ -175,7 +175,9 @@ def build_layer(pg: Any, ep: int, lrmoe_kwargs: dict, **config_overrides: Any) -
     )
 
 
-def layer_inputs(rank: int, tokens: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_inputs(
+    rank: int, tokens: int, hidden: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, 1, H]`` with skewed routing, and a heavy-tailed upstream gradient ``[T, 1, H]``.
 
     The upstream rows get log-normal scales so that LRM scores spread over orders of magnitude:

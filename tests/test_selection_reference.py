@@ -59,27 +59,28 @@ def _check_against_reference(per_rank: list[dict]) -> dict[str, int]:
         assert torch.equal(d["kept_mask"], d["kept_weight"] > 0), f"{tag} rank {rank}: mask"
 
     # Segments compete for one quota: (source, expert) for scope local, expert for global.
-    segments: list[tuple[int, list[tuple[int, int]]]] = []
+    # Rows are (source rank, position in its send order), in canonical (source, token) order.
+    segments: list[tuple[str, int, list[tuple[int, int]]]] = []
     if scope == "local" or ep == 1:
         share = ref.reference_hamilton(counts, quota)
         for r in range(ep):
             for e in range(num_experts):
                 rows = [(r, i) for i, pe in enumerate(pairs[r][0]) if pe == e]
-                segments.append((share[r][e], rows))
+                segments.append((f"source {r} expert {e}", share[r][e], rows))
     else:
         for e in range(num_experts):
             rows = [(r, i) for r in range(ep) for i, pe in enumerate(pairs[r][0]) if pe == e]
-            segments.append((quota[e], rows))
+            segments.append((f"expert {e}", quota[e], rows))
 
     coverage = {"segments": 0, "capped": 0, "uncapped": 0}
-    for q, rows in segments:
+    for label, q, rows in segments:
         if not rows:
             continue
         coverage["segments"] += 1
         seg_scores = [scores[r][i] for r, i in rows]
         weights = [float(per_rank[r]["kept_weight"][i]) for r, i in rows]
         kept = [w > 0 for w in weights]
-        where = f"{tag}: segment {rows[0]} (quota {q} of {len(rows)})"
+        where = f"{tag}: {label} (quota {q} of {len(rows)})"
         assert sum(kept) == q, f"{where}: kept {sum(kept)} pairs"
         if selection == "topk":
             gap = ref.topk_boundary_gap(seg_scores, q)

@@ -106,9 +106,10 @@ class CallStats:
         """Pairs of this rank that backward actually kept, over the pairs it sent.
 
         Counted after backward (``kept_pairs_sent / pairs_sent``, 0.0 for a rank that sent no
-        pairs); ``None`` before backward has run. Summed over the ranks of the EP group (numerators and denominators apart) it is
-        the layer call's kept fraction; it equals :attr:`planned_keep_ratio` there unless the
-        selection broke the plan, which is what makes it worth reporting.
+        pairs); ``None`` before backward has run. Summed over the ranks of the EP group
+        (numerators and denominators apart) it is the layer call's kept fraction; it equals
+        :attr:`planned_keep_ratio` there unless the selection broke the plan, which is what
+        makes it worth reporting.
         """
         if self.kept_pairs_sent is None:
             return None
