@@ -95,6 +95,7 @@ def _checkpoint_run(pg: Any, ep: int, rank: int, lrmoe: dict, mode: str, state: 
         "state": initial,
         "kept_weight": [s.kept_weight.clone() for s in finished],
         "stream_calls": len(finished),
+        "forwards": len(log.seen),
         "dx": input_grads,
         "router": layer.router.weight.grad.detach().clone(),
         "experts": ref.flat_expert_grads(layer),
@@ -238,7 +239,9 @@ def test_recomputed_forward_draws_the_same_sample(ep: int, mode: str) -> None:
         for res in per_rank:
             plain, got = res["modes"]["plain"], res["modes"][mode]
             where = f"rank {rank} {res['lrmoe']} {mode}"
-            assert plain["stream_calls"] == 2, f"{where}: plain run"
+            assert plain["stream_calls"] == plain["forwards"] == 2, f"{where}: plain run"
+            # Each micro-batch really ran its forward twice (or the test would prove nothing).
+            assert got["forwards"] == 4, f"{where}: {got['forwards']} forwards"
             assert got["stream_calls"] == 2, f"{where}: {got['stream_calls']} finished calls"
             for call, (a, b) in enumerate(zip(plain["kept_weight"], got["kept_weight"])):
                 assert torch.equal(a, b), f"{where}: call {call} kept other pairs"
@@ -331,11 +334,11 @@ def _plan(**changes: Any):
 
 
 def test_valid_plan_passes_check_invariants() -> None:
+    from megatron_lrmoe.control.plan import CallPlan
+
     _plan().check_invariants()
-    built = _plan().build(
-        _plan().global_counts, 1, 2, LRMoEConfig(keep_ratio=0.5, debug_check_invariants=True), 1,
-        (0,),
-    )
+    lrmoe = LRMoEConfig(keep_ratio=0.5, debug_check_invariants=True)
+    built = CallPlan.build(_plan().global_counts, 1, 2, lrmoe, layer_number=1, stream=(0,))
     assert torch.equal(built.source_quota.sum(0), built.quota)
 
 
