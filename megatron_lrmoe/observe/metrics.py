@@ -4,7 +4,9 @@ What is reported (``lrmoe/`` prefix; per layer ``lrmoe/<name>_layer_<i>`` with `
 layer_number - 1``, Megatron's ``moe/<name>_layer_<i>`` convention, when ``per_layer=True``):
 
 =============================  ==================================================================
-``kept_ratio``                 kept pairs / all pairs (sum of quotas over sum of expert loads)
+``kept_ratio``                 pairs the backward actually kept / all pairs, counted after each
+                               call's backward (``CallStats.kept_pairs_sent`` over ``pairs_sent``,
+                               summed over the ranks of the reduction); not the plan (the quotas)
 ``dropped_score_fraction``     LRM score mass of the dropped pairs / all score mass (the share of
                                the squared expert-weight-gradient norm left out), summed over ranks
 ``backward_bytes``             bytes one rank sends in the MoE backward exchanges, per iteration
@@ -237,8 +239,9 @@ class LRMoEMetrics:
                     f"({self.num_layers}); pass num_layers including MTP layers"
                 )
             col = self._host_acc[:, i]
-            col[_ROW["pairs"]] += stats.total_pairs
-            col[_ROW["kept"]] += sum(stats.quota_per_expert)
+            # This rank's own pairs and those its backward kept; the reduction sums the ranks.
+            col[_ROW["pairs"]] += stats.pairs_sent
+            col[_ROW["kept"]] += _kept_pairs(stats)
             col[_ROW["bytes"]] += stats.backward_bytes
             col[_ROW["stock_bytes"]] += stats.stock_backward_bytes
             col[_ROW["calls"]] += 1
@@ -342,6 +345,17 @@ class LRMoEMetrics:
                 for name, value in _summary(layer, per_rank).items():
                     scalars[f"{name}_layer_{i}"] = value
         return scalars
+
+
+def _kept_pairs(stats: CallStats) -> float:
+    """Pairs of this rank that the call's backward kept.
+
+    Stats whose backward did not record the count (hand-built ones) fall back to this rank's
+    share of the plan, ``pairs_sent * planned_keep_ratio``.
+    """
+    if stats.kept_pairs_sent is not None:
+        return float(stats.kept_pairs_sent)
+    return stats.pairs_sent * stats.planned_keep_ratio
 
 
 def _summary(sums: dict[str, float], per: float) -> dict[str, float]:

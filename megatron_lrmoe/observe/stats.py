@@ -73,7 +73,8 @@ class CallStats:
         pairs_sent: Pairs this rank sent to experts in forward.
         quota_per_expert: ``[E]`` quota of every expert (kept pairs per expert, by construction).
         tokens_per_expert: ``[E]`` pairs each expert received (N summed over sources).
-        kept_pairs_sent: Pairs of this rank that survived (known after backward).
+        kept_pairs_sent: Pairs of this rank that survived, i.e. that backward sent to their
+            expert (filled by backward).
         kept_per_local_expert: ``[L]`` surviving pairs of this rank's experts (after backward).
         exchanges: Backward exchanges by name ("grad", "dgrad", "scores", "weights",
             "positions").
@@ -101,8 +102,23 @@ class CallStats:
     timer: Optional[SpanTimer] = None
 
     @property
-    def kept_ratio(self) -> float:
-        """Kept pairs over all pairs, over all experts."""
+    def kept_ratio(self) -> Optional[float]:
+        """Pairs of this rank that backward actually kept, over the pairs it sent.
+
+        Counted after backward (``kept_pairs_sent / pairs_sent``, 0.0 for a rank that sent no
+        pairs); ``None`` before backward has run. Summed over the ranks of the EP group
+        (numerators and denominators apart) it is the layer call's kept fraction; it equals
+        :attr:`planned_keep_ratio` there unless the selection broke the plan, which is what
+        makes it worth reporting.
+        """
+        if self.kept_pairs_sent is None:
+            return None
+        return self.kept_pairs_sent / max(1, self.pairs_sent)
+
+    @property
+    def planned_keep_ratio(self) -> float:
+        """The plan: sum of the quotas over all pairs of the call (every EP rank), known in
+        forward."""
         return sum(self.quota_per_expert) / max(1, self.total_pairs)
 
     @property
