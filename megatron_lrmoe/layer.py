@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -69,20 +69,52 @@ class LRMoELayer(MoELayer):
         if self.use_shared_expert and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
         self._call_index = 0
+        self._backward_index = 0
         self._step: Optional[int] = None
-        self._calls_in_step = 0
+        self._backwards_in_step = 0
+        self._stats_listeners: dict[int, Callable[[int, CallStats], None]] = {}
         self.last_call_stats: Optional[CallStats] = None
 
     def set_training_step(self, step: int) -> None:
-        """Key the sampling stream by the training step (and the call within it).
+        """Key the sampling stream by the training step (and the backward call within it).
 
-        Without it the stream is keyed by a per-layer call counter, which restarts at 0 when a
-        run is resumed; keyed by the step, a resumed run draws exactly what the uninterrupted run
-        would have drawn, so no sampler state needs to be checkpointed.
+        Without it the stream is keyed by a per-layer backward counter, which restarts at 0 when
+        a run is resumed; keyed by the step, a resumed run draws exactly what the uninterrupted
+        run would have drawn, so no sampler state needs to be checkpointed.
         """
         if step != self._step:
             self._step = int(step)
-            self._calls_in_step = 0
+            self._backwards_in_step = 0
+
+    def next_sample_stream(self) -> tuple[int, ...]:
+        """The sampling stream's key for the backward now running (the op calls it once).
+
+        Counted in backward, where every real call runs exactly once whatever activation
+        checkpointing does to the forward (Megatron's and torch's reentrant checkpoints run the
+        forward twice, torch's non-reentrant one runs it twice with gradients enabled).
+        """
+        key = (
+            (self._backward_index,)
+            if self._step is None
+            else (self._step, self._backwards_in_step)
+        )
+        self._backward_index += 1
+        self._backwards_in_step += 1
+        return key
+
+    def add_stats_listener(self, fn: Callable[[int, CallStats], None]) -> "_ListenerHandle":
+        """Call ``fn(layer_number, stats)`` for every call made with gradients enabled.
+
+        The stats are filled by the call's backward later (``stats.backward_done``). This sees
+        calls that module forward hooks miss: the recomputed forward of Megatron's MoE-layer
+        activation checkpointing runs inside backward, not through ``__call__``.
+
+        Returns:
+            A handle whose ``remove()`` unsubscribes ``fn``.
+        """
+        key = id(fn)
+        self._stats_listeners[key] = fn
+        return _ListenerHandle(self._stats_listeners, key)
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Dispatch, experts and combine as one op whose backward is LRMoE's.
@@ -97,19 +129,15 @@ class LRMoELayer(MoELayer):
         dispatcher = self.token_dispatcher
         dispatcher.tokens_per_expert = None
         call_index = self._call_index
-        stream = (call_index,) if self._step is None else (self._step, self._calls_in_step)
-        # Counted on grad-enabled calls only, so a recomputed forward (activation checkpointing)
-        # draws the same sample stream as a plain one and reruns agree.
         if torch.is_grad_enabled():
             self._call_index += 1
-            self._calls_in_step += 1
         plan = CallPlan.build(
             dispatcher.global_counts,
             ep_rank=dispatcher.ep_rank,
             num_local_experts=self.num_local_experts,
             lrmoe=self.lrmoe_config,
             layer_number=int(self.layer_number or 0),
-            stream=stream,
+            stream=(),
         )
         stats = None
         if self.lrmoe_config.record_stats:
@@ -128,11 +156,25 @@ class LRMoELayer(MoELayer):
             group=self.ep_group,
             perm=dispatcher.pair_permutation,
             stats=stats,
+            sample_stream=self.next_sample_stream,
         )
         w1, w2 = self.experts.weights()
         output = lrmoe_experts(hidden_states, probs, call, w1, w2)
         self.last_call_stats = stats
+        if stats is not None and torch.is_grad_enabled():
+            for fn in list(self._stats_listeners.values()):
+                fn(int(self.layer_number or 1), stats)
         return output, None
+
+
+class _ListenerHandle:
+    """Unsubscribes one stats listener (``LRMoELayer.add_stats_listener``)."""
+
+    def __init__(self, listeners: dict, key: int) -> None:
+        self._listeners, self._key = listeners, key
+
+    def remove(self) -> None:
+        self._listeners.pop(self._key, None)
 
 
 def set_lrmoe_training_step(model: Any, step: int) -> int:

@@ -30,7 +30,7 @@ integer of the forward plan); scope ``global`` needs one (the owners' kept count
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -54,7 +54,6 @@ from megatron_lrmoe.select.scoring import (
     draw_uniforms,
     lrm_scores,
     nonfinite_poison,
-    row_sq_norms,
     select,
 )
 
@@ -72,6 +71,8 @@ class ExpertCall:
         group: The expert-parallel process group.
         perm: This rank's token <-> pair index plan.
         stats: Per-call statistics to fill, or ``None``.
+        sample_stream: Returns the sampling stream's key for this call's backward (the layer
+            counts backward calls); ``None`` keys every call alike.
     """
 
     plan: CallPlan
@@ -80,6 +81,7 @@ class ExpertCall:
     group: Optional[torch.distributed.ProcessGroup]
     perm: PairPermutation
     stats: Optional[CallStats]
+    sample_stream: Optional[Callable[[], tuple[int, ...]]] = None
     _indices: dict = field(default_factory=dict)
     _groups: Optional[GroupSizes] = None
 
@@ -178,6 +180,8 @@ class ExactMoEFunction(torch.autograd.Function):
         call: ExpertCall = ctx.call
         x, h, p_e, w1, w2 = ctx.saved_tensors
         perm = call.perm
+        if call.sample_stream is not None:
+            call.sample_stream()  # every backward advances the stream, exact or not
         g = grad_out.contiguous()
         dz = call.to_experts(g.index_select(0, perm.token_of_pair))
         dx, dw1, dw2, dp_e = expert_backward(
@@ -269,7 +273,8 @@ class TrimmedMoEFunction(torch.autograd.Function):
         d_probs = row_dot(g, ctx.z, probs.dtype, a_index=perm.token_of_pair)
         ctx.z = None
 
-        kept = select_kept(call, g, hidden, probs, timer)
+        key = call.sample_stream() if call.sample_stream is not None else ()
+        kept = select_kept(call, g, hidden, probs, key, timer)
         if timer:
             timer.start("packing")
         g_kept, x_kept = pack_kept(call, g, hidden, probs, kept)
@@ -293,9 +298,9 @@ class TrimmedMoEFunction(torch.autograd.Function):
         return d_hidden, d_probs, None, dw1, dw2
 
 
-def _uniforms(call: ExpertCall, n: int, device: torch.device) -> torch.Tensor:
-    plan = call.plan
-    return draw_uniforms(call.lrmoe.seed, (plan.layer_number, *plan.stream), n, device)
+def _uniforms(call: ExpertCall, key: tuple[int, ...], n: int) -> torch.Tensor:
+    """``[n]`` host uniforms of this call, the same on every rank and every rerun."""
+    return draw_uniforms(call.lrmoe.seed, (call.plan.layer_number, *key), n)
 
 
 def select_kept(
@@ -303,24 +308,28 @@ def select_kept(
     g: torch.Tensor,
     hidden: torch.Tensor,
     probs: torch.Tensor,
+    key: tuple[int, ...],
     timer: Optional[SpanTimer],
 ) -> KeptPlan:
     """Stage 1: score every pair of this rank and select the survivors.
 
     Score ``p^2 ||g_t||^2 ||x_t||^2``: both norms are token properties, taken once per token.
+    Selection depends only on score ratios within a segment, so each norm is divided by its
+    largest value in the call first (no sync): the fp32 score then cannot overflow however large
+    finite gradients get, and a non-finite value still turns the scores NaN (the poison).
     """
     if timer:
         timer.start("scoring")
     tok = call.perm.token_of_pair
-    scores = lrm_scores(probs, row_sq_norms(g)[tok], row_sq_norms(hidden)[tok])
+    scores = lrm_scores(probs, _unit_sq_norms(g)[tok], _unit_sq_norms(hidden)[tok])
     poison = nonfinite_poison(scores)
     if timer:
         timer.stop("scoring")
         timer.start("selection")
     if call.lrmoe.scope == "local" or call.plan.ep_size == 1:
-        kept = _select_local(call, scores, poison)
+        kept = _select_local(call, scores, poison, key)
     else:
-        kept = _select_global(call, scores, poison)
+        kept = _select_global(call, scores, poison, key)
     if timer:
         timer.stop("selection")
     stats = call.stats
@@ -335,7 +344,19 @@ def select_kept(
     return kept
 
 
-def _select_local(call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor) -> KeptPlan:
+def _unit_sq_norms(x: torch.Tensor) -> torch.Tensor:
+    """``[T]`` squared row norms of ``x`` relative to the largest one (fp32; fp64 for fp64)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    norms = torch.linalg.vector_norm(x, ord=2, dim=-1, dtype=acc)
+    if norms.numel():
+        top = norms.max()
+        norms = norms / torch.where(top > 0, top, torch.ones_like(top))
+    return norms.square().to(torch.float32)
+
+
+def _select_local(
+    call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor, key: tuple[int, ...]
+) -> KeptPlan:
     """Scope local: this source selects among its own pairs with its share of each quota."""
     plan, lrmoe = call.plan, call.lrmoe
     device = scores.device
@@ -345,7 +366,7 @@ def _select_local(call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor) 
     uniforms = None
     if lrmoe.selection == "sample":
         num_experts = counts.numel()
-        uniforms = _uniforms(call, plan.ep_size * num_experts, torch.device("cpu"))
+        uniforms = _uniforms(call, key, plan.ep_size * num_experts)
         uniforms = uniforms[plan.ep_rank * num_experts : (plan.ep_rank + 1) * num_experts]
         uniforms = host_to_device(uniforms, device)
     sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms)
@@ -373,7 +394,9 @@ def _select_local(call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor) 
     return KeptPlan(sel.kept_index, sel.weight, send_kept, recv_kept, kept_positions, poison)
 
 
-def _select_global(call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor) -> KeptPlan:
+def _select_global(
+    call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor, key: tuple[int, ...]
+) -> KeptPlan:
     """Scope global: each expert's owner selects among the pairs of all sources."""
     plan, lrmoe, group = call.plan, call.lrmoe, call.group
     device = scores.device
@@ -381,7 +404,7 @@ def _select_global(call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor)
     recv_scores = call.to_experts(scores)
     uniforms = None
     if lrmoe.selection == "sample":
-        uniforms = _uniforms(call, plan.quota.numel(), torch.device("cpu"))[plan.local_experts]
+        uniforms = _uniforms(call, key, plan.quota.numel())[plan.local_experts]
         uniforms = host_to_device(uniforms, device)
     owner_sel = select(
         lrmoe.selection, recv_scores, plan.tokens_per_local_expert, plan.local_quota, uniforms
@@ -506,6 +529,8 @@ def _record_trimmed(
     _fill_exchanges(
         call, g, kept.send_kept, kept.recv_kept, hidden * (2 if recompute_rows else 1)
     )
+    # What the selection returned, not the plan (the same number when selection is exact).
+    stats.kept_pairs_sent = kept.kept_index.numel()
     recv_rows = int(plan.recv_counts.sum())
     # Stock returns one routing-weight gradient per pair; the trimmed path computes them at
     # the source from z.

@@ -215,11 +215,6 @@ def _checkpoint_results(ep: int) -> list[list[dict]]:
     return run_distributed(checkpoint_worker, ep, CHECKPOINT_CASES[ep], timeout=TIMEOUT_S)
 
 
-NON_REENTRANT_BUG = (
-    "LRMoELayer counts every grad-enabled forward; torch's non-reentrant checkpoint runs the "
-    "original forward with grad enabled and recomputes it in backward, so the counter advances "
-    "twice per call and the next call draws another sample (reported to the lead)"
-)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -228,9 +223,7 @@ NON_REENTRANT_BUG = (
     [
         "megatron_recompute",
         "torch_reentrant",
-        pytest.param(
-            "torch_non_reentrant", marks=pytest.mark.xfail(strict=True, reason=NON_REENTRANT_BUG)
-        ),
+        "torch_non_reentrant",
     ],
 )
 def test_recomputed_forward_draws_the_same_sample(ep: int, mode: str) -> None:

@@ -124,6 +124,7 @@ def _known_call(layer_number: int) -> CallStats:
         pairs_sent=50,
         quota_per_expert=[25, 25],
         tokens_per_expert=[50, 50],
+        kept_pairs_sent=25,
     )
     stats.score_total = torch.tensor(4.0)
     stats.score_kept = torch.tensor(3.0)

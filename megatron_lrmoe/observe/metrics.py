@@ -123,11 +123,12 @@ def _stats_layers(model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> l
 class LRMoEMetrics:
     """Collects ``last_call_stats`` of a model's LRMoE layers and reports them.
 
-    A forward hook on every ``LRMoELayer`` keeps a reference to the ``CallStats`` of each call
-    made with gradients enabled (evaluation and the no-grad first pass of activation
-    recomputation never run LRMoE's backward; the recomputed call is the one recorded). The stats
-    object is filled by the layer's backward later; :meth:`report` uses the calls whose backward
-    has run and drops the rest.
+    Every ``LRMoELayer`` hands it the ``CallStats`` of each call made with gradients enabled
+    (``LRMoELayer.add_stats_listener``; evaluation and the no-grad first pass of activation
+    recomputation never run LRMoE's backward, and the recomputed call, which Megatron's MoE
+    checkpointing runs inside backward where module hooks do not fire, is the one recorded).
+    The stats object is filled by the layer's backward later; :meth:`report` uses the calls
+    whose backward has run and drops the rest.
 
     Example::
 
@@ -178,7 +179,7 @@ class LRMoEMetrics:
         self._host_acc: Optional[torch.Tensor] = None  # [len(_ROWS), num_layers] float64
         self._score_acc: Optional[torch.Tensor] = None  # [2, num_layers] total / dropped
         self._timers: list[tuple[int, Any]] = []  # (layer index, SpanTimer) read at report
-        self._handles = [layer.register_forward_hook(self._on_forward) for layer in layers]
+        self._handles = [layer.add_stats_listener(self.record) for layer in layers]
         if self.num_layers is None:
             logger.warning(
                 "LRMoEMetrics: no LRMoE layers and no num_layers; report() returns {} without "
@@ -186,10 +187,6 @@ class LRMoEMetrics:
             )
 
     # --- collection -----------------------------------------------------------------------------
-    def _on_forward(self, layer: Any, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled() and layer.last_call_stats is not None:
-            self.record(int(layer.layer_number or 1), layer.last_call_stats)
-
     def record(self, layer_number: int, stats: CallStats) -> None:
         """Keep one call's stats (the hook does this; public for custom loops and tests).
 
@@ -201,7 +198,7 @@ class LRMoEMetrics:
         self._pending.append((layer_number, stats))
 
     def close(self) -> None:
-        """Remove the forward hooks."""
+        """Stop listening to the layers."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -241,7 +238,7 @@ class LRMoEMetrics:
             col = self._host_acc[:, i]
             # This rank's own pairs and those its backward kept; the reduction sums the ranks.
             col[_ROW["pairs"]] += stats.pairs_sent
-            col[_ROW["kept"]] += _kept_pairs(stats)
+            col[_ROW["kept"]] += stats.kept_pairs_sent
             col[_ROW["bytes"]] += stats.backward_bytes
             col[_ROW["stock_bytes"]] += stats.stock_backward_bytes
             col[_ROW["calls"]] += 1
@@ -345,17 +342,6 @@ class LRMoEMetrics:
                 for name, value in _summary(layer, per_rank).items():
                     scalars[f"{name}_layer_{i}"] = value
         return scalars
-
-
-def _kept_pairs(stats: CallStats) -> float:
-    """Pairs of this rank that the call's backward kept.
-
-    Stats whose backward did not record the count (hand-built ones) fall back to this rank's
-    share of the plan, ``pairs_sent * planned_keep_ratio``.
-    """
-    if stats.kept_pairs_sent is not None:
-        return float(stats.kept_pairs_sent)
-    return stats.pairs_sent * stats.planned_keep_ratio
 
 
 def _summary(sums: dict[str, float], per: float) -> dict[str, float]:
