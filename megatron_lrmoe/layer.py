@@ -120,8 +120,8 @@ class LRMoELayer(MoELayer):
             group=self.ep_group,
             stats=stats,
         )
-        fc1, fc2 = self.experts.weight_params()
-        output = LRMoEExpertsFunction.apply(hidden_states, probs, call, *fc1, *fc2)
+        w1, w2 = self.experts.weights()
+        output = LRMoEExpertsFunction.apply(hidden_states, probs, call, w1, w2)
         self.last_call_stats = stats
         return output, None
 

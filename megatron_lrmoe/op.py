@@ -94,8 +94,8 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         |-----------|----------|--------------------------------------------------------|
         | tokens    | [S, H]   | permuted token rows (input)                            |
         | probs     | [S]      | routing weight of each pair (input)                    |
-        | params    | L x [F1,H], L x [H,F] | per-expert weights (inputs); stacked to     |
-        |           |          | [L,F1,H] / [L,H,F] in forward and again in backward        |
+        | w1        | [L,F1,H] | expert fc1 weights (input; saved as is, no copy)       |
+        | w2        | [L,H,F]  | expert fc2 weights (input; saved as is, no copy)       |
         | z         | [S, H]   | expert output before the routing weight, back at source |
         | out       | [S, H]   | ``probs * z`` (output)                                 |
     Keep ratio < 1 saves ``z`` and ``probs`` at the source (exact router gradient for every
@@ -123,14 +123,10 @@ class LRMoEExpertsFunction(torch.autograd.Function):
         tokens: torch.Tensor,
         probs: torch.Tensor,
         call: ExpertCall,
-        *expert_params: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
     ) -> torch.Tensor:
         plan, lrmoe = call.plan, call.lrmoe
-        num_local = len(expert_params) // 2
-        # Stacked per call and not saved: keeping [L, F1, H] + [L, H, F] alive until backward
-        # would cost a copy of the layer's expert weights in activation memory.
-        w1 = torch.stack(expert_params[:num_local])
-        w2 = torch.stack(expert_params[num_local:])
         x_recv = comm.all_to_all_rows(tokens, plan.send_splits, plan.recv_splits, call.group)
         x = call.reorder(x_recv, plan.recv_counts)
         save_h = lrmoe.activation_mode == "save"
@@ -159,18 +155,16 @@ class LRMoEExpertsFunction(torch.autograd.Function):
             x if save_h else None,
             h,
             tokens if not save_h else None,
-            *expert_params,
+            w1,
+            w2,
         )
-        ctx.num_local = num_local
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         call: ExpertCall = ctx.call
         plan, lrmoe, group = call.plan, call.lrmoe, call.group
-        z, probs, probs_e, x_sq, x_saved, h_saved, tokens, *expert_params = ctx.saved_tensors
-        w1 = torch.stack(expert_params[: ctx.num_local])
-        w2 = torch.stack(expert_params[ctx.num_local :])
+        z, probs, probs_e, x_sq, x_saved, h_saved, tokens, w1, w2 = ctx.saved_tensors
         g = grad_out.contiguous()
         device = g.device
         num_sent = g.shape[0]
@@ -265,7 +259,7 @@ class LRMoEExpertsFunction(torch.autograd.Function):
 
         if stats is not None:
             _fill_backward_stats(stats, call, g, payload, send_kept, recv_kept, timer)
-        return (d_tokens, d_probs, None, *dw1.unbind(0), *dw2.unbind(0))
+        return d_tokens, d_probs, None, dw1, dw2
 
 
 def _uniforms(call: ExpertCall, n: int, device: torch.device) -> torch.Tensor:
