@@ -158,7 +158,9 @@ class _PerExpertShards:
             if self.gated:
                 # SequentialMLP's singleton SwiGLU halves are whole tensors of their own keys.
                 parts = zip(_SWIGLU_SUFFIXES, torch.chunk(t[i], 2, dim=0))
-                items = [(expert_key + suffix, half, (len(self.offsets), 0, 1)) for suffix, half in parts]
+                items = [
+                    (expert_key + suffix, half, (len(self.offsets), 0, 1)) for suffix, half in parts
+                ]
             else:
                 items = [(expert_key, t[i], None)]
             for shard_key, data, own_offset in items:

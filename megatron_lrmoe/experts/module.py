@@ -44,17 +44,36 @@ def sequential_mlp_key(prefix: str, index: int, proj: str, leaf: str = "weight")
 
 
 class ExpertProjection(torch.nn.Module):
-    """One projection of every local expert: ``weight: [L, out, in]`` (Megatron's ``[out, in]``)."""
+    """One projection of every local expert: ``weight: [L, out, in]`` (Megatron's ``[out, in]``).
 
-    def __init__(self, weight: torch.nn.Parameter, partition_dim: int) -> None:
+    Args:
+        weight: The ``[L, out, in]`` parameter.
+        partition_dim: Its tensor-parallel axis (fc1: 1, the output dim; fc2: 2, the input dim).
+        expert_pgs: Whether the weight is reduced over the expert process groups (see
+            :func:`uses_expert_process_groups`).
+    """
+
+    def __init__(self, weight: torch.nn.Parameter, partition_dim: int, expert_pgs: bool) -> None:
         super().__init__()
         self.weight = weight
-        # Same tensor-parallel attributes as Megatron's expert linears, on the stacked layout
-        # (fc1 splits its output dim, fc2 its input dim; dim 0 is the expert). Expert weights are
-        # reduced over the expert-data-parallel group: allreduce=False routes them to DDP's expert
-        # buffer, as ColumnParallelLinear / RowParallelLinear do for is_expert=True.
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=1)
-        setattr(weight, "allreduce", False)
+        # allreduce=False routes a parameter to DDP's expert-data-parallel buffer and to the
+        # expert optimizer, exactly when Megatron's expert linears set it.
+        setattr(weight, "allreduce", not expert_pgs)
+
+
+def uses_expert_process_groups(config: TransformerConfig) -> bool:
+    """Whether Megatron's expert linears (``is_expert=True``) use the expert process groups.
+
+    ``ColumnParallelLinear`` / ``RowParallelLinear`` set ``allreduce=False`` only then; at EP=1
+    with expert TP = TP, SequentialMLP's weights are ordinary data-parallel parameters (dense DDP
+    buffer, dense optimizer). Following the same rule keeps Megatron's DDP buckets and its
+    (chained) optimizer, hence optimizer checkpoints, structured as for SequentialMLP.
+    """
+    return (
+        config.expert_model_parallel_size > 1
+        or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+    )
 
 
 class LRGroupedMLP(MegatronModule):
@@ -94,8 +113,9 @@ class LRGroupedMLP(MegatronModule):
         def param(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=device))
 
-        self.linear_fc1 = ExpertProjection(param(num_local_experts, fc1_out, hidden), 1)
-        self.linear_fc2 = ExpertProjection(param(num_local_experts, hidden, ffn), 2)
+        expert_pgs = uses_expert_process_groups(config)
+        self.linear_fc1 = ExpertProjection(param(num_local_experts, fc1_out, hidden), 1, expert_pgs)
+        self.linear_fc2 = ExpertProjection(param(num_local_experts, hidden, ffn), 2, expert_pgs)
         if config.perform_initialization:
             self._init_weights(config)
         self.register_state_dict_post_hook(_to_sequential_mlp_keys)
@@ -112,7 +132,10 @@ class LRGroupedMLP(MegatronModule):
 
         def init_all() -> None:
             for i in range(self.num_local_experts):
-                for weight, init in ((w1, config.init_method), (w2, config.output_layer_init_method)):
+                for weight, init in (
+                    (w1, config.init_method),
+                    (w2, config.output_layer_init_method),
+                ):
                     master = torch.empty_like(weight[i], dtype=torch.float32)
                     init(master)
                     weight[i].copy_(master)
