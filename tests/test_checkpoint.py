@@ -5,9 +5,10 @@ Shape legend: E global experts, L local experts, H hidden, F expert FFN width, F
 ``LRGroupedMLP`` holds one ``[L, ...]`` parameter per projection where SequentialMLP holds L
 per-expert parameters, so the local entries of the two ``sharded_state_dict``s differ by design;
 what must agree is what lands in a checkpoint. One 2-rank gloo run (module-scoped fixture) does
-every check, at EP=2, then EP=1 (DP=2) and EP=2 again (re-initialising megatron's parallel state
-in between), so process start-up and the megatron import are paid once. Each check returns a
-list of problems per rank; the tests assert it is empty, so a failure names the check and keys.
+the checks of ``CHECKS``, at EP=2, then EP=1 (DP=2) and EP=2 again (re-initialising megatron's
+parallel state in between), so process start-up and the megatron import are paid once; one
+4-rank run does ``EP_CHANGE_CHECKS`` (EP=4 <-> EP=2). Each check returns a list of problems per
+rank; the tests assert it is empty, so a failure names the check and the keys.
 
 Checked (``layout``/``views``/``state_dict`` at both EP sizes):
 * ``layout``: the sharded state dicts of a stock ``MoELayer`` and of an LRMoE layer holding the
@@ -30,12 +31,19 @@ Checked (``layout``/``views``/``state_dict`` at both EP sizes):
 * ``optim_*``: model + optimizer state (Megatron's ``get_megatron_optimizer`` Adam behind
   Megatron's DDP; two steps of deterministic gradients before the save): after the load the
   weights are the saved ones and one more step with the same gradients gives the source's next
-  weights exactly (so Adam's moments and step count moved too). Stock <-> LRMoE and LRMoE ->
-  LRMoE at EP=2, with ``singleton_local_shards``, EP=2 -> EP=1 and EP=1 -> EP=2.
+  weights exactly (so Adam's moments and step count moved too). Stock -> LRMoE, LRMoE -> stock
+  and LRMoE -> LRMoE at EP=2 and at EP=1, with ``singleton_local_shards`` (EP=2); every
+  combination EP=4 -> EP=2 and EP=2 -> EP=4 (4 ranks). Not EP=1 <-> EP>1: Megatron's optimizer
+  has no expert part at EP=1 (expert weights are ordinary data-parallel parameters there), so
+  its checkpoint structure differs; that holds for SequentialMLP alone as well.
 * ``distopt_*``: the same with ``use_distributed_optimizer=True``: the ``fully_reshardable``
-  format (model-space, keyed by the model's sharded tensors) stock <-> LRMoE and across EP
-  sizes; ``dp_reshardable`` (Megatron-LM's default, bucket-space) LRMoE -> LRMoE at the same EP
-  size (it is not meant to move between implementations: the bucket layout differs).
+  format (model space, keyed by the model's sharded entries) stock <-> LRMoE at EP=2 and across
+  EP=4 <-> EP=2; ``dp_reshardable`` (Megatron-LM's default, bucket space) LRMoE -> LRMoE at EP=2
+  and EP=1. ``dp_reshardable`` does not move between implementations: its buckets follow the
+  parameters' order and shapes, and a stock bucket loads without error into LRMoE's with the
+  experts' state permuted. Two megatron 0.19.2 bugs of
+  the CPU-only path (torch AdamW instead of apex/TE Adam) are worked around in this process: see
+  ``_fix_torch_adam_step_on_load`` and ``_untie_torch_adam_steps``.
 """
 
 from __future__ import annotations

@@ -36,8 +36,16 @@ they work unchanged and store optimizer state under the same global keys as Sequ
 parameter and which builds those per-expert tensors as views ``w[i]``; on load it stacks them
 back. So that mode, too, works for the model and for optimizer state.
 
+Distributed optimizer: ``fully_reshardable`` (model space) checkpoints move between this module
+and SequentialMLP like the plain optimizer's. ``dp_reshardable`` (Megatron-LM's default with
+``--use-distributed-optimizer``) stores raw gradient-buffer buckets, whose layout follows the
+parameters' order and shapes: it resumes within one implementation only, and a stock bucket
+loads without error into LRMoE's (or the reverse) with the experts' state permuted. To switch
+implementations, save with ``--dist-ckpt-optim-fully-reshardable`` or resume model-only.
+
 Not supported (raise): expert tensor parallelism > 1 and flattened (``flattened_range``) entries,
-which only the deprecated ``fully_sharded_model_space`` distributed-optimizer format produces.
+which only the deprecated ``fully_sharded_model_space`` distributed-optimizer format produces
+(megatron 0.19.2's torch_dist saving rejects those for SequentialMLP too).
 """
 
 from __future__ import annotations
