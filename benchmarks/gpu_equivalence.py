@@ -28,9 +28,11 @@ def _grads(layer: Any, x: torch.Tensor, up: torch.Tensor) -> dict[str, torch.Ten
     out, _ = layer(x)
     out.backward(up.to(out.dtype))
     res = {"out": out.detach().float(), "dx": x.grad.float(), "router": layer.router.weight.grad.float()}
-    # Stock SequentialMLP and LRGroupedMLP share the per-expert parameter layout.
-    res["fc1"] = torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]).float()
-    res["fc2"] = torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]).float()
+    if hasattr(layer.experts, "weights"):  # LRGroupedMLP: one [L, ...] parameter per projection
+        res["fc1"], res["fc2"] = (w.grad.float() for w in layer.experts.weights())
+    else:  # SequentialMLP: one parameter per expert
+        res["fc1"] = torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]).float()
+        res["fc2"] = torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]).float()
     for p in layer.parameters():
         p.grad = None
     return res

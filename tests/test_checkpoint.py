@@ -21,6 +21,9 @@ Checked (``layout``/``views``/``state_dict`` at both EP sizes):
 * ``views``: each LRMoE weight entry's data is the parameter itself, the tensors its factories
   build are views of it, and Megatron's ``get_param_id_to_sharded_param_map`` (the optimizer's
   checkpoint mapping) finds both parameters, with and without ``singleton_local_shards``.
+* ``experts_api``: DDP/optimizer attributes (``allreduce``, ``tensor_model_parallel``) as stock's
+  expert linears; initial weights are the per-expert draws in order; ``expert_weights()`` are
+  views; ``forward`` raises (the experts run inside LRMoELayer's fused op).
 * ``state_dict``: same keys in the same order and value types as stock; values are the experts.
 * ``load_hooks``: stacked keys load too; both layouts at once, a missing expert and an extra
   expert are errors.
@@ -85,6 +88,8 @@ CHECKS = (
     "layout_ep2_not_gated",
     "views_ep2",
     "views_ep1",
+    "experts_api_ep2",
+    "experts_api_ep1",
     "state_dict_ep2",
     "state_dict_ep1",
     "load_hooks",
@@ -349,6 +354,52 @@ def _view_problems(lrmoe: Any) -> list[str]:
         found = get_param_id_to_sharded_param_map(sharded, [w1, w2])
         if sorted(found) != [0, 1]:
             problems.append(f"{mode}: optimizer mapping finds params {sorted(found)}, want [0, 1]")
+    return problems
+
+
+def _experts_api_problems(stock: Any, lrmoe: Any) -> list[str]:
+    """Parameter attributes as Megatron's expert linears; init; ``expert_weights``; ``forward``."""
+    from megatron_lrmoe.experts.module import LRGroupedMLP
+
+    problems: list[str] = []
+    experts = lrmoe.experts
+    w1, w2 = experts.weights()
+    for (proj, param), dim in zip((("linear_fc1", w1), ("linear_fc2", w2)), (1, 2)):
+        stock_param = getattr(stock.experts.local_experts[0], proj).weight
+        # Same DDP buffer / optimizer routing as SequentialMLP (allreduce False iff EP > 1 here).
+        for attr in ("allreduce", "tensor_model_parallel"):
+            if getattr(param, attr) != getattr(stock_param, attr):
+                problems.append(f"{proj}.{attr} {getattr(param, attr)} != stock's")
+        if param.partition_dim != dim:
+            problems.append(f"{proj}.partition_dim {param.partition_dim} != {dim}")
+    views = experts.expert_weights()
+    if len(views) != experts.num_local_experts or not all(
+        _same_view(fc1, w1[i]) and _same_view(fc2, w2[i]) for i, (fc1, fc2) in enumerate(views)
+    ):
+        problems.append("expert_weights() are not views of w1[i], w2[i]")
+
+    # Initialisation: per expert, fc1 then fc2, each an fp32 master of the expert's own shape
+    # (the draws of the per-expert parameters this module used to have).
+    config = lrmoe.config
+    torch.manual_seed(11)
+    fresh = LRGroupedMLP(3, config, name="probe")
+    torch.manual_seed(11)
+    want: list[list[torch.Tensor]] = [[], []]
+    for _ in range(3):
+        for i, (init, shape) in enumerate(
+            ((config.init_method, w1.shape[1:]), (config.output_layer_init_method, w2.shape[1:]))
+        ):
+            master = torch.empty(shape, dtype=torch.float32)
+            init(master)
+            want[i].append(master.to(config.params_dtype))
+    if not all(torch.equal(w, torch.stack(m)) for w, m in zip(fresh.weights(), want)):
+        problems.append("initial weights are not the per-expert draws in order")
+    try:
+        fresh(torch.zeros(0, w1.shape[2]), torch.zeros(3, dtype=torch.long), torch.zeros(0))
+        problems.append("forward did not raise")
+    except RuntimeError as e:
+        if "fused" not in str(e):
+            problems.append(f"forward raised an unclear error: {e}")
     return problems
 
 
@@ -681,6 +732,7 @@ def _checkpoint_worker(rank: int, world_size: int, root: str) -> dict[str, list[
     stock, lrmoe = _build_layers(2, pg)  # independently initialised, so their weights differ
     assert not torch.equal(_weights(stock)["fc1"], _weights(lrmoe)["fc1"])
     results["views_ep2"] = _view_problems(lrmoe)
+    results["experts_api_ep2"] = _experts_api_problems(stock, lrmoe)
     results["state_dict_ep2"] = _state_dict_problems(stock, lrmoe)
     results["load_hooks"] = _load_hook_problems(_build_layer("lrmoe", 2, pg))
     results["torch_save_stock_to_lrmoe"] = _torch_save_problems(
@@ -747,6 +799,7 @@ def _checkpoint_worker(rank: int, world_size: int, root: str) -> dict[str, list[
     pg = init_megatron_parallel(ep=1)
     stock, lrmoe = _build_layers(1, pg)
     results["views_ep1"] = _view_problems(lrmoe)
+    results["experts_api_ep1"] = _experts_api_problems(stock, lrmoe)
     results["state_dict_ep1"] = _state_dict_problems(stock, lrmoe)
     results["layout_ep1"] = _layout_problems(stock, lrmoe)
 
