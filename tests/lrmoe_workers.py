@@ -117,7 +117,7 @@ def stock_vs_lrmoe_keep1(pg, ep: int, overrides: dict) -> dict[str, float]:
             e.linear_fc2.weight.grad.abs().max().item() for e in stock.experts.local_experts
         ),
     }
-    lr_fc1_grad, lr_fc2_grad = lr.experts.stacked_grads()
+    lr_fc1_grad, lr_fc2_grad = (w.grad for w in lr.experts.weights())
     for i, expert in enumerate(stock.experts.local_experts):
         diffs["fc1"] = max(
             diffs.get("fc1", 0.0),
@@ -223,10 +223,10 @@ def lrmoe_vs_dense_reference(
     xs = _all_gather_list(x, group)
     ups = _all_gather_list(up, group)
     weights = _all_gather_list(stats.kept_weight, group)
-    w1_local, w2_local = (w.detach() for w in lr.experts.stacked_weights())
+    w1_local, w2_local = (w.detach() for w in lr.experts.weights())
     w1_full = torch.cat(_all_gather_list(w1_local, group))
     w2_full = torch.cat(_all_gather_list(w2_local, group))
-    fc1_grad, fc2_grad = lr.experts.stacked_grads()
+    fc1_grad, fc2_grad = (w.grad for w in lr.experts.weights())
     ref = _dense_reference(
         lr.router.state_dict(), cfg, w1_full, w2_full, xs, ups, weights, pg, routing
     )
@@ -283,7 +283,7 @@ def sample_mean_gradient(rank: int, world: int, n: int, scope: str) -> dict[str,
         lr.lrmoe_config = lrmoe
         lr.zero_grad(set_to_none=True)
         _run(lr, x, up)
-        return tuple(g.clone() for g in lr.experts.stacked_grads())
+        return tuple(w.grad.clone() for w in lr.experts.weights())
 
     w1_full, w2_full = grads(LRMoEConfig(keep_ratio=1.0))
     base = LRMoEConfig(keep_ratio=0.5, selection="sample", scope=scope)

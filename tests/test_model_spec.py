@@ -140,8 +140,19 @@ def _loss_and_grads(model: Any, rank: int) -> tuple[torch.Tensor, dict[str, torc
 
 
 def _stock_layout_grads(lrmoe_grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """LRGroupedMLP keeps SequentialMLP's parameter names, so the grads compare name by name."""
-    return dict(lrmoe_grads)
+    """LRGroupedMLP's ``[L, ...]`` expert grads under SequentialMLP's per-expert names."""
+    out = {}
+    for name, grad in lrmoe_grads.items():
+        for proj in ("linear_fc1", "linear_fc2"):
+            stacked = f".experts.{proj}.weight"
+            if name.endswith(stacked):
+                head = name[: -len(stacked)]
+                for i in range(grad.shape[0]):
+                    out[f"{head}.experts.local_experts.{i}.{proj}.weight"] = grad[i]
+                break
+        else:
+            out[name] = grad
+    return out
 
 
 def _model_spec_worker(rank: int, world_size: int, with_te: bool) -> dict[str, Any]:

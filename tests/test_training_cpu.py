@@ -13,7 +13,12 @@ compare them. Runs that should agree start from the same weights and see the sam
   implementations), and it goes on as a run of the other implementation resumed from the same
   checkpoint does.
 * Optimizer state: Megatron's optimizer ``sharded_state_dict`` checkpoints (model + Adam moments
-  + LR schedule) resume exactly within an implementation and move between stock and LRMoE.
+  + LR schedule) resume exactly within an implementation (stock, LRMoE keep 1.0 and keep 0.5)
+  and move between stock and LRMoE both ways.
+
+A second 2-rank run puts single LRMoE layers behind Megatron's DDP (``overlap_grad_reduce`` off
+and on) and checks that each expert projection is one parameter that gets exactly one gradient
+per backward, zeros included for experts (and a whole rank) that received no rows.
 """
 
 from __future__ import annotations
@@ -160,20 +165,27 @@ def test_stock_optimizer_checkpoint_resumes_exactly(curves: dict[str, Any]) -> N
 def test_optimizer_checkpoints_move_between_stock_and_lrmoe(curves: dict[str, Any]) -> None:
     """Model + optimizer state saved by either implementation resumes in either, on the curve.
 
-    LRMoE's experts are SequentialMLP's parameters, so Megatron's optimizer checkpoint (which maps
-    state to parameters by identity) has one layout for both.
+    LRMoE's ``[L, ...]`` expert parameters are checkpointed under SequentialMLP's global keys and
+    shapes, with the parameters themselves as sharded data, so Megatron's optimizer checkpoint
+    (which maps state to model entries by parameter identity) has one layout for both.
     """
     tail = slice(SAVE_AT, None)
     _assert_close(
-        curves["keep1_full_resumed"], curves["keep1_full_uninterrupted"][tail], RTOL_EXACT,
+        curves["keep1_full_resumed"],
+        curves["keep1_full_uninterrupted"][tail],
+        RTOL_EXACT,
         "LRMoE keep 1.0 -> LRMoE keep 1.0 with optimizer state",
     )
     _assert_close(
-        curves["keep1_full_to_stock"], curves["keep1_full_uninterrupted"][tail], RTOL_EXACT,
+        curves["keep1_full_to_stock"],
+        curves["keep1_full_uninterrupted"][tail],
+        RTOL_EXACT,
         "LRMoE keep 1.0 -> stock with optimizer state",
     )
     _assert_close(
-        curves["stock_full_to_keep1"], curves["stock_full_uninterrupted"][tail], RTOL_EXACT,
+        curves["stock_full_to_keep1"],
+        curves["stock_full_uninterrupted"][tail],
+        RTOL_EXACT,
         "stock -> LRMoE keep 1.0 with optimizer state",
     )
     # From an LRMoE keep-0.5 checkpoint, stock continues from the same weights and moments: its
@@ -196,6 +208,89 @@ def test_lrmoe_resume_continues_the_sampled_curve(curves: dict[str, Any]) -> Non
         RTOL_EXACT,
         "LRMoE keep 0.5 -> LRMoE keep 0.5 with optimizer state",
     )
+
+
+def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """LRMoE layers behind Megatron's DDP, overlap_grad_reduce off and on; facts per case.
+
+    Routing is forced so that only rank 0's first and last experts receive pairs: rank 0's
+    middle experts and every expert of rank 1 get no rows. Each case runs two iterations (DDP
+    learns the expected grad counts in the first and checks them in the second).
+    """
+    import lrmoe_workers as w
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+    from megatron_lrmoe.testing import init_megatron_parallel, moe_transformer_config
+
+    pg = init_megatron_parallel(ep=world_size)
+    facts: dict[str, Any] = {}
+    for overlap in (False, True):
+        for lrmoe in (LRMoEConfig(), LRMoEConfig(keep_ratio=0.5, selection="topk")):
+            cfg = moe_transformer_config(expert_model_parallel_size=world_size)
+            layer = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
+            w._apply_routing(layer.router, "first_rank_only", cfg.num_moe_experts, rank, world_size)
+            x, upstream = w._inputs(rank, cfg.hidden_size)
+            weights = layer.experts.weights()
+            w._run(layer, x, upstream)  # plain autograd: the reference gradients
+            reference = [p.grad.clone() for p in weights]
+            layer.zero_grad(set_to_none=True)
+
+            accumulations = [0, 0]
+            for i, param in enumerate(weights):
+                param.register_post_accumulate_grad_hook(
+                    lambda _, i=i: accumulations.__setitem__(i, accumulations[i] + 1)
+                )
+            ddp = DistributedDataParallel(
+                cfg, DistributedDataParallelConfig(overlap_grad_reduce=overlap), layer
+            )
+            for _ in range(2):
+                ddp.zero_grad_buffer()
+                w._run(ddp, x, upstream)
+                ddp.finish_grad_sync()
+            expert_buffer_params = [p for b in ddp.expert_parallel_buffers for p in b.params]
+            (scaling,) = {b.gradient_scaling_factor for b in ddp.expert_parallel_buffers}
+            facts[f"overlap={overlap} keep={lrmoe.keep_ratio}"] = {
+                "accumulations": accumulations,
+                "expert_buffer_params": len(expert_buffer_params),
+                "buffer_holds_weights": all(
+                    any(p is q for q in expert_buffer_params) for p in weights
+                ),
+                # DDP pre-scales by 1 / (dense DP size) (Megatron's loss averaging); the expert-DP
+                # all-reduce is over one rank here, so main_grad is exactly the scaled gradient.
+                "main_grad_equal": [
+                    torch.equal(p.main_grad, r * scaling) for p, r in zip(weights, reference)
+                ],
+                # Rows of experts that received pairs / of those that did not.
+                "nonzero_experts": [(r.flatten(1).abs().sum(1) > 0).tolist() for r in reference],
+                "grad_left_on_params": [p.grad is not None for p in weights],
+            }
+    return facts
+
+
+@pytest.fixture(scope="module")
+def ddp_facts() -> list[dict[str, Any]]:
+    return run_distributed(_ddp_worker, WORLD_SIZE, timeout=TIMEOUT_S)
+
+
+def test_ddp_sees_one_grad_per_projection(ddp_facts: list[dict[str, Any]]) -> None:
+    """Megatron's DDP (overlap_grad_reduce off and on) gets exactly one gradient per expert
+    projection per backward, also on a rank whose experts received no rows, and reduces it into
+    ``main_grad`` unchanged (expert DP size 1 here), zeros for experts without rows.
+    """
+    for rank, per_rank in enumerate(ddp_facts):
+        assert len(per_rank) == 4
+        for case, f in per_rank.items():
+            where = f"rank {rank} {case}"
+            assert f["accumulations"] == [2, 2], f"{where}: {f['accumulations']}"
+            assert f["expert_buffer_params"] == 2 and f["buffer_holds_weights"], where
+            assert f["main_grad_equal"] == [True, True], where
+            assert f["grad_left_on_params"] == [False, False], where
+            # first_rank_only: rank 0's first and last experts receive, nothing else does.
+            local = len(f["nonzero_experts"][0])
+            want = [rank == 0 and i in (0, local - 1) for i in range(local)]
+            assert f["nonzero_experts"] == [want, want], f"{where}: {f['nonzero_experts']}"
 
 
 def test_corpus_split_is_by_file_and_skips_site_packages(tmp_path: Path) -> None:

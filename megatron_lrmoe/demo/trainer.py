@@ -10,8 +10,8 @@ LRMoE by :func:`megatron_lrmoe.lrmoe_decoder_block_spec` when asked), Megatron's
 test-only CUDA shim (``megatron_lrmoe.testing.install_cpu_shim``) must be installed first, which
 ``megatron_lrmoe.testing.run_distributed`` does in its ranks. With it, Megatron's DDP and its
 (non-distributed) Adam optimizer run unchanged on CPU/gloo. Checkpoints go through
-``megatron.core.dist_checkpointing`` (torch_dist): the model's ``sharded_state_dict`` always,
-the optimizer's only for models without LRMoE layers (see :func:`save_checkpoint`).
+``megatron.core.dist_checkpointing`` (torch_dist): the model's ``sharded_state_dict`` and, when
+asked, the optimizer's (see :func:`save_checkpoint`), for stock and LRMoE models alike.
 
 Data: byte-level tokens (vocab 256) of the Python standard library's own ``.py`` sources under
 ``sysconfig.get_paths()["stdlib"]``, which exist offline on every machine that runs Python. Files
@@ -418,12 +418,12 @@ def save_checkpoint(
     """Save a torch_dist checkpoint ``{"model": ..., ["optimizer": ...], **common}``.
 
     Every rank calls. The model part is the model's ``sharded_state_dict`` with Megatron's
-    global keys (LRMoE experts appear under ``SequentialMLP``'s per-expert names), so stock and
-    LRMoE models load each other's model checkpoints. The optimizer part is Megatron's
-    ``optimizer.sharded_state_dict(model_sharded_state_dict)``; for a model with LRMoE layers it
-    raises ``ValueError: Param id ... does not match any model sharded param`` (megatron maps
-    optimizer state to checkpoint keys by parameter identity, and the stacked expert weights are
-    presented as per-expert views), so save LRMoE models without it.
+    global keys (LRMoE experts under ``SequentialMLP``'s global keys and shapes), so stock and
+    LRMoE models load each other's checkpoints. The optimizer part is Megatron's
+    ``optimizer.sharded_state_dict(model_sharded_state_dict)``, which maps optimizer state to
+    the model's sharded entries by parameter identity; LRMoE's entries hold its ``[L, ...]``
+    expert parameters themselves, so the optimizer state of stock and LRMoE models moves
+    between them too.
 
     Args:
         model: The model (DDP-wrapped or not).
@@ -636,7 +636,7 @@ class Trainer:
     def save(self, directory: str, optimizer: bool = False) -> None:
         """Checkpoint the model (and the optimizer state) at this step; every rank calls.
 
-        See :func:`save_checkpoint` (the optimizer state cannot be saved for LRMoE models).
+        See :func:`save_checkpoint`.
         """
         common = {"iteration": self.step}
         save_checkpoint(self.model, directory, self.optimizer if optimizer else None, common)

@@ -1,14 +1,21 @@
-"""Grouped expert MLP with SequentialMLP's parameters, satisfying Megatron-Core's experts interface.
+"""Local expert weights as one parameter per projection, with SequentialMLP-compatible checkpoints.
 
-Shape legend: L local experts, H hidden, F expert ffn hidden, F1 = 2F when gated (SwiGLU).
+Shape legend: L local experts, H hidden, F expert ffn hidden, F1 = 2F when gated (SwiGLU, gate
+half first).
 
-Every expert keeps its own parameters under SequentialMLP's names
-(``local_experts.{i}.linear_fc1.weight: [F1, H]``, ``local_experts.{i}.linear_fc2.weight:
-[H, F]``), so ``state_dict``, ``sharded_state_dict``, Megatron's DDP buffers and the optimizer
-(including its checkpoints, which map optimizer state to model parameters by identity) treat
-them exactly like stock experts. The compute stacks them into ``[L, F1, H]`` / ``[L, H, F]`` for
-one grouped GEMM per projection; the stack is made in forward and again in backward rather than
-kept, so it costs no activation memory between the two.
+Parameters: ``linear_fc1.weight: [L, F1, H]`` and ``linear_fc2.weight: [L, H, F]``; row ``i`` is
+local expert ``i``'s ``SequentialMLP.local_experts.{i}.linear_fc1.weight`` /
+``...linear_fc2.weight``. The grouped GEMMs of ``LRMoELayer``'s fused op read them directly (no
+per-call stack) and return one gradient per projection, so autograd, Megatron's DDP hooks and the
+optimizer see two parameters per layer.
+
+Checkpoints stay interchangeable with ``SequentialMLP``:
+
+* ``state_dict()`` presents the weights under SequentialMLP's per-expert names (views of the
+  parameters, plus the ``_extra_state`` ``None`` entries of Megatron's local linears), and
+  ``load_state_dict()`` accepts those names as well as the stacked ones;
+* ``sharded_state_dict()`` (``checkpoint.py``) has SequentialMLP's global keys, shapes and replica
+  ids, with one ``ShardedTensor`` / factory per projection whose data is the parameter itself.
 """
 
 from __future__ import annotations
@@ -27,40 +34,57 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lrmoe.experts.activation import activation_spec_from_config
 
+PROJECTIONS = ("linear_fc1", "linear_fc2")
+_EXTRA_STATE = "_extra_state"
 
-class ExpertLinear(torch.nn.Module):
-    """One expert projection's weight, named and checkpointed like Megatron's local linears."""
 
-    def __init__(self, weight: torch.nn.Parameter, partition_dim: int) -> None:
+def sequential_mlp_key(prefix: str, index: int, proj: str, leaf: str = "weight") -> str:
+    """SequentialMLP's ``state_dict`` key of local expert ``index``'s projection ``proj``."""
+    return f"{prefix}local_experts.{index}.{proj}.{leaf}"
+
+
+class ExpertProjection(torch.nn.Module):
+    """One projection of every local expert: ``weight: [L, out, in]`` (Megatron's ``[out, in]``).
+
+    Args:
+        weight: The ``[L, out, in]`` parameter.
+        partition_dim: Its tensor-parallel axis (fc1: 1, the output dim; fc2: 2, the input dim).
+        expert_pgs: Whether the weight is reduced over the expert process groups (see
+            :func:`uses_expert_process_groups`).
+    """
+
+    def __init__(self, weight: torch.nn.Parameter, partition_dim: int, expert_pgs: bool) -> None:
         super().__init__()
         self.weight = weight
-        # Expert weights are reduced over the expert-data-parallel group, like every Megatron
-        # expert linear (allreduce=False routes them to the expert DP buffer).
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=1)
-        setattr(weight, "allreduce", False)
-
-    def get_extra_state(self) -> None:
-        """Megatron's local linears carry an empty extra state; keep the key for compatibility."""
-        return None
-
-    def set_extra_state(self, state: Any) -> None:
-        """Nothing to restore (the entry exists for checkpoint-key compatibility)."""
+        # allreduce=False routes a parameter to DDP's expert-data-parallel buffer and to the
+        # expert optimizer, exactly when Megatron's expert linears set it.
+        setattr(weight, "allreduce", not expert_pgs)
 
 
-class ExpertWeights(torch.nn.Module):
-    """The two projections of one expert (``linear_fc1``, ``linear_fc2``)."""
+def uses_expert_process_groups(config: TransformerConfig) -> bool:
+    """Whether Megatron's expert linears (``is_expert=True``) use the expert process groups.
 
-    def __init__(self, fc1: torch.nn.Parameter, fc2: torch.nn.Parameter) -> None:
-        super().__init__()
-        self.linear_fc1 = ExpertLinear(fc1, partition_dim=0)
-        self.linear_fc2 = ExpertLinear(fc2, partition_dim=1)
+    ``ColumnParallelLinear`` / ``RowParallelLinear`` set ``allreduce=False`` only then; at EP=1
+    with expert TP = TP, SequentialMLP's weights are ordinary data-parallel parameters (dense DDP
+    buffer, dense optimizer). Following the same rule keeps Megatron's DDP buckets and its
+    (chained) optimizer, hence optimizer checkpoints, structured as for SequentialMLP.
+    """
+    return (
+        config.expert_model_parallel_size > 1
+        or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+    )
 
 
 class LRGroupedMLP(MegatronModule):
-    """Local experts computed with variable-size grouped GEMMs.
+    """The local experts' weights for ``LRMoELayer``'s fused dispatch/expert/combine op.
 
-    Used by ``LRMoELayer`` through its fused dispatch/expert/combine op; ``forward`` also
-    implements Megatron's ``ExpertsInterface`` so the module works as a drop-in experts module.
+    Args:
+        num_local_experts: L, experts held by this EP rank.
+        config: The layer's ``TransformerConfig`` (``hidden_size``, ``moe_ffn_hidden_size``,
+            ``gated_linear_unit``, ``params_dtype``, init methods, ``use_cpu_initialization``).
+        pg_collection: Process groups (``ep``, ``expt_tp``, ``expt_dp``); default: Megatron's.
+        name: Module name, as Megatron passes it.
     """
 
     def __init__(
@@ -89,26 +113,32 @@ class LRGroupedMLP(MegatronModule):
         def param(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=device))
 
-        self.local_experts = torch.nn.ModuleList(
-            ExpertWeights(param(fc1_out, hidden), param(hidden, ffn))
-            for _ in range(num_local_experts)
-        )
+        expert_pgs = uses_expert_process_groups(config)
+        self.linear_fc1 = ExpertProjection(param(num_local_experts, fc1_out, hidden), 1, expert_pgs)
+        self.linear_fc2 = ExpertProjection(param(num_local_experts, hidden, ffn), 2, expert_pgs)
         if config.perform_initialization:
             self._init_weights(config)
+        self.register_state_dict_post_hook(_to_sequential_mlp_keys)
+        self.register_load_state_dict_pre_hook(_from_sequential_mlp_keys)
 
     @torch.no_grad()
     def _init_weights(self, config: TransformerConfig) -> None:
-        """Initialise each expert as Megatron initialises an expert linear."""
+        """Initialise expert by expert, fc1 then fc2, each from an fp32 master of its own shape.
+
+        The order and shapes of the draws are those of the per-expert parameters this module had
+        before it stacked them, so a given seed still gives the same weights.
+        """
+        w1, w2 = self.weights()
 
         def init_all() -> None:
-            for expert in self.local_experts:
-                for linear, init in (
-                    (expert.linear_fc1, config.init_method),
-                    (expert.linear_fc2, config.output_layer_init_method),
+            for i in range(self.num_local_experts):
+                for weight, init in (
+                    (w1, config.init_method),
+                    (w2, config.output_layer_init_method),
                 ):
-                    master = torch.empty_like(linear.weight, dtype=torch.float32)
+                    master = torch.empty_like(weight[i], dtype=torch.float32)
                     init(master)
-                    linear.weight.copy_(master)
+                    weight[i].copy_(master)
 
         if config.use_cpu_initialization:
             init_all()
@@ -116,31 +146,36 @@ class LRGroupedMLP(MegatronModule):
             with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
                 init_all()
 
-    def weight_params(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-        """The per-expert fc1 and fc2 parameters, in local expert order."""
-        fc1 = [e.linear_fc1.weight for e in self.local_experts]
-        fc2 = [e.linear_fc2.weight for e in self.local_experts]
-        return fc1, fc2
+    def weights(self) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        """The parameters ``(w1 [L, F1, H], w2 [L, H, F])``."""
+        return self.linear_fc1.weight, self.linear_fc2.weight
 
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([L, F1, H], [L, H, F])`` copies of the weights (autograd flows to the experts)."""
-        fc1, fc2 = self.weight_params()
-        return torch.stack(fc1), torch.stack(fc2)
+    def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per local expert, ``(fc1 [F1, H], fc2 [H, F])`` views in SequentialMLP's orientation.
 
-    def stacked_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([L, F1, H], [L, H, F])`` of the current ``.grad`` of every expert weight."""
-        fc1, fc2 = self.weight_params()
-        return torch.stack([p.grad for p in fc1]), torch.stack([p.grad for p in fc2])
+        The views share storage with the parameters (writes go through); for conversion tools
+        and tests.
+        """
+        w1, w2 = self.weights()
+        return [(w1[i], w2[i]) for i in range(self.num_local_experts)]
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([L, F1, H], [L, H, F])`` expert weights for the op (autograd reaches the experts)."""
-        return self.stacked_weights()
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, None]:
+        """Not used: ``LRMoELayer`` computes the experts inside its fused op.
 
-    def forward(self, *args: Any, **kwargs: Any) -> None:
-        """Not used: LRMoELayer computes its experts inside its own op (``op.py``)."""
+        Raises:
+            RuntimeError: Always. The experts' forward and (trimmed) backward are one autograd op
+                with the dispatch and combine exchanges, which only ``LRMoELayer`` runs.
+        """
         raise RuntimeError(
-            f"{type(self).__name__} is computed by LRMoELayer's fused op; build the layer with "
-            "megatron_lrmoe.get_lrmoe_moe_spec instead of calling the experts module directly"
+            f"LRGroupedMLP(name={self.name!r}).forward is not supported: the experts are computed "
+            "by LRMoELayer's fused dispatch/expert/combine op (megatron_lrmoe.op), which reads "
+            "weights() directly. Use LRGroupedMLP only inside LRMoELayer (build the layer with "
+            "megatron_lrmoe.get_lrmoe_moe_spec or megatron_lrmoe.lrmoe_decoder_block_spec)."
         )
 
     def backward_dw(self) -> None:
@@ -149,7 +184,68 @@ class LRGroupedMLP(MegatronModule):
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
     ) -> dict:
-        """Same keys, shapes and sharding as ``SequentialMLP.sharded_state_dict``."""
-        from megatron_lrmoe.experts.checkpoint import sequential_mlp_sharded_state_dict
+        """SequentialMLP's global keys, shapes and replica ids, one entry per projection.
 
-        return sequential_mlp_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+        See :func:`megatron_lrmoe.experts.checkpoint.stacked_experts_sharded_state_dict`.
+        """
+        from megatron_lrmoe.experts.checkpoint import stacked_experts_sharded_state_dict
+
+        return stacked_experts_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+
+def _to_sequential_mlp_keys(
+    module: LRGroupedMLP, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """State-dict post-hook: stacked weights -> SequentialMLP's per-expert entries.
+
+    The module's entries are the last ones written when this runs, so popping and re-adding them
+    keeps them where SequentialMLP's would be, in SequentialMLP's order (expert-major; per
+    projection ``weight`` then the ``None`` extra state of Megatron's local linears). Values are
+    ``stacked[i]``: views of the parameters (of the detached tensors without ``keep_vars``).
+    """
+    stacked = {proj: state_dict.pop(f"{prefix}{proj}.weight") for proj in PROJECTIONS}
+    for i in range(module.num_local_experts):
+        for proj, value in stacked.items():
+            state_dict[sequential_mlp_key(prefix, i, proj)] = value[i]
+            state_dict[sequential_mlp_key(prefix, i, proj, _EXTRA_STATE)] = None
+
+
+def _from_sequential_mlp_keys(
+    module: LRGroupedMLP,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load pre-hook: accept SequentialMLP's per-expert entries as well as the stacked ones.
+
+    ``state_dict`` is ``load_state_dict``'s own copy, so entries are rewritten in place: the L
+    per-expert weights of a projection are stacked into ``{prefix}{proj}.weight`` and the
+    ``_extra_state`` entries (``None`` for Megatron's local linears) are dropped. Per-expert keys
+    beyond L (a checkpoint of another EP size) stay and are reported as unexpected.
+    """
+    num_local = module.num_local_experts
+    for proj in PROJECTIONS:
+        stacked_key = f"{prefix}{proj}.weight"
+        keys = [sequential_mlp_key(prefix, i, proj) for i in range(num_local)]
+        present = [k for k in keys if k in state_dict]
+        for i in range(num_local):
+            state_dict.pop(sequential_mlp_key(prefix, i, proj, _EXTRA_STATE), None)
+        if not present:
+            continue  # stacked (or missing: strict loading reports it)
+        if stacked_key in state_dict:
+            error_msgs.append(
+                f"{type(module).__name__} at {prefix!r}: the state dict holds both {stacked_key} "
+                f"and per-expert {present[0]}...; keep one layout"
+            )
+        elif len(present) != num_local:
+            absent = sorted(set(keys) - set(present))
+            error_msgs.append(
+                f"{type(module).__name__} at {prefix!r}: per-expert {proj} weights for "
+                f"{num_local} local experts expected, missing {absent}"
+            )
+        else:
+            state_dict[stacked_key] = torch.stack([state_dict.pop(k) for k in keys])
