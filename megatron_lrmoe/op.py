@@ -321,7 +321,10 @@ def select_kept(
     if timer:
         timer.start("scoring")
     tok = call.perm.token_of_pair
-    scores = lrm_scores(probs, _unit_sq_norms(g)[tok], _unit_sq_norms(hidden)[tok])
+    # Scope global compares sources' scores at the owner: one scale for the whole EP group.
+    group = call.group if call.lrmoe.scope == "global" else None
+    g_norms, x_norms = _unit_norms(g, hidden, group)
+    scores = lrm_scores(probs, g_norms.square()[tok], x_norms.square()[tok])
     poison = nonfinite_poison(scores)
     if timer:
         timer.stop("scoring")
@@ -344,14 +347,18 @@ def select_kept(
     return kept
 
 
-def _unit_sq_norms(x: torch.Tensor) -> torch.Tensor:
-    """``[T]`` squared row norms of ``x`` relative to the largest one (fp32; fp64 for fp64)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    norms = torch.linalg.vector_norm(x, ord=2, dim=-1, dtype=acc)
-    if norms.numel():
-        top = norms.max()
-        norms = norms / torch.where(top > 0, top, torch.ones_like(top))
-    return norms.square().to(torch.float32)
+def _unit_norms(
+    g: torch.Tensor, x: torch.Tensor, group: Optional[torch.distributed.ProcessGroup]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T]`` row norms of ``g`` and ``x``, each relative to its largest (over ``group``)."""
+    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+    norms = torch.stack(
+        [torch.linalg.vector_norm(t, ord=2, dim=-1, dtype=acc) for t in (g, x)]
+    )  # [2, T]
+    top = norms.amax(dim=1) if norms.shape[1] else norms.new_zeros(2)
+    top = comm.all_reduce_max(top, group)
+    norms = norms / torch.where(top > 0, top, torch.ones_like(top)).unsqueeze(1)
+    return norms[0].to(torch.float32), norms[1].to(torch.float32)
 
 
 def _select_local(

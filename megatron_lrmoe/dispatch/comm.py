@@ -60,3 +60,12 @@ def all_gather_counts(local_counts: torch.Tensor, group: Optional[dist.ProcessGr
     out = local_counts.new_empty(p * local_counts.numel())
     dist.all_gather_into_tensor(out, local_counts, group=group)
     return out.view(p, -1)
+
+
+def all_reduce_max(values: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Elementwise maximum of ``values`` over ``group`` (``values`` itself for one rank)."""
+    if group_size(group) == 1:
+        return values
+    values = values.clone()
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
