@@ -211,8 +211,14 @@ class _Segments(NamedTuple):
     total_quota: int  # K = sum(quota), on the host
 
 
-def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.device) -> _Segments:
-    """Checks ``counts`` / ``quota`` against ``n`` rows and lays the segments out on ``device``."""
+def _host_segments(
+    counts: torch.Tensor, quota: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks ``counts`` / ``quota`` against ``n`` rows; returns both as host int64 tensors.
+
+    Shared by the torch path and the Triton path (``select/kernels.py``), so both reject the same
+    inputs with the same messages.
+    """
     if counts.dim() != 1 or quota.shape != counts.shape:
         raise ValueError(
             "counts and quota must be [G] tensors of one shape, got "
@@ -244,6 +250,20 @@ def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.d
     total = int(counts_h.sum())
     if total != n:
         raise ValueError(f"segment counts add up to {total}, but there are {n} rows")
+    return counts_h, quota_h
+
+
+def _check_uniforms(uniforms: torch.Tensor, num_segments: int) -> None:
+    if uniforms.shape != (num_segments,) or not uniforms.is_floating_point():
+        raise ValueError(
+            f"uniforms must be a [G] = [{num_segments}] floating tensor, got "
+            f"{uniforms.dtype} {tuple(uniforms.shape)}"
+        )
+
+
+def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.device) -> _Segments:
+    """Checks ``counts`` / ``quota`` against ``n`` rows and lays the segments out on ``device``."""
+    _, quota_h = _host_segments(counts, quota, n)
 
     # A blocking host-to-device copy would wait for the whole stream; a non-blocking one from
     # pageable memory stages the source before returning. No copy when already on the device.
@@ -508,11 +528,7 @@ def select_sample(
     n = scores.numel()
     device = scores.device
     lay = _segments(counts, quota, n, device)
-    if uniforms.shape != lay.counts.shape or not uniforms.is_floating_point():
-        raise ValueError(
-            f"uniforms must be a [G] = [{lay.counts.numel()}] floating tensor, got "
-            f"{uniforms.dtype} {tuple(uniforms.shape)}"
-        )
+    _check_uniforms(uniforms, lay.counts.numel())
     a = _fixed_point_probabilities(sanitize(scores), lay)
     # Each segment's a adds up to exactly quota * 2**32, so the segment offset of the global
     # running sum is known without another scan.
