@@ -101,21 +101,17 @@ def _fixed_point(w, ref):
     return tl.where(w > 0, units, 0)
 
 
-def _unit_bounds(rank, w, c_star, w_head, remaining, denominator):
-    """Floored probability units ``a`` and their bounds ``lo`` / ``hi`` of rows at ``rank``.
+def _bounds(rank, w2, c_star, remaining):
+    """Bounds ``lo`` / ``hi`` of the probability units of rows at ``rank`` with weights ``w2``.
 
-    Mirrors the part of ``scoring._fixed_point_probabilities`` between the capping decision and
-    the repair passes (``denominator`` is ``float64(max(w2_sum, 1))``).
+    Capped rows (rank < c*) are pinned to 2**32; active rows (uncapped, positive weight, quota
+    left) may take ``[1, 2**32]``; all others 0 (as in ``scoring._fixed_point_probabilities``).
     """
     capped = rank < c_star
-    w2 = tl.where(capped, 0, _fixed_point(w, w_head))
     active = (rank >= c_star) & (w2 > 0) & (remaining > 0)
-    ideal = (remaining * w2).to(tl.float64) / denominator
     lo = tl.where(capped, 4294967296, active.to(tl.int64))
     hi = tl.where(capped | active, 4294967296, 0)
-    a = tl.floor(ideal * 4294967296.0).to(tl.int64)
-    a = tl.minimum(tl.maximum(a, lo), hi)
-    return a, lo, hi
+    return lo, hi
 
 
 def _spread(amount, capacity, carry):
@@ -124,7 +120,7 @@ def _spread(amount, capacity, carry):
     return tl.minimum(tl.maximum(amount - before, 0), capacity)
 
 
-_HELPERS = ("_sqrt_weight", "_round_half_even", "_fixed_point", "_unit_bounds", "_spread")
+_HELPERS = ("_sqrt_weight", "_round_half_even", "_fixed_point", "_bounds", "_spread")
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,6 +169,7 @@ def _select_kernel(
     kept_ptr,
     weight_ptr,
     scratch_ptr,
+    units_ptr,
     sorted_key_ptr,
     order_ptr,
     table_ptr,
@@ -199,6 +196,12 @@ def _select_kernel(
     ONE = 4294967296
 
     if SAMPLE:
+        # Each float64 step runs once per row: `units` (sorted order) holds the integer weights
+        # w_int, then the uncapped weights w2, then the floored probability units, as the passes
+        # go. The longest segment runs on one multiprocessor, so recomputing costs time there.
+        # A pass may read a row that another thread of the program wrote (the compiler picks
+        # each loop's layout), hence a barrier after every writing pass and ".cg" (L2) reads.
+        #
         # Pass A: integer weights relative to the segment maximum (the first sorted row); W is
         # their exact total. Masked lanes load the key of a zero score, i.e. weight 0.
         key0 = tl.load(sorted_key_ptr + start, mask=count > 0, other=2147483647)
@@ -208,7 +211,10 @@ def _select_kernel(
             j = j0 + lanes
             m = j < count
             key = tl.load(sorted_key_ptr + start + j, mask=m, other=2147483647)
-            total += tl.sum(_fixed_point(_sqrt_weight(key), w_max), 0)
+            w_int = _fixed_point(_sqrt_weight(key), w_max)
+            tl.store(units_ptr + start + j, w_int, mask=m)
+            total += tl.sum(w_int, 0)
+        tl.debug_barrier()
 
         # Pass B: number of capped rows c* = first rank failing
         # (quota - rank > 0) & ((quota - rank) * w_int >= suffix sum). Rank quota always fails,
@@ -220,42 +226,52 @@ def _select_kernel(
         while (j0 < scan_end) & (c_star == count):
             j = j0 + lanes
             m = j < count
-            key = tl.load(sorted_key_ptr + start + j, mask=m, other=2147483647)
-            w_int = _fixed_point(_sqrt_weight(key), w_max)
+            w_int = tl.load(units_ptr + start + j, mask=m, other=0, cache_modifier=".cg")
             suffix = total - (prefix + tl.cumsum(w_int, 0) - w_int)
             left = quota - j
             capped = (left > 0) & (left * w_int >= suffix)
             c_star = tl.minimum(c_star, tl.min(tl.where(m & (~capped), j, count), 0))
             prefix += tl.sum(w_int, 0)
             j0 += BLOCK
+        remaining = quota - c_star
+        tl.debug_barrier()  # pass C overwrites rows that pass B read
 
-        # Pass C: uncapped weights relative to the largest uncapped one (rank c*). With no
-        # capped row that reference is the segment maximum again, so their total is W.
+        # Pass C: uncapped weights relative to the largest uncapped one (rank c*); capped rows
+        # get 0. With no capped row that reference is the segment maximum again, so w2 = w_int
+        # and W2 = W: the pass is skipped.
         key_h = tl.load(sorted_key_ptr + start + c_star, mask=c_star < count, other=2147483647)
         w_head = _sqrt_weight(key_h)
         total2 = tl.where(c_star == 0, total, 0)
-        for j0 in range(tl.where(c_star == 0, count, c_star), count, BLOCK):
+        for j0 in range(0, tl.where(c_star == 0, 0, count), BLOCK):
             j = j0 + lanes
             m = j < count
             key = tl.load(sorted_key_ptr + start + j, mask=m, other=2147483647)
-            total2 += tl.sum(_fixed_point(_sqrt_weight(key), w_head), 0)
-        remaining = quota - c_star
+            w2 = tl.where(j < c_star, 0, _fixed_point(_sqrt_weight(key), w_head))
+            tl.store(units_ptr + start + j, w2, mask=m)
+            total2 += tl.sum(w2, 0)
+        tl.debug_barrier()
         denominator = tl.maximum(total2, 1).to(tl.float64)
 
-        # Pass D: totals of the floored units and of the one-unit room / slack, so both repair
-        # deficits are known before the rows are walked in order (sum of a spread of `amount`
-        # over capacities = min(amount, total capacity)).
+        # Pass D: floored units a = floor(remaining * w2 / W2 * 2**32) within [lo, hi], and the
+        # totals of a and of the one-unit room / slack, so both repair deficits are known before
+        # the rows are walked in order (a spread of `amount` over capacities moves
+        # min(amount, total capacity)).
         a_sum = tl.zeros([], dtype=tl.int64)
         room_sum = tl.zeros([], dtype=tl.int64)
         slack_sum = tl.zeros([], dtype=tl.int64)
         for j0 in range(0, count, BLOCK):
             j = j0 + lanes
             m = j < count
-            key = tl.load(sorted_key_ptr + start + j, mask=m, other=2147483647)
-            a, lo, hi = _unit_bounds(j, _sqrt_weight(key), c_star, w_head, remaining, denominator)
-            a_sum += tl.sum(tl.where(m, a, 0), 0)
+            w2 = tl.load(units_ptr + start + j, mask=m, other=0, cache_modifier=".cg")
+            lo, hi = _bounds(j, w2, c_star, remaining)
+            ideal = (remaining * w2).to(tl.float64) / denominator
+            a = tl.floor(ideal * 4294967296.0).to(tl.int64)
+            a = tl.where(m, tl.minimum(tl.maximum(a, lo), hi), 0)
+            tl.store(units_ptr + start + j, a, mask=m)
+            a_sum += tl.sum(a, 0)
             room_sum += tl.sum(tl.where(m, tl.minimum(hi - a, 1), 0), 0)
             slack_sum += tl.sum(tl.where(m, tl.minimum(a - lo, 1), 0), 0)
+        tl.debug_barrier()
         deficit1 = quota * ONE - a_sum
         deficit2 = (
             deficit1
@@ -269,14 +285,15 @@ def _select_kernel(
         amount2 = tl.where(grow2, deficit2, -deficit2)
 
         # Pass E: both repairs in sorted order (largest weights first), then scatter the final
-        # units to canonical positions.
+        # units to canonical positions. Active rows are exactly the uncapped rows with a > 0
+        # (their lower bound is 1; other uncapped rows are pinned to 0), so a stands in for w2.
         carry1 = tl.zeros([], dtype=tl.int64)
         carry2 = tl.zeros([], dtype=tl.int64)
         for j0 in range(0, count, BLOCK):
             j = j0 + lanes
             m = j < count
-            key = tl.load(sorted_key_ptr + start + j, mask=m, other=2147483647)
-            a, lo, hi = _unit_bounds(j, _sqrt_weight(key), c_star, w_head, remaining, denominator)
+            a = tl.load(units_ptr + start + j, mask=m, other=0, cache_modifier=".cg")
+            lo, hi = _bounds(j, a, c_star, remaining)
             cap1 = tl.where(m, tl.where(grow1, tl.minimum(hi - a, 1), tl.minimum(a - lo, 1)), 0)
             moved1 = _spread(amount1, cap1, carry1)
             a = tl.where(grow1, a + moved1, a - moved1)
@@ -468,10 +485,12 @@ def select_triton(
         )
         sorted_key, order = torch.sort(key, stable=True)
         scratch = torch.empty(n, dtype=torch.int64, device=device)
+        units = torch.empty(n, dtype=torch.int64, device=device) if sample else scratch
         kernels.select[(num_segments,)](
             kept,
             weight,
             scratch,
+            units,
             sorted_key,
             order,
             table,
