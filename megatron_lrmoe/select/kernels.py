@@ -34,7 +34,7 @@ Why the repairs need no scan over all rows: among a segment's active rows (uncap
 weight, quota left), which are the consecutive ranks ``[c*, c* + n_active)``, the floored units
 ``a`` do not increase with rank (every step from the score to ``a`` is monotone). So the rows with
 one unit of room (``a < 2**32``) are a suffix of that range and the rows with one unit of slack
-(``a >= 2**2``... i.e. ``a > 1``) a prefix; the reference's first pass (one unit per row, largest
+(``a > 1``) a prefix; the reference's first pass (one unit per row, largest
 first) therefore changes exactly a window of ranks that three counts determine. Its second pass
 moves whole capacities, row after row, from rank ``c*`` on until the remaining deficit is placed:
 the rows before one rank ``r`` reach their bound, row ``r`` takes the rest, later rows keep their
@@ -179,8 +179,9 @@ _HELPERS = ("_sqrt_weight", "_round_half_even", "_fixed_point", "_bounds", "_seg
 # --------------------------------------------------------------------------------------------
 
 
-def _sort_key_kernel(key_ptr, scores_ptr, ends_ptr, n, num_segments, STEPS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _sort_key_kernel(
+    key_ptr, scores_ptr, ends_ptr, n, num_segments, STEPS: tl.constexpr, BLOCK: tl.constexpr
+):
     """``key[i] = segment(i) * 2**31 + (2**31 - 1 - bits(sanitize(score[i])))``.
 
     Sanitizing works on the bit pattern: NaN, +-inf (exponent all ones) and anything with the
@@ -571,7 +572,8 @@ def _segment_table(
     num_segments = counts_h.numel()
     # Pinned: the copy returns at once, and the caching host allocator keeps the block alive
     # until the copy has run.
-    host = torch.zeros((_HOST_ROWS, num_segments), dtype=torch.int64, pin_memory=device.type == "cuda")
+    pin = device.type == "cuda"
+    host = torch.zeros((_HOST_ROWS, num_segments), dtype=torch.int64, pin_memory=pin)
     torch.cumsum(counts_h, 0, out=host[_END])
     torch.sub(host[_END], counts_h, out=host[_START])
     host[_QUOTA] = quota_h
