@@ -9,7 +9,7 @@ skewed (one expert can hold 16k of the 131k pairs), so one program per segment w
 largest segment's rows on a single multiprocessor; every pass over rows here is spread over the
 whole GPU instead, and per-segment work is limited to short scans of a segment's top rows.
 
-One call, in launch order (``sample``; ``topk`` runs 1, 2, 3, 8, 9 only):
+One call, in launch order (``sample``; ``topk`` runs 1-3, 7 for the ranks only, 9 and 10):
 
 1. one pinned, non-blocking host-to-device copy of the ``[_ROWS, G]`` int64 segment table
    (starts, ends, quota, first output slot, uniforms if on the host, zeroed accumulators);
@@ -76,8 +76,9 @@ from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available
 
 __all__ = ["select_triton"]
 
-# Rows per program of the row-parallel kernels (about one wave of programs at N = 131072 on an
-# H200), and of each step of the per-segment scans.
+# Rows per program of the row-parallel kernels, and of each step of the per-segment scans: 512
+# programs at N = 131072, a few per multiprocessor; the best of 256 / 512 / 1024 rows with 4 or 8
+# warps on an H200 (within a few microseconds of each other).
 _BLOCK = 256
 _NUM_WARPS = 4
 
@@ -175,7 +176,8 @@ _HELPERS = ("_sqrt_weight", "_round_half_even", "_fixed_point", "_bounds", "_seg
 # Kernel bodies (plain functions; wrapped by triton.jit or the interpreter in _kernels()).
 # Row indices are int64: unit sums reach N * 2**32 and slots are int64 anyway.
 # Row kernels: program p covers rows [p * BLOCK, (p + 1) * BLOCK) of the sorted or canonical
-# order. Segment kernels: program g covers segment g. `table_ptr` is the [_ROWS, G] table.
+# order. Segment kernels: program g covers segment g. `table_ptr` is the [_ROWS, G] table; row r
+# (numbered as _START.. above; kernels cannot read those module globals) is at table_ptr + r * G.
 # --------------------------------------------------------------------------------------------
 
 
