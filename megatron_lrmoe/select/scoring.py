@@ -23,6 +23,11 @@ kept is exactly its reported probability, and the weights ``1 / probability`` ma
 unbiased (exactly, up to the fp32 rounding of the stored weights). The same scores, counts, quota
 and uniforms give bit-identical selections on every device and run.
 
+Implementations. :func:`select_topk` and :func:`select_sample` are the torch reference (any
+device). :func:`select` is what callers use: on CUDA it runs the fused Triton kernels of
+``select/kernels.py``, which give bit-identical results in a handful of launches (switch:
+``LRMOE_TRITON=0``, see ``triton_kernels.use_triton``), and the torch functions elsewhere.
+
 Device-to-host syncs: none when ``counts`` and ``quota`` are CPU tensors (the controller plans on
 the host). When they live on an accelerator they are copied to the host once per call to validate
 them and to size the outputs (marked ``NOTE: device-to-host sync``).
@@ -35,6 +40,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from megatron_lrmoe.triton_kernels import use_triton
 
 __all__ = [
     "PROB_BITS",
@@ -211,8 +218,14 @@ class _Segments(NamedTuple):
     total_quota: int  # K = sum(quota), on the host
 
 
-def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.device) -> _Segments:
-    """Checks ``counts`` / ``quota`` against ``n`` rows and lays the segments out on ``device``."""
+def _host_segments(
+    counts: torch.Tensor, quota: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks ``counts`` / ``quota`` against ``n`` rows; returns both as host int64 tensors.
+
+    Shared by the torch path and the Triton path (``select/kernels.py``), so both reject the same
+    inputs with the same messages.
+    """
     if counts.dim() != 1 or quota.shape != counts.shape:
         raise ValueError(
             "counts and quota must be [G] tensors of one shape, got "
@@ -244,6 +257,20 @@ def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.d
     total = int(counts_h.sum())
     if total != n:
         raise ValueError(f"segment counts add up to {total}, but there are {n} rows")
+    return counts_h, quota_h
+
+
+def _check_uniforms(uniforms: torch.Tensor, num_segments: int) -> None:
+    if uniforms.shape != (num_segments,) or not uniforms.is_floating_point():
+        raise ValueError(
+            f"uniforms must be a [G] = [{num_segments}] floating tensor, got "
+            f"{uniforms.dtype} {tuple(uniforms.shape)}"
+        )
+
+
+def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.device) -> _Segments:
+    """Checks ``counts`` / ``quota`` against ``n`` rows and lays the segments out on ``device``."""
+    _, quota_h = _host_segments(counts, quota, n)
 
     # A blocking host-to-device copy would wait for the whole stream; a non-blocking one from
     # pageable memory stages the source before returning. No copy when already on the device.
@@ -508,11 +535,7 @@ def select_sample(
     n = scores.numel()
     device = scores.device
     lay = _segments(counts, quota, n, device)
-    if uniforms.shape != lay.counts.shape or not uniforms.is_floating_point():
-        raise ValueError(
-            f"uniforms must be a [G] = [{lay.counts.numel()}] floating tensor, got "
-            f"{uniforms.dtype} {tuple(uniforms.shape)}"
-        )
+    _check_uniforms(uniforms, lay.counts.numel())
     a = _fixed_point_probabilities(sanitize(scores), lay)
     # Each segment's a adds up to exactly quota * 2**32, so the segment offset of the global
     # running sum is known without another scan.
@@ -572,7 +595,12 @@ def select(
     quota: torch.Tensor,
     uniforms: torch.Tensor | None = None,
 ) -> Selection:
-    """Dispatches to :func:`select_topk` (``"topk"``) or :func:`select_sample` (``"sample"``).
+    """:func:`select_topk` (``"topk"``) or :func:`select_sample` (``"sample"``), fused on CUDA.
+
+    CUDA scores take the fused Triton path (``select/kernels.py``: a handful of launches instead
+    of about a hundred, bit-identical results) when triton imports and ``LRMOE_TRITON`` is not
+    ``"0"`` (``triton_kernels.use_triton``); everything else takes the torch functions, which stay
+    the reference.
 
     Args:
         policy: ``"topk"`` or ``"sample"``.
@@ -585,12 +613,18 @@ def select(
         The selection.
 
     Raises:
-        ValueError: unknown policy, or ``"sample"`` without uniforms.
+        ValueError: unknown policy, ``"sample"`` without uniforms, or malformed inputs (see
+            :func:`select_topk` / :func:`select_sample`).
     """
+    if policy not in _POLICIES:
+        raise ValueError(f"unknown selection policy {policy!r}; expected one of {_POLICIES}")
+    if policy == "sample" and uniforms is None:
+        raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
+    if use_triton(scores):
+        # Imported here: kernels.py imports this module.
+        from megatron_lrmoe.select.kernels import select_triton
+
+        return select_triton(policy, scores, counts, quota, uniforms)
     if policy == "topk":
         return select_topk(scores, counts, quota)
-    if policy == "sample":
-        if uniforms is None:
-            raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
-        return select_sample(scores, counts, quota, uniforms)
-    raise ValueError(f"unknown selection policy {policy!r}; expected one of {_POLICIES}")
+    return select_sample(scores, counts, quota, uniforms)

@@ -1,0 +1,692 @@
+"""Fused Triton selection: ``topk`` and ``sample`` bit-identical to the torch reference.
+
+Shapes: N rows (token-expert pairs), G segments (contiguous row runs sharing a quota), K kept rows
+(``sum(quota)``), B row blocks (``ceil(N / BLOCK)``).
+
+Why: the torch reference in ``scoring.py`` (``select_topk`` / ``select_sample``) runs about a
+hundred small kernels per call (1.2 ms eager at N = 131072, G = 128 on an H200). Segment sizes are
+skewed (one expert can hold 16k of the 131k pairs), so one program per segment would leave the
+largest segment's rows on a single multiprocessor; every pass over rows here is spread over the
+whole GPU instead, and per-segment work is limited to short scans of a segment's top rows.
+
+One call, in launch order (``sample``; ``topk`` runs 1-3, 7 for the ranks only, 9 and 10):
+
+1. one pinned, non-blocking host-to-device copy of the ``[_ROWS, G]`` int64 segment table
+   (starts, ends, quota, first output slot, uniforms if on the host, zeroed accumulators);
+2. ``_sort_key_kernel`` (rows): sanitized score and segment -> int64 key
+   ``segment * 2**31 + (2**31 - 1 - fp32 bits)`` (``scoring._order_within_segments``);
+3. ``torch.sort(key, stable=True)`` (cub radix sort, several launches of its own);
+4. ``_weights_kernel`` (sorted rows): integer weights ``w_int`` relative to the segment maximum
+   (the segment's first sorted row); their segment totals ``W``;
+5. ``_capping_kernel`` (segments): the number of capped rows ``c*``, scanning the segment's top
+   ranks only until the capping test first fails (at rank ``quota`` at the latest);
+6. ``_uncapped_kernel`` (sorted rows): weights ``w2`` relative to the largest uncapped one and
+   their totals ``W2``;
+7. ``_units_kernel`` (sorted rows): floored probability units ``a`` within their bounds, the
+   totals the repair needs, and ``a`` / sorted rank scattered to canonical positions;
+8. ``_repair_kernel`` (segments): where the two repair passes of the reference move units (see
+   below);
+9. ``_finalize_kernel`` (rows): final units (``topk``: kept flags) and their block totals;
+10. ``_draw_kernel`` (rows): running sums from the block totals, the systematic draw, and the
+    kept rows written straight to their output slots (no compaction).
+
+Why the repairs need no scan over all rows: among a segment's active rows (uncapped, positive
+weight, quota left), which are the consecutive ranks ``[c*, c* + n_active)``, the floored units
+``a`` do not increase with rank (every step from the score to ``a`` is monotone). So the rows with
+one unit of room (``a < 2**32``) are a suffix of that range and the rows with one unit of slack
+(``a > 1``) a prefix; the reference's first pass (one unit per row, largest
+first) therefore changes exactly a window of ranks that three counts determine. Its second pass
+moves whole capacities, row after row, from rank ``c*`` on until the remaining deficit is placed:
+the rows before one rank ``r`` reach their bound, row ``r`` takes the rest, later rows keep their
+value. ``_repair_kernel`` finds ``r`` by scanning from rank ``c*`` and stops there (in the first
+block unless the deficit is spread very thin; it is usually zero and then nothing is scanned).
+
+Exactness: every decision is integer arithmetic on the same int64 quantities as the reference,
+and the floating-point steps are the same IEEE operations in the same order (float64 sqrt,
+division, multiplication by 2**32, round-half-to-even, truncation to int64, the final fp64 ->
+fp32 rounding). Segment totals are integer atomics (exact and order-independent, so
+deterministic). The draw uses the reference's own formula for the in-segment running sum (global
+running sum minus ``quota_before * 2**32``), and the kept rank of a row in its segment is the
+number of grid points below its running sum, which equals the reference's compaction because each
+segment keeps exactly ``quota`` rows (its invariant). Float64 ``/`` lowers to ``div.rn.f64`` and
+``tl.sqrt`` on float64 to ``sqrt.rn.f64`` (IEEE round-to-nearest; ``tl.div_rn`` / ``tl.sqrt_rn``
+are fp32-only); ``benchmarks/select_bench.py`` checks the GPU against the CPU reference.
+
+Python float literals in a kernel become fp32 constants, so only constants exact in fp32 appear
+next to float64 values (``2**32``, ``0.5``, ``1.0``); integer literals in ``[2**31, 2**32)``
+would become uint32, so none are used (``2**31 - 1`` and ``2**32`` are int32 / int64).
+
+Triton is imported lazily, with the conventions of ``megatron_lrmoe/triton_kernels.py`` (whose
+``triton_available`` this module reuses): the kernel bodies are plain functions until
+:func:`_kernels` wraps them, and under ``TRITON_INTERPRET=1`` (set before triton is first
+imported) the launcher accepts CPU tensors and runs them in Triton's interpreter (the tests do).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from megatron_lrmoe.select import scoring
+from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available
+
+__all__ = ["select_triton"]
+
+# Rows per program of the row-parallel kernels, and of each step of the per-segment scans: 512
+# programs at N = 131072, a few per multiprocessor; the best of 256 / 512 / 1024 rows with 4 or 8
+# warps on an H200 (within a few microseconds of each other).
+_BLOCK = 256
+_NUM_WARPS = 4
+
+# Rows of the [_ROWS, G] int64 segment table. The first _HOST_ROWS are filled on the host (the
+# accumulators with zeros) and copied in one go; the rest are written by the per-segment kernels.
+(
+    _START,  # first row of the segment
+    _END,  # one past its last row
+    _QUOTA,
+    _SLOT,  # first output slot: exclusive cumsum of quota
+    _UNIFORM,  # float64 bits of the segment's uniform (host uniforms only)
+    _W,  # sum of w_int
+    _W2,  # sum of w2
+    _ASUM,  # sum of the floored units a
+    _NACT,  # active rows
+    _NFULL,  # active rows with a == 2**32
+    _NGT1,  # active rows with a > 1
+    _CSTAR,  # capped rows c*
+    _WIN_LO,  # first rank the first repair pass changes
+    _WIN_HI,  # one past the last one
+    _RFULL,  # second repair pass: ranks below this reach their bound
+    _REST,  # ... and this many units go to rank _RFULL
+    _GROW,  # bit 0: first pass adds units; bit 1: second pass adds units
+) = range(17)
+_HOST_ROWS = _CSTAR
+_ROWS = _GROW + 1
+
+# Bound to ``triton.language`` by :func:`_kernels`; the kernel bodies resolve it at compile (or
+# interpret) time, never at definition time (annotations are strings here).
+tl: Any = None
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers (plain functions; :func:`_kernels` replaces them by their triton.jit versions
+# in this module's globals before any kernel compiles, so the kernels call the jitted ones).
+# Integer constants: 2147483647 = 2**31 - 1, 4294967296 = 2**32 (a probability of 1).
+# --------------------------------------------------------------------------------------------
+
+
+def _sqrt_weight(key):
+    """float64 ``sqrt`` of the sanitized fp32 score that a sort key encodes (its low 31 bits)."""
+    bits = (2147483647 - (key & 2147483647)).to(tl.int32)
+    return tl.sqrt(bits.to(tl.float32, bitcast=True).to(tl.float64))
+
+
+def _round_half_even(x):
+    """``torch.round`` of non-negative float64 values below 2**52, as int64."""
+    r = tl.floor(x)
+    d = x - r  # exact: 0 <= d < 1 and both are multiples of x's ulp
+    r_int = r.to(tl.int64)
+    up = (d > 0.5) | ((d == 0.5) & ((r_int & 1) == 1))
+    return r_int + up.to(tl.int64)
+
+
+def _fixed_point(w, ref):
+    """``scoring._fixed_point``: ``w / ref`` in int64 units of 2**-32; positive ``w`` gets >= 1."""
+    ratio = tl.where(ref > 0, w / tl.where(ref > 0, ref, 1.0), 0.0)
+    ratio = tl.minimum(ratio, 1.0)
+    units = _round_half_even(ratio * 4294967296.0)
+    units = tl.minimum(tl.maximum(units, 1), 4294967296)
+    return tl.where(w > 0, units, 0)
+
+
+def _bounds(rank, w2, c_star, remaining):
+    """Bounds ``lo`` / ``hi`` of the probability units of rows at ``rank`` with weight ``w2``.
+
+    Capped rows (rank < c*) are pinned to 2**32; active rows (uncapped, positive weight, quota
+    left) may take ``[1, 2**32]``; all others 0 (``scoring._fixed_point_probabilities``). The
+    floored units of an uncapped row are positive exactly when it is active, so they may stand
+    in for ``w2`` here.
+    """
+    capped = rank < c_star
+    active = (rank >= c_star) & (w2 > 0) & (remaining > 0)
+    lo = tl.where(capped, 4294967296, active.to(tl.int64))
+    hi = tl.where(capped | active, 4294967296, 0)
+    return lo, hi
+
+
+def _segment_add(acc_ptr, seg, inclusive, exclusive, first, last):
+    """``acc[seg] += values`` for a block of sorted rows, two integer atomics per segment run.
+
+    ``inclusive`` / ``exclusive`` are the block's scans of the values; ``first`` / ``last`` flag
+    the first and last row of each run of one segment in the block. A run adds its inclusive scan
+    at its last row and subtracts the exclusive one at its first row. Integer atomics are exact in
+    any order, so the totals are deterministic.
+    """
+    tl.atomic_add(acc_ptr + seg, inclusive, mask=last, sem="relaxed")
+    tl.atomic_add(acc_ptr + seg, -exclusive, mask=first, sem="relaxed")
+
+
+_HELPERS = ("_sqrt_weight", "_round_half_even", "_fixed_point", "_bounds", "_segment_add")
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel bodies (plain functions; wrapped by triton.jit or the interpreter in _kernels()).
+# Row indices are int64: unit sums reach N * 2**32 and slots are int64 anyway.
+# Row kernels: program p covers rows [p * BLOCK, (p + 1) * BLOCK) of the sorted or canonical
+# order. Segment kernels: program g covers segment g. `table_ptr` is the [_ROWS, G] table; row r
+# (numbered as _START.. above; kernels cannot read those module globals) is at table_ptr + r * G.
+# --------------------------------------------------------------------------------------------
+
+
+def _sort_key_kernel(
+    key_ptr, scores_ptr, ends_ptr, n, num_segments, STEPS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """``key[i] = segment(i) * 2**31 + (2**31 - 1 - bits(sanitize(score[i])))``.
+
+    Sanitizing works on the bit pattern: NaN, +-inf (exponent all ones) and anything with the
+    sign bit (negative values, -0.0) become +0.0, as ``scoring.sanitize`` plus the reference's
+    ``clamp_min(0)`` on the bits do. The segment is the number of segment ends ``<= i``, found by
+    a branch-free binary search over the ``[G]`` ends (``STEPS = ceil(log2(G + 1))``).
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n
+    x = tl.load(scores_ptr + offs, mask=mask, other=0.0)
+    bits = x.to(tl.int32, bitcast=True)
+    bad = ((bits & 0x7F800000) == 0x7F800000) | (bits < 0)
+    bits = tl.where(bad, 0, bits).to(tl.int64)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + num_segments
+    for _ in tl.static_range(STEPS):
+        live = lo < hi
+        mid = (lo + hi) >> 1
+        end = tl.load(ends_ptr + mid, mask=mask & live, other=0)
+        right = end <= offs
+        lo = tl.where(live & right, mid + 1, lo)
+        hi = tl.where(live & (~right), mid, hi)
+    tl.store(key_ptr + offs, (lo << 31) + (2147483647 - bits), mask=mask)
+
+
+def _weights_kernel(
+    units_ptr, block_sum_ptr, sorted_key_ptr, table_ptr, n, num_segments, BLOCK: tl.constexpr
+):
+    """``units = w_int`` (sorted order), ``table[_W] += w_int`` per segment, block totals."""
+    G = num_segments
+    block0 = tl.program_id(0).to(tl.int64) * BLOCK
+    p = block0 + tl.arange(0, BLOCK).to(tl.int64)
+    valid = p < n
+    key = tl.load(sorted_key_ptr + p, mask=valid, other=2147483647)
+    seg = key >> 31
+    start = tl.load(table_ptr + 0 * G + seg, mask=valid, other=0)
+    end = tl.load(table_ptr + 1 * G + seg, mask=valid, other=0)
+    key_max = tl.load(sorted_key_ptr + start, mask=valid, other=2147483647)
+    w_int = _fixed_point(_sqrt_weight(key), _sqrt_weight(key_max))
+    w_int = tl.where(valid, w_int, 0)
+    tl.store(units_ptr + p, w_int, mask=valid)
+    first = valid & ((p == block0) | (p == start))
+    last = valid & ((p == block0 + BLOCK - 1) | (p == end - 1))
+    inclusive = tl.cumsum(w_int, 0)
+    _segment_add(table_ptr + 5 * G, seg, inclusive, inclusive - w_int, first, last)
+    tl.store(block_sum_ptr + tl.program_id(0), tl.sum(w_int, 0))
+
+
+def _capping_kernel(units_ptr, block_sum_ptr, table_ptr, num_segments, BLOCK: tl.constexpr):
+    """``table[_CSTAR] = c*``: the first rank failing ``left > 0 and left * w_int >= suffix``.
+
+    ``left = quota - rank`` and ``suffix`` is the sum of ``w_int`` from that rank on. The test
+    is monotone (``w_int`` does not increase with rank, so once it fails it fails for every later
+    rank), so c* lies in the first row block whose last row fails: the block totals of
+    ``_weights_kernel`` test every block's last row at once, and only that block is scanned.
+    """
+    G = num_segments
+    g = tl.program_id(0)
+    start = tl.load(table_ptr + 0 * G + g)
+    end = tl.load(table_ptr + 1 * G + g)
+    count = end - start
+    quota = tl.load(table_ptr + 2 * G + g)
+    total = tl.load(table_ptr + 5 * G + g)
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    first_block = start // BLOCK
+    last_block = tl.maximum(end - 1, start) // BLOCK
+    # Rows of the first block before the segment, to turn block totals into in-segment sums.
+    x = first_block * BLOCK + lanes
+    before = tl.sum(tl.load(units_ptr + x, mask=x < start, other=0), 0)
+
+    # Blocks [first_block, last_block) end inside the segment; find the first whose last row
+    # fails (none: the failure, if any, is in last_block), and the in-segment sum before it.
+    fail_block = last_block
+    prefix = -before
+    b0 = first_block
+    while b0 < fail_block:
+        b = b0 + lanes
+        mb = b < last_block
+        block_total = tl.load(block_sum_ptr + b, mask=mb, other=0)
+        inclusive = prefix + tl.cumsum(block_total, 0)
+        j = (b + 1) * BLOCK - 1
+        w_int = tl.load(units_ptr + j, mask=mb, other=0)
+        left = quota - (j - start)
+        holds = (left > 0) & (left * w_int >= total - (inclusive - w_int))
+        fail_block = tl.minimum(fail_block, tl.min(tl.where(mb & (~holds), b, last_block), 0))
+        prefix += tl.sum(tl.where(mb & (b < fail_block), block_total, 0), 0)
+        b0 += BLOCK
+
+    # Scan the rows of fail_block that belong to the segment.
+    prefix = tl.where(fail_block == first_block, 0, prefix)
+    j = tl.maximum(fail_block * BLOCK, start) + lanes
+    m = j < tl.minimum((fail_block + 1) * BLOCK, end)
+    w_int = tl.load(units_ptr + j, mask=m, other=0)
+    suffix = total - (prefix + tl.cumsum(w_int, 0) - w_int)
+    left = quota - (j - start)
+    holds = (left > 0) & (left * w_int >= suffix)
+    c_star = tl.min(tl.where(m & (~holds), j - start, count), 0)
+    tl.store(table_ptr + 11 * G + g, c_star)
+
+
+def _uncapped_kernel(units_ptr, sorted_key_ptr, table_ptr, n, num_segments, BLOCK: tl.constexpr):
+    """``units = w2`` and ``table[_W2] += w2``.
+
+    ``w2`` is 0 for capped rows and the weight relative to the largest uncapped one (rank c*)
+    otherwise; with no capped row that reference is the segment maximum, so ``w2 = w_int``.
+    """
+    G = num_segments
+    block0 = tl.program_id(0).to(tl.int64) * BLOCK
+    p = block0 + tl.arange(0, BLOCK).to(tl.int64)
+    valid = p < n
+    key = tl.load(sorted_key_ptr + p, mask=valid, other=2147483647)
+    seg = key >> 31
+    start = tl.load(table_ptr + 0 * G + seg, mask=valid, other=0)
+    end = tl.load(table_ptr + 1 * G + seg, mask=valid, other=0)
+    c_star = tl.load(table_ptr + 11 * G + seg, mask=valid, other=0)
+    rank = p - start
+    head = valid & (c_star > 0) & (c_star < end - start)
+    key_head = tl.load(sorted_key_ptr + start + c_star, mask=head, other=2147483647)
+    w_int = tl.load(units_ptr + p, mask=valid, other=0)
+    w2 = tl.where(rank < c_star, 0, _fixed_point(_sqrt_weight(key), _sqrt_weight(key_head)))
+    w2 = tl.where(valid, tl.where(c_star == 0, w_int, w2), 0)
+    tl.store(units_ptr + p, w2, mask=valid)
+    first = valid & ((p == block0) | (p == start))
+    last = valid & ((p == block0 + BLOCK - 1) | (p == end - 1))
+    inclusive = tl.cumsum(w2, 0)
+    _segment_add(table_ptr + 6 * G, seg, inclusive, inclusive - w2, first, last)
+
+
+def _units_kernel(
+    units_ptr,
+    units_canon_ptr,
+    rank_canon_ptr,
+    sorted_key_ptr,
+    order_ptr,
+    table_ptr,
+    n,
+    num_segments,
+    SAMPLE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Floored units ``a`` (sorted order and canonical), sorted ranks at canonical positions.
+
+    ``a = clamp(floor(remaining * w2 / max(W2, 1) * 2**32), lo, hi)``; adds the segment totals
+    of ``a``, of the active rows, and of the active rows with ``a == 2**32`` and ``a > 1``.
+    ``topk`` (``SAMPLE`` off) only scatters the ranks.
+    """
+    G = num_segments
+    block0 = tl.program_id(0).to(tl.int64) * BLOCK
+    p = block0 + tl.arange(0, BLOCK).to(tl.int64)
+    valid = p < n
+    key = tl.load(sorted_key_ptr + p, mask=valid, other=2147483647)
+    seg = key >> 31
+    start = tl.load(table_ptr + 0 * G + seg, mask=valid, other=0)
+    rank = p - start
+    row = tl.load(order_ptr + p, mask=valid, other=0)
+    tl.store(rank_canon_ptr + row, rank, mask=valid)
+    if SAMPLE:
+        end = tl.load(table_ptr + 1 * G + seg, mask=valid, other=0)
+        quota = tl.load(table_ptr + 2 * G + seg, mask=valid, other=0)
+        total2 = tl.load(table_ptr + 6 * G + seg, mask=valid, other=0)
+        c_star = tl.load(table_ptr + 11 * G + seg, mask=valid, other=0)
+        remaining = quota - c_star
+        w2 = tl.load(units_ptr + p, mask=valid, other=0)
+        lo, hi = _bounds(rank, w2, c_star, remaining)
+        ideal = (remaining * w2).to(tl.float64) / tl.maximum(total2, 1).to(tl.float64)
+        a = tl.floor(ideal * 4294967296.0).to(tl.int64)
+        a = tl.where(valid, tl.minimum(tl.maximum(a, lo), hi), 0)
+        tl.store(units_ptr + p, a, mask=valid)
+        tl.store(units_canon_ptr + row, a, mask=valid)
+        active = valid & (rank >= c_star) & (w2 > 0) & (remaining > 0)
+        first = valid & ((p == block0) | (p == start))
+        last = valid & ((p == block0 + BLOCK - 1) | (p == end - 1))
+        inclusive = tl.cumsum(a, 0)
+        _segment_add(table_ptr + 7 * G, seg, inclusive, inclusive - a, first, last)
+        # The three row counts share one scan: 21-bit fields hold any block's counts.
+        counts = (
+            active.to(tl.int64)
+            + ((active & (a == 4294967296)).to(tl.int64) << 21)
+            + ((active & (a > 1)).to(tl.int64) << 42)
+        )
+        inclusive = tl.cumsum(counts, 0)
+        exclusive = inclusive - counts
+        for field in tl.static_range(3):
+            inc = (inclusive >> (21 * field)) & 2097151
+            exc = (exclusive >> (21 * field)) & 2097151
+            _segment_add(table_ptr + (8 + field) * G, seg, inc, exc, first, last)
+
+
+def _repair_kernel(units_ptr, table_ptr, num_segments, BLOCK: tl.constexpr):
+    """Where the reference's two repair passes move units in segment g (module docstring).
+
+    First pass (one unit per row with room / slack, largest weights first): ranks
+    ``[_WIN_LO, _WIN_HI)`` gain (``_GROW`` bit 0) or lose one unit. Second pass (whole capacities
+    from rank c* on): ranks below ``_RFULL`` reach their upper (bit 1) or lower bound and rank
+    ``_RFULL`` moves ``_REST`` units.
+    """
+    G = num_segments
+    ONE = 4294967296
+    g = tl.program_id(0)
+    start = tl.load(table_ptr + 0 * G + g)
+    count = tl.load(table_ptr + 1 * G + g) - start
+    quota = tl.load(table_ptr + 2 * G + g)
+    a_sum = tl.load(table_ptr + 7 * G + g)
+    n_active = tl.load(table_ptr + 8 * G + g)
+    n_full = tl.load(table_ptr + 9 * G + g)
+    n_gt1 = tl.load(table_ptr + 10 * G + g)
+    c_star = tl.load(table_ptr + 11 * G + g)
+    remaining = quota - c_star
+
+    deficit1 = quota * ONE - a_sum
+    grow1 = deficit1 >= 0
+    amount1 = tl.where(grow1, deficit1, -deficit1)
+    win_lo = tl.where(grow1, c_star + n_full, c_star)
+    moved1 = tl.minimum(amount1, tl.where(grow1, n_active - n_full, n_gt1))
+    deficit2 = tl.where(grow1, deficit1 - moved1, deficit1 + moved1)
+    grow2 = deficit2 >= 0
+    amount2 = tl.where(grow2, deficit2, -deficit2)
+
+    # Second pass: first rank whose inclusive capacity sum reaches amount2 (none: all rows).
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    r_full = tl.where(amount2 > 0, count, 0)
+    rest = tl.zeros([], dtype=tl.int64)
+    carry = tl.zeros([], dtype=tl.int64)
+    j0 = c_star
+    while (j0 < count) & (amount2 > 0) & (r_full == count):
+        j = j0 + lanes
+        m = j < count
+        a = tl.load(units_ptr + start + j, mask=m, other=0)
+        lo, hi = _bounds(j, a, c_star, remaining)
+        inside = (j >= win_lo) & (j < win_lo + moved1)
+        a = tl.where(grow1, a + inside.to(tl.int64), a - inside.to(tl.int64))
+        cap = tl.where(m, tl.where(grow2, tl.minimum(hi - a, ONE), tl.minimum(a - lo, ONE)), 0)
+        inclusive = carry + tl.cumsum(cap, 0)
+        reached = m & (inclusive >= amount2)
+        r = tl.min(tl.where(reached, j, count), 0)
+        rest = tl.where(r < count, tl.sum(tl.where(j == r, amount2 - (inclusive - cap), 0), 0), 0)
+        r_full = r
+        carry += tl.sum(cap, 0)
+        j0 += BLOCK
+    tl.store(table_ptr + 12 * G + g, win_lo)
+    tl.store(table_ptr + 13 * G + g, win_lo + moved1)
+    tl.store(table_ptr + 14 * G + g, r_full)
+    tl.store(table_ptr + 15 * G + g, rest)
+    tl.store(table_ptr + 16 * G + g, grow1.to(tl.int64) + 2 * grow2.to(tl.int64))
+
+
+def _finalize_kernel(
+    units_canon_ptr,
+    rank_canon_ptr,
+    block_sum_ptr,
+    key_ptr,
+    table_ptr,
+    n,
+    num_segments,
+    SAMPLE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Final units (``sample``) or kept flags (``topk``) in canonical order, and block totals."""
+    G = num_segments
+    x = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    valid = x < n
+    seg = tl.load(key_ptr + x, mask=valid, other=0) >> 31
+    rank = tl.load(rank_canon_ptr + x, mask=valid, other=0)
+    quota = tl.load(table_ptr + 2 * G + seg, mask=valid, other=0)
+    if SAMPLE:
+        c_star = tl.load(table_ptr + 11 * G + seg, mask=valid, other=0)
+        win_lo = tl.load(table_ptr + 12 * G + seg, mask=valid, other=0)
+        win_hi = tl.load(table_ptr + 13 * G + seg, mask=valid, other=0)
+        r_full = tl.load(table_ptr + 14 * G + seg, mask=valid, other=0)
+        rest = tl.load(table_ptr + 15 * G + seg, mask=valid, other=0)
+        grow = tl.load(table_ptr + 16 * G + seg, mask=valid, other=0)
+        a = tl.load(units_canon_ptr + x, mask=valid, other=0)
+        lo, hi = _bounds(rank, a, c_star, quota - c_star)
+        step1 = ((rank >= win_lo) & (rank < win_hi)).to(tl.int64)
+        a = tl.where((grow & 1) != 0, a + step1, a - step1)
+        grow2 = (grow & 2) != 0
+        a = tl.where(rank == r_full, tl.where(grow2, a + rest, a - rest), a)
+        a = tl.where(rank < r_full, tl.where(grow2, hi, lo), a)
+        value = tl.where(valid, a, 0)
+    else:
+        value = (valid & (rank < quota)).to(tl.int64)
+    tl.store(units_canon_ptr + x, value, mask=valid)
+    tl.store(block_sum_ptr + tl.program_id(0), tl.sum(value, 0))
+
+
+def _draw_kernel(
+    kept_ptr,
+    weight_ptr,
+    units_canon_ptr,
+    block_sum_ptr,
+    key_ptr,
+    table_ptr,
+    uniforms_ptr,
+    n,
+    num_segments,
+    SAMPLE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Kept rows of a canonical block, written at their output slots.
+
+    ``sample``: with ``U`` the global running sum of the units, the in-segment running sum is
+    ``A = U - quota_before * 2**32`` (the reference's formula); a row is kept iff a grid point
+    ``v + m * 2**32`` (``v = clamp(floor(u * 2**32), 0, 2**32 - 1)``) lies in ``[A - a, A)``, and
+    the number of grid points below ``A - a`` is its kept rank in the segment. ``topk``: the
+    running count of kept flags is the output slot itself.
+    """
+    G = num_segments
+    ONE = 4294967296
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    carry = tl.zeros([], dtype=tl.int64)
+    for b0 in range(0, pid, BLOCK):
+        b = b0 + lanes
+        carry += tl.sum(tl.load(block_sum_ptr + b, mask=b < pid, other=0), 0)
+    x = pid.to(tl.int64) * BLOCK + lanes.to(tl.int64)
+    valid = x < n
+    value = tl.load(units_canon_ptr + x, mask=valid, other=0)
+    upper = carry + tl.cumsum(value, 0)
+    lower = upper - value
+    if SAMPLE:
+        seg = tl.load(key_ptr + x, mask=valid, other=0) >> 31
+        slot0 = tl.load(table_ptr + 3 * G + seg, mask=valid, other=0)
+        u = tl.load(uniforms_ptr + seg, mask=valid, other=0.0)
+        # The clamp to 2**32 - 1 happens in int64: 2**32 - 1 is no fp32 constant.
+        v = tl.minimum(tl.maximum(tl.floor(u * 4294967296.0), 0.0), 4294967296.0)
+        shift = ONE - 1 - tl.minimum(v.to(tl.int64), ONE - 1)
+        below = ((lower - slot0 * ONE) + shift) >> 32
+        keep = valid & ((((upper - slot0 * ONE) + shift) >> 32) > below)
+        slot = slot0 + below
+        weight = (4294967296.0 / tl.where(keep, value, 1).to(tl.float64)).to(tl.float32)
+    else:
+        keep = valid & (value != 0)
+        slot = lower
+        weight = tl.full([BLOCK], 1.0, dtype=tl.float32)
+    tl.store(kept_ptr + slot, x, mask=keep)
+    tl.store(weight_ptr + slot, weight, mask=keep)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> SimpleNamespace:
+    """The kernel bodies wrapped by ``triton.jit`` (built once, on first launch).
+
+    Under ``TRITON_INTERPRET=1`` these are interpreter functions that run on host tensors;
+    ``interpreted`` says so.
+    """
+    global tl
+    if not triton_available():
+        raise RuntimeError("megatron_lrmoe Triton selection needs an importable `triton` package")
+    import triton
+    import triton.language as language
+    from triton.runtime.jit import JITFunction
+
+    tl = language
+    module = globals()
+    for name in _HELPERS:
+        module[name] = triton.jit(module[name])
+    kernels = SimpleNamespace(
+        sort_key=triton.jit(_sort_key_kernel),
+        weights=triton.jit(_weights_kernel),
+        capping=triton.jit(_capping_kernel),
+        uncapped=triton.jit(_uncapped_kernel),
+        units=triton.jit(_units_kernel),
+        repair=triton.jit(_repair_kernel),
+        finalize=triton.jit(_finalize_kernel),
+        draw=triton.jit(_draw_kernel),
+    )
+    kernels.interpreted = not isinstance(kernels.draw, JITFunction)
+    return kernels
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _segment_table(
+    counts_h: torch.Tensor,
+    quota_h: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The ``[_ROWS, G]`` int64 segment table on ``device``, from one non-blocking copy.
+
+    Rows ``_START`` .. ``_NGT1`` come from the host (accumulators zeroed there, so no memset
+    launches), ``_UNIFORM`` holds the float64 bits of host ``uniforms`` (if given); the rows from
+    ``_CSTAR`` on are written by the per-segment kernels.
+    """
+    num_segments = counts_h.numel()
+    # Pinned: the copy returns at once, and the caching host allocator keeps the block alive
+    # until the copy has run.
+    pin = device.type == "cuda"
+    host = torch.zeros((_HOST_ROWS, num_segments), dtype=torch.int64, pin_memory=pin)
+    torch.cumsum(counts_h, 0, out=host[_END])
+    torch.sub(host[_END], counts_h, out=host[_START])
+    host[_QUOTA] = quota_h
+    torch.cumsum(quota_h, 0, out=host[_SLOT])
+    host[_SLOT] -= quota_h
+    if uniforms is not None:
+        host[_UNIFORM].view(torch.float64).copy_(uniforms.to(torch.float64))
+    table = torch.empty((_ROWS, num_segments), dtype=torch.int64, device=device)
+    table[:_HOST_ROWS].copy_(host, non_blocking=True)
+    return table
+
+
+def select_triton(
+    policy: str,
+    scores: torch.Tensor,
+    counts: torch.Tensor,
+    quota: torch.Tensor,
+    uniforms: torch.Tensor | None = None,
+    *,
+    block: int | None = None,
+) -> scoring.Selection:
+    """``scoring.select_topk`` / ``scoring.select_sample`` as a few row-parallel Triton kernels.
+
+    Same contract and bit-identical results as the torch functions (same ``kept_index``,
+    ``weight`` and ``kept_per_segment``); uniforms outside ``[0, 1)`` are clamped the same way
+    (NaN uniforms are undefined in both). No device-to-host sync when ``counts`` and ``quota``
+    are CPU tensors; device ones are read back once, as in the reference.
+
+    Args:
+        policy: ``"topk"`` or ``"sample"``.
+        scores: ``[N]`` floating scores on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+        counts: ``[G]`` rows per segment, sum N.
+        quota: ``[G]`` rows to keep per segment, ``0 <= quota <= counts``.
+        uniforms: ``[G]`` uniforms in ``[0, 1)``, required by ``"sample"``.
+        block: rows per program (a power of two >= 16), for tests and tuning.
+
+    Returns:
+        The selection.
+
+    Raises:
+        ValueError: unknown policy, ``"sample"`` without uniforms, malformed shapes, counts not
+            adding up to N, a quota out of range, or host tensors without the interpreter.
+    """
+    if policy not in scoring._POLICIES:
+        raise ValueError(
+            f"unknown selection policy {policy!r}; expected one of {scoring._POLICIES}"
+        )
+    sample = policy == "sample"
+    if sample and uniforms is None:
+        raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
+    block = _BLOCK if block is None else block
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    scores = scoring._check_scores(scores).contiguous()
+    n = scores.numel()
+    device = scores.device
+    counts_h, quota_h = scoring._host_segments(counts, quota, n)
+    num_segments = counts_h.numel()
+    host_uniforms = None
+    if sample:
+        scoring._check_uniforms(uniforms, num_segments)
+        if uniforms.device.type == "cpu":
+            host_uniforms = uniforms
+    kernels = _kernels()
+    if device.type != "cuda" and not kernels.interpreted:
+        raise ValueError(
+            "select_triton got host tensors; it needs CUDA tensors, or TRITON_INTERPRET=1 set "
+            "before triton is first imported (the interpreter runs the kernels on the host)"
+        )
+    table = _segment_table(counts_h, quota_h, host_uniforms, device)
+    num_kept = int(quota_h.sum())
+    kept = torch.empty(num_kept, dtype=torch.int64, device=device)
+    weight = torch.empty(num_kept, dtype=torch.float32, device=device)
+    selection = scoring.Selection(kept, weight, table[_QUOTA])
+    if num_kept == 0:
+        return selection  # nothing to write (and N == 0 has nothing to sort)
+
+    if host_uniforms is not None:
+        u = table[_UNIFORM].view(torch.float64)
+    elif sample:
+        u = uniforms.detach().to(device=device, dtype=torch.float64).contiguous()
+    else:
+        u = scores  # unread placeholder
+    rows = (_cdiv(n, block),)
+    segments = (num_segments,)
+    g = num_segments
+    with _device_ctx(scores):
+        key = torch.empty(n, dtype=torch.int64, device=device)
+        steps = max(1, math.ceil(math.log2(num_segments + 1)))
+        kernels.sort_key[rows](
+            key, scores, table[_END], n, g, STEPS=steps, BLOCK=block, num_warps=_NUM_WARPS
+        )
+        sorted_key, order = torch.sort(key, stable=True)
+        units = torch.empty(n, dtype=torch.int64, device=device) if sample else key
+        units_canon = torch.empty(n, dtype=torch.int64, device=device)
+        rank_canon = torch.empty(n, dtype=torch.int64, device=device)
+        block_sum = torch.empty(rows[0], dtype=torch.int64, device=device)
+        common = dict(BLOCK=block, num_warps=_NUM_WARPS)
+        if sample:
+            kernels.weights[rows](units, block_sum, sorted_key, table, n, g, **common)
+            kernels.capping[segments](units, block_sum, table, g, **common)
+            kernels.uncapped[rows](units, sorted_key, table, n, g, **common)
+        kernels.units[rows](
+            units, units_canon, rank_canon, sorted_key, order, table, n, g, SAMPLE=sample, **common
+        )
+        if sample:
+            kernels.repair[segments](units, table, g, **common)
+        kernels.finalize[rows](
+            units_canon, rank_canon, block_sum, key, table, n, g, SAMPLE=sample, **common
+        )
+        kernels.draw[rows](
+            kept, weight, units_canon, block_sum, key, table, u, n, g, SAMPLE=sample, **common
+        )
+    return selection

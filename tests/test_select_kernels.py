@@ -1,0 +1,308 @@
+"""Fused Triton selection (``select/kernels.py``) against the torch reference, bit for bit.
+
+Shape legend: N rows, G segments, K kept rows.
+
+The kernels run on the host in Triton's interpreter, which has to be switched on
+(``TRITON_INTERPRET=1``) before triton is first imported; this process has imported it already
+(megatron.core does). So ``test_select_kernels_in_interpreter_subprocess`` re-runs this module's
+``test_interp_*`` tests in a subprocess with the variable set; here they are skipped. Blocks of
+16 rows make small segments cross block boundaries and make blocks hold several segments.
+
+Every comparison is exact: same ``kept_index``, ``weight`` (fp32 bits) and ``kept_per_segment``
+as ``select_topk`` / ``select_sample``. The adversarial cases must reach every branch of the
+fused repair (checked through the segment table the kernels fill in), so that a case list that
+stops covering a branch fails instead of passing silently.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lrmoe import triton_kernels
+from megatron_lrmoe.select import kernels, scoring
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 16
+
+interp = pytest.mark.skipif(
+    not INTERPRETING,
+    reason="runs in the TRITON_INTERPRET=1 subprocess of the test below",
+)
+cuda = pytest.mark.skipif(not (HAS_CUDA and triton_kernels.triton_available()), reason="needs CUDA")
+
+Case = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# cases
+# --------------------------------------------------------------------------------------------
+
+
+def _case(segments: list[torch.Tensor], quota: list[int], seed: int = 0) -> Case:
+    counts = torch.tensor([len(s) for s in segments], dtype=torch.int64)
+    scores = torch.cat([s.float() for s in segments]) if segments else torch.zeros(0)
+    gen = torch.Generator().manual_seed(seed)
+    uniforms = torch.rand(len(segments), generator=gen, dtype=torch.float64)
+    return scores, counts, torch.tensor(quota, dtype=torch.int64), uniforms
+
+
+def _random_case(rng: random.Random, gen: torch.Generator) -> Case:
+    num_segments = rng.choice([1, 2, 3, 5, 8])
+    sizes = [rng.choice([0, 1, 15, 16, 17, 33, rng.randrange(0, 80)]) for _ in range(num_segments)]
+    quota = [rng.choice([0, c, rng.randint(0, c), max(c - 1, 0)]) for c in sizes]
+    n = sum(sizes)
+    kind = rng.choice(["uniform", "power", "log_uniform", "ties"])
+    if kind == "uniform":
+        scores = torch.rand(n, generator=gen)
+    elif kind == "power":
+        scores = torch.rand(n, generator=gen) ** 8
+    elif kind == "log_uniform":
+        scores = 10.0 ** (torch.rand(n, generator=gen) * 60 - 30)
+    else:
+        scores = torch.randint(0, 3, (n,), generator=gen).float()
+    segments = list(torch.split(scores, sizes))
+    return _case(segments, quota, seed=rng.randrange(1 << 30))
+
+
+def _adversarial_cases() -> dict[str, Case]:
+    gen = torch.Generator().manual_seed(3)
+    rand = lambda n: torch.rand(n, generator=gen)  # noqa: E731
+    nonfinite = torch.tensor([float("nan"), 2.0, float("inf"), -1.0, -0.0, 0.5, -float("inf")])
+    tiny = torch.full((60,), 1e-32)  # sqrt ratio below 2**-32: floored to 0, raised to 1 unit
+    return {
+        "empty_segments_and_quota_0": _case([rand(0), rand(20), rand(0), rand(5)], [0, 0, 0, 3]),
+        "quota_equals_count": _case([rand(17), rand(33)], [17, 33]),
+        "all_zero": _case([torch.zeros(40), torch.zeros(3)], [25, 1]),
+        "ties": _case([torch.tensor([2.0, 1.0, 2.0, 2.0, 1.0] * 7)], [12]),
+        "nonfinite_and_negative": _case([nonfinite.repeat(5), nonfinite], [9, 6]),
+        "one_huge": _case([torch.cat([rand(30), torch.tensor([3.0e38]), rand(9)])], [7]),
+        "fewer_positive_than_quota": _case([torch.cat([torch.zeros(20), rand(3)])], [10]),
+        "geometric_many_capped": _case([0.5 ** torch.randperm(70, generator=gen).float()], [30]),
+        "long_capped_prefix": _case([torch.zeros(400), rand(10)], [300, 4]),  # c* spans blocks
+        "single_segment": _case([rand(150) ** 4], [61]),
+        "denormal": _case([rand(40) * 1e-39], [13]),
+        # The huge row flattens every other integer weight to 1, so the capping test stops at
+        # rank 1 while the next rows' ideal units exceed 2**32: the second pass fills rows.
+        "huge_near_full": _case([torch.cat([torch.tensor([3.0e38]), 0.5 + rand(15)])], [15]),
+        "shrink_repair": _case([torch.cat([1.0 + rand(30), tiny])], [1]),
+        "shrink_capped_head": _case([torch.cat([torch.tensor([1e30]), 1.0 + rand(20), tiny])], [2]),
+        "edge_uniforms": (
+            torch.cat([rand(20), rand(20), rand(20), rand(20)]),
+            torch.tensor([20, 20, 20, 20]),
+            torch.tensor([5, 7, 9, 11]),
+            torch.tensor([0.0, 1 - 2**-53, 1.5, -0.25], dtype=torch.float64),
+        ),
+    }
+
+
+def _check(policy: str, case: Case, **kwargs) -> scoring.Selection:
+    scores, counts, quota, uniforms = case
+    got = kernels.select_triton(policy, scores, counts, quota, uniforms, **kwargs)
+    if policy == "topk":
+        ref = scoring.select_topk(scores.cpu(), counts, quota)
+    else:
+        ref = scoring.select_sample(scores.cpu(), counts, quota, uniforms.cpu())
+    assert torch.equal(got.kept_index.cpu(), ref.kept_index), (got.kept_index, ref.kept_index)
+    assert torch.equal(got.weight.cpu(), ref.weight), (policy, got.weight, ref.weight)
+    assert torch.equal(got.kept_per_segment.cpu(), ref.kept_per_segment)
+    return got
+
+
+# --------------------------------------------------------------------------------------------
+# run in this process: the dispatcher, and the GPU when there is one
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter subprocess")
+def test_select_kernels_in_interpreter_subprocess() -> None:
+    pytest.importorskip("triton")
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+    proc = subprocess.run(
+        [*cmd, "-k", "test_interp_", str(Path(__file__).resolve())],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    summary = out.strip().splitlines()[-1] if out.strip() else ""
+    assert proc.returncode == 0, f"interpreter run failed (rc {proc.returncode}):\n{out[-6000:]}"
+    passed = re.search(r"(\d+) passed", summary)
+    # Every selected test must have run: a skip here would mean the interpreter was not on.
+    assert passed and int(passed.group(1)) >= 6, summary
+    assert not re.search(r"skipped|failed|error", summary), summary
+
+
+def test_select_takes_the_torch_path_on_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args, **kwargs):
+        raise AssertionError("host tensors must not reach the Triton path")
+
+    monkeypatch.setattr(kernels, "select_triton", fail)
+    scores, counts, quota, uniforms = _case([torch.rand(9), torch.rand(4)], [3, 2])
+    for policy in ("topk", "sample"):
+        got = scoring.select(policy, scores, counts, quota, uniforms)
+        if policy == "topk":
+            ref = scoring.select_topk(scores, counts, quota)
+        else:
+            ref = scoring.select_sample(scores, counts, quota, uniforms)
+        assert torch.equal(got.kept_index, ref.kept_index)
+        assert torch.equal(got.weight, ref.weight)
+
+
+def test_select_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def fake(policy, scores, counts, quota, uniforms=None):
+        calls.append(policy)
+        return "fused"
+
+    monkeypatch.setattr(kernels, "select_triton", fake)
+    monkeypatch.setattr(scoring, "use_triton", lambda *tensors: True)
+    scores, counts, quota, uniforms = _case([torch.rand(6)], [2])
+    assert scoring.select("topk", scores, counts, quota) == "fused"
+    assert scoring.select("sample", scores, counts, quota, uniforms) == "fused"
+    assert calls == ["topk", "sample"]
+    # Argument errors are raised before dispatching, the same on both paths.
+    with pytest.raises(ValueError, match="unknown selection policy"):
+        scoring.select("random", scores, counts, quota)
+    with pytest.raises(ValueError, match="needs uniforms"):
+        scoring.select("sample", scores, counts, quota)
+    monkeypatch.setattr(scoring, "use_triton", lambda *tensors: False)
+    assert isinstance(scoring.select("topk", scores, counts, quota), scoring.Selection)
+
+
+def test_select_triton_rejects_host_tensors_without_the_interpreter() -> None:
+    if INTERPRETING or not triton_kernels.triton_available():
+        pytest.skip("needs triton, outside the interpreter")
+    scores, counts, quota, uniforms = _case([torch.rand(6)], [2])
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        kernels.select_triton("topk", scores, counts, quota)
+
+
+@cuda
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_gpu_matches_cpu_reference(policy: str) -> None:
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    cases = [_random_case(rng, gen) for _ in range(30)] + list(_adversarial_cases().values())
+    for scores, counts, quota, uniforms in cases:
+        for block in (16, None):
+            _check(policy, (scores.cuda(), counts, quota, uniforms.cuda()), block=block)
+    # Through the dispatcher, host uniforms and device counts (one sync) included.
+    scores, counts, quota, uniforms = cases[0]
+    got = scoring.select(policy, scores.cuda(), counts.cuda(), quota.cuda(), uniforms)
+    if policy == "topk":
+        ref = scoring.select_topk(scores, counts, quota)
+    else:
+        ref = scoring.select_sample(scores, counts, quota, uniforms)
+    assert torch.equal(got.kept_index.cpu(), ref.kept_index)
+    assert torch.equal(got.weight.cpu(), ref.weight)
+
+
+# --------------------------------------------------------------------------------------------
+# run under TRITON_INTERPRET=1 (subprocess): host tensors, kernels interpreted
+# --------------------------------------------------------------------------------------------
+
+
+@interp
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_interp_random_cases(policy: str) -> None:
+    rng, gen = random.Random(1), torch.Generator().manual_seed(1)
+    for _ in range(10):
+        _check(policy, _random_case(rng, gen), block=BLOCK)
+
+
+@interp
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_interp_adversarial_cases(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    tables = []
+    segment_table = kernels._segment_table
+
+    def recording(*args, **kw):
+        tables.append(segment_table(*args, **kw))
+        return tables[-1]
+
+    monkeypatch.setattr(kernels, "_segment_table", recording)
+    seen: set[str] = set()
+    for name, case in _adversarial_cases().items():
+        tables.clear()
+        _check(policy, case, block=BLOCK)
+        if policy != "sample" or not tables or int(case[2].sum()) == 0:
+            continue
+        t = tables[0]
+        for g in range(case[1].numel()):
+            if int(case[2][g]) == 0:
+                continue
+            c_star, grow = int(t[kernels._CSTAR, g]), int(t[kernels._GROW, g])
+            moved1 = int(t[kernels._WIN_HI, g]) > int(t[kernels._WIN_LO, g])
+            moved2 = int(t[kernels._RFULL, g]) > 0 or int(t[kernels._REST, g]) > 0
+            seen |= {"capped"} if c_star > 0 else set()
+            seen |= {"capped across block chunks"} if c_star > BLOCK * BLOCK else set()
+            seen |= {"all capped"} if c_star == int(case[1][g]) else set()
+            seen |= {f"pass 1 {'grow' if grow & 1 else 'shrink'}"} if moved1 else set()
+            seen |= {f"pass 2 {'grow' if grow & 2 else 'shrink'}"} if moved2 else set()
+            if moved2 and int(t[kernels._RFULL, g]) > c_star:
+                seen.add("pass 2 fills whole rows")
+    if policy == "sample":
+        assert seen >= {
+            "capped",
+            "capped across block chunks",
+            "all capped",
+            "pass 1 grow",
+            "pass 1 shrink",
+            "pass 2 grow",
+            "pass 2 shrink",
+            "pass 2 fills whole rows",
+        }, seen
+
+
+@interp
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_interp_block_sizes_and_dtypes(policy: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    scores = torch.rand(300, generator=gen) ** 3
+    counts, quota = torch.tensor([7, 0, 200, 93]), torch.tensor([3, 0, 71, 93])
+    uniforms = torch.rand(4, generator=gen, dtype=torch.float64)
+    for block in (16, 64, 256):
+        _check(policy, (scores, counts, quota, uniforms), block=block)
+    # Scores are compared at fp32 (bf16 and fp64 are converted first, as in the reference);
+    # fp32 uniforms are widened exactly.
+    for scores_dtype in (torch.bfloat16, torch.float64):
+        _check(policy, (scores.to(scores_dtype), counts, quota, uniforms.float()), block=32)
+
+
+@interp
+def test_interp_empty_inputs() -> None:
+    for policy in ("topk", "sample"):
+        _check(policy, _case([], []), block=BLOCK)
+        _check(policy, _case([torch.zeros(0), torch.zeros(0)], [0, 0]), block=BLOCK)
+        _check(policy, _case([torch.rand(5)], [0]), block=BLOCK)
+
+
+@interp
+def test_interp_rejects_what_the_reference_rejects() -> None:
+    scores, counts, quota, uniforms = _case([torch.rand(4), torch.rand(2)], [1, 1])
+    with pytest.raises(ValueError, match="unknown selection policy"):
+        kernels.select_triton("best", scores, counts, quota, uniforms)
+    with pytest.raises(ValueError, match="needs uniforms"):
+        kernels.select_triton("sample", scores, counts, quota)
+    with pytest.raises(ValueError, match="segment 1"):
+        kernels.select_triton("topk", scores, counts, torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="add up"):
+        kernels.select_triton("topk", scores, torch.tensor([4, 1]), quota)
+    with pytest.raises(ValueError, match="uniforms must be"):
+        kernels.select_triton("sample", scores, counts, quota, torch.rand(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.select_triton("topk", scores, counts, quota, block=24)
