@@ -2,7 +2,7 @@
 # The GPU evidence of the layer in one command: CUDA unit tests, selection micro-benchmark,
 # layer benchmark at EP=1 (and EP=2 when two GPUs are visible), bf16 equivalence with stock.
 #
-#   bash benchmarks/gpu_suite.sh OUT_DIR [--quick]
+#   bash benchmarks/gpu_suite.sh OUT_DIR [--quick]      (SKIP_SELECT_BENCH=1 skips that step)
 #
 # Needs: torch with CUDA, triton, pytest, megatron-core 0.19.2 importable (e.g. from a wheel,
 # see ../shared/GPU.md), this checkout on PYTHONPATH. Every step runs even if an earlier one
@@ -33,7 +33,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 git rev-parse HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 step cuda_tests python3 -m pytest -q -p no:cacheprovider -W ignore -k "cuda" \
   tests/test_ops.py tests/test_triton_kernels.py tests/test_select_kernels.py
-if [ -f benchmarks/select_bench.py ]; then
+if [ -f benchmarks/select_bench.py ] && [ -z "${SKIP_SELECT_BENCH:-}" ]; then
   step select_bench python3 benchmarks/select_bench.py --out "$out/select_bench.json"
 fi
 # shellcheck disable=SC2086
