@@ -239,9 +239,11 @@ class TrimmedMoEFunction(torch.autograd.Function):
     | x       | [R, H]     | ``save`` mode at EP > 1: received rows (remote tokens)        |
     | out     | [T, H]     | ``sum_k p * z`` per token (fp32 sum, one rounding)             |
 
-    ``z``, ``h`` and ``x`` are held on ``ctx`` rather than by ``save_for_backward`` so that each
-    is released as soon as the backward has taken what it needs from it (saved-tensor hooks,
-    e.g. activation offloading, do not see them).
+    Without saved-tensor hooks, ``z``, ``h`` and ``x`` are held on ``ctx`` so that each is
+    released as soon as the backward has taken what it needs from it (the backward's peak stays
+    below keep 1's). Under saved-tensor hooks (non-reentrant activation checkpointing, activation
+    offloading) they go through ``save_for_backward`` like everything else, so the hooks can
+    drop, recompute or offload them.
     """
 
     @staticmethod
@@ -253,25 +255,33 @@ class TrimmedMoEFunction(torch.autograd.Function):
         z = call.to_sources(z)
         out = gather_sum(z, perm.slot_pair, scale=probs)
         ctx.call = call
-        ctx.save_for_backward(hidden, probs, w1, w2)
-        ctx.z = z
-        ctx.h = h if save else None
+        h = h if save else None
         # At EP 1 every received row is a local token: read it from ``hidden`` instead.
-        ctx.x = x if save and plan.ep_size > 1 else None
+        x = x if save and plan.ep_size > 1 else None
+        ctx.stashed = not _saved_tensor_hooks_active()
+        if ctx.stashed:
+            ctx.save_for_backward(hidden, probs, w1, w2)
+            ctx.z, ctx.h, ctx.x = z, h, x
+        else:
+            ctx.save_for_backward(hidden, probs, w1, w2, z, h, x)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         call: ExpertCall = ctx.call
-        hidden, probs, w1, w2 = ctx.saved_tensors
+        if ctx.stashed:
+            hidden, probs, w1, w2 = ctx.saved_tensors
+            z, ctx.z = ctx.z, None
+        else:
+            hidden, probs, w1, w2, z, ctx.h, ctx.x = ctx.saved_tensors
         perm = call.perm
         stats = call.stats
         timer = SpanTimer(grad_out.device) if stats is not None else None
         g = grad_out.contiguous()
 
         # Router gradient, exact for every pair: d probs = <g_token, z_pair>; then z goes.
-        d_probs = row_dot(g, ctx.z, probs.dtype, a_index=perm.token_of_pair)
-        ctx.z = None
+        d_probs = row_dot(g, z, probs.dtype, a_index=perm.token_of_pair)
+        del z
 
         key = call.sample_stream() if call.sample_stream is not None else ()
         kept = select_kept(call, g, hidden, probs, key, timer)
@@ -289,13 +299,21 @@ class TrimmedMoEFunction(torch.autograd.Function):
         )
         d_hidden = return_dx(call, kept, dx_k) if dx_k is not None else None
 
-        # Non-finite scores must reach Megatron's NaN check, never hide in a selection.
-        dw1 = dw1 + kept.poison.to(dw1.dtype)
-        dw2 = dw2 + kept.poison.to(dw2.dtype)
-        d_probs = d_probs + kept.poison.to(d_probs.dtype)
+        # Non-finite scores must reach Megatron's NaN check, never hide in a selection: one
+        # element of each expert weight gradient is enough for the norm (not a full-size add).
+        for grad in (dw1, dw2):
+            grad.view(-1)[:1].add_(kept.poison.to(grad.dtype))
+        d_probs.add_(kept.poison.to(d_probs.dtype))
         if stats is not None:
             _record_trimmed(call, g, kept, timer)
         return d_hidden, d_probs, None, dw1, dw2
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (checkpointing, offloading) are in force for this forward."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    # Without the (private) query, assume hooks: save_for_backward is always correct.
+    return True if top is None else top(False) is not None
 
 
 def _uniforms(call: ExpertCall, key: tuple[int, ...], n: int) -> torch.Tensor:

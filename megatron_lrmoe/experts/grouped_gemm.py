@@ -151,18 +151,21 @@ class GroupSizes:
         self._offs_cache[device] = offs
         return offs
 
-    def empty_mask(self, device: torch.device) -> torch.Tensor | None:
-        """Returns a bool ``[G]`` mask of empty groups on ``device``, or ``None`` if none is empty.
+    def zero_empty_groups(self, out: torch.Tensor) -> None:
+        """Zero ``out[g]`` for every empty group ``g`` (``out`` is ``[G, ...]``), no sync.
 
-        With host sizes the ``None`` answer is exact; with device counts a mask is always
-        returned (deciding would need a sync).
+        With host sizes only the empty slices are written; with device counts a broadcast mask
+        covers the whole tensor (deciding which slices are empty would need a sync).
         """
         if self.sizes is not None:
-            if all(c > 0 for c in self.sizes):
-                return None
-            return _to_device(torch.tensor([c == 0 for c in self.sizes]), device)
+            empty = [g for g, c in enumerate(self.sizes) if c == 0]
+            if empty:
+                index = _to_device(torch.tensor(empty, dtype=torch.int64), out.device)
+                out.index_fill_(0, index, 0)
+            return
         assert self._device_counts is not None
-        return self._device_counts.to(device) == 0
+        mask = self._device_counts.to(out.device) == 0
+        out.masked_fill_(mask.view((-1,) + (1,) * (out.dim() - 1)), 0)
 
 
 Counts = Union[torch.Tensor, Sequence[int], GroupSizes]
@@ -410,11 +413,9 @@ def grouped_mm_tn(
         # ``a.t()`` of a row-major ``[N, M]`` is column-major ``[M, N]`` with stride M, which the
         # kernel accepts as is when M is aligned (already required by the backend choice).
         out = F.grouped_mm(_row_major(a).t(), _row_major(b), offs=groups.offsets(a.device))
-        empty = groups.empty_mask(a.device)
-        if empty is not None:
-            # Some kernels (reported on sm100) leave empty groups' outputs unwritten; zero them
-            # from the host-known mask rather than trusting every kernel version.
-            out.masked_fill_(empty.view(-1, 1, 1), 0)
+        # Some kernels (reported on sm100) leave empty groups' outputs unwritten; zero them
+        # rather than trusting every kernel version.
+        groups.zero_empty_groups(out)
         return out if out.dtype == dtype else out.to(dtype)
     out = torch.zeros((g_count, m, k), dtype=dtype, device=a.device)
     for g, s, e in _spans(groups):
