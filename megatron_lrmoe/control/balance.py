@@ -382,17 +382,16 @@ def min_max_lists(
     ``amounts[i]``, within ``edge_cap``). Rigid load (experts with one holder) goes in ``base``.
 
     Method: a probe at peak T gives every rank the limit ``min(T, rank_cap)``; while some rank is
-    over its limit, a breadth-first search from the over ranks (rank g -> item i with pairs on g
-    -> rank h holding i, with edge room) looks for a rank under its limit and moves the path's
-    bottleneck along it (intermediate ranks keep their load). If no such path exists, the ranks R
-    it reached hold only load that cannot leave R in any assignment (every item with pairs on R
-    has its other holders in R or its edges there full), so the optimum T* satisfies
-    ``sum_R min(T*, cap) >= load(R)``: a proven lower bound. Moves never raise a rank above its
-    limit, so the assignment stays valid and its peak never rises. The search first meets the
-    rank caps (T unbounded; failing that the instance is infeasible), then probes ``peak - 1``,
-    ``peak - 2``, ``peak - 4``, ... (from a near-optimal start the first failure usually proves
-    optimality) and bisects between the lower bound (``max(max base, ceil(total / P))``, raised
-    by every failed probe) and the peak.
+    over its limit, Dinic phases on the residual graph implicit in the assignment (rank g -> item
+    i with pairs on g -> rank h holding i, with edge room) move pairs from over ranks to ranks
+    under their limit; ranks along a path keep their load. If no path is left, the ranks R the
+    search reached hold only load that cannot leave R in any assignment (every item with pairs
+    on R has its other holders in R or its edges there full), so the optimum T* satisfies
+    ``sum_R min(T*, cap) >= load(R)``: a proven lower bound, and the next probe. The first probe
+    is the lower bound ``max(max base, ceil(total / P))``, after the rank caps alone have been met
+    (failing that, the instance is infeasible); every probe is a lower bound and the loop ends
+    when one succeeds, so the result is optimal. Moves never lift a rank above its limit, so the
+    assignment stays valid throughout; from a near-optimal start it takes two or three probes.
 
     Returns:
         ``(assignment per item per holder, load per rank)``, or None when the rank capacities
@@ -417,18 +416,14 @@ def min_max_lists(
             return None
     low = max(max(base), -(-sum(load) // num_ranks))
     high = max(load)
-    step = 1
     while low < high:
-        probe = max(low, high - step)
-        limit = [probe if c is None else min(probe, c) for c in caps]
+        limit = [low if c is None else min(low, c) for c in caps]
         done, bound = _rebalance(load, x, holders, at_rank, limit, caps, edge_cap)
         if done:
             high = max(load)
-            step *= 2
         else:
-            assert bound is not None and bound > probe, "a failed probe must prove a bound"
-            low = max(low, bound)
-            step = max(1, (high - low) // 2)
+            assert bound is not None and bound > low, "a failed probe must prove a bound"
+            low = bound
     return x, load
 
 

@@ -885,7 +885,11 @@ def plan_call(
         uncapped_quota=torch.from_numpy(q0),
         quota=torch.from_numpy(plan.quota),
         quota_cap=cap,
-        source_quota=None if plan.source_quota is None else torch.from_numpy(plan.source_quota),
+        source_quota=(
+            None
+            if plan.source_quota is None
+            else torch.from_numpy(np.ascontiguousarray(plan.source_quota))
+        ),
         holds=torch.from_numpy(call.holds),
         forward_load=torch.from_numpy(call.forward_load),
         backward_load=torch.from_numpy(plan.backward_load),

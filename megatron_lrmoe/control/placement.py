@@ -147,18 +147,18 @@ def place_replicas(
     """
     num_experts = int(expert_load.shape[0])
     local = num_experts // max(num_ranks, 1)
-    loads = [int(x) for x in expert_load.tolist()]
-    rank_load = [sum(loads[g * local : (g + 1) * local]) for g in range(num_ranks)]
     empty = np.zeros(0, dtype=np.int64)
+    by_rank = expert_load.reshape(max(num_ranks, 1), local)
+    rank_load = by_rank.sum(1).tolist()
     top = max(rank_load, default=0)
     total = sum(rank_load)
-    low = max(-(-total // max(num_ranks, 1)), max((-(-x // num_ranks) for x in loads), default=0))
+    low = max(-(-total // max(num_ranks, 1)), int((-(-expert_load // num_ranks)).max(initial=0)))
     if num_ranks <= 1 or top <= low:
         return Placement(top, empty, empty, empty, 0)
-    hot_first = [
-        sorted(range(g * local, (g + 1) * local), key=lambda e: (-loads[e], e))
-        for g in range(num_ranks)
-    ]
+    loads = expert_load.tolist()
+    # Owned experts hottest first (stable: ties to the lower id), as global ids.
+    order = np.argsort(-by_rank, axis=1, kind="stable") + np.arange(num_ranks)[:, None] * local
+    hot_first = order.tolist()
     runs = 0
 
     def attempt(threshold: int) -> Optional[list[tuple[int, int, int]]]:
@@ -175,7 +175,7 @@ def place_replicas(
         best_t, best = low, moves
     else:
         # Gallop up from the lower bound, then bisect the last bracket.
-        bad, step = low, max(1, low >> 7)
+        bad, step = low, max(1, int(tolerance * low), low >> 10)
         while True:
             trial = bad + step
             if trial >= top:

@@ -126,22 +126,23 @@ def split_np(counts: np.ndarray, quota: np.ndarray) -> np.ndarray:
     """:func:`split_quota_over_sources` on host int64 arrays, columns = groups (no validation).
 
     ``counts`` is ``[P, G]`` (sources x groups, a group being an expert or an (expert, holder)
-    sub-chunk), ``quota`` ``[G]`` with ``quota <= counts.sum(0)``. Only groups with units left
-    after the floors are ranked, by the unique key ``remainder * P + (P - 1 - source)`` (larger
-    first: remainder descending, then the lower source), so one row sort and a threshold replace
-    the stable arg-sort.
+    sub-chunk), ``quota`` ``[G]`` with ``quota <= counts.sum(0)``. Works group-major: sources are
+    ranked by the unique key ``remainder * P + (P - 1 - source)`` (larger first: remainder
+    descending, then the lower source), so one sort per group row and a threshold on the
+    ``leftover``-th largest key replace the stable arg-sort.
     """
     num_sources = counts.shape[0]
-    total = counts.sum(0)
-    numer = quota[None, :] * counts
-    denom = np.maximum(total, 1)
-    base = numer // denom[None, :]
-    leftover = quota - base.sum(0)
-    cols = np.flatnonzero(leftover)
-    if cols.size:
-        remainder = (numer[:, cols] - base[:, cols] * denom[None, cols]).T
-        key = remainder * num_sources + (num_sources - 1 - np.arange(num_sources))[None, :]
+    by_group = counts.T
+    total = by_group.sum(1)
+    base, key = np.divmod(quota[:, None] * by_group, np.maximum(total, 1)[:, None])
+    leftover = quota - base.sum(1)
+    if leftover.any():
+        key *= num_sources
+        key += num_sources - 1 - np.arange(num_sources)
         ranked = np.sort(key, axis=1)
-        threshold = ranked[np.arange(cols.size), num_sources - leftover[cols]]
-        base[:, cols] += (key >= threshold[:, None]).T
-    return base
+        threshold = ranked[
+            np.arange(key.shape[0]), np.minimum(num_sources - leftover, num_sources - 1)
+        ]
+        threshold[leftover == 0] = np.iinfo(np.int64).max
+        base += key >= threshold[:, None]
+    return base.T
