@@ -367,6 +367,36 @@ def _rebalance(
                 load[g] -= moved
 
 
+def _component_bound(
+    load: list[int], holders: list[list[int]], caps: list[Optional[int]]
+) -> Optional[int]:
+    """Lower bound on the peak: load never leaves a connected component of the holder graph
+    (ranks linked by the items they share), so each component C needs
+    ``sum_C min(T, cap) >= load(C)``; None if some component cannot fit under its caps."""
+    parent = list(range(len(load)))
+
+    def root(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    for ranks in holders:
+        first = root(ranks[0])
+        for g in ranks[1:]:
+            parent[root(g)] = first
+    members: dict[int, list[int]] = {}
+    for g in range(len(load)):
+        members.setdefault(root(g), []).append(g)
+    bound = 0
+    for group in members.values():
+        level = _level([caps[g] for g in group], sum(load[g] for g in group))
+        if level is None:
+            return None
+        bound = max(bound, level)
+    return bound
+
+
 def min_max_lists(
     base: list[int],
     amounts: list[int],
@@ -388,9 +418,9 @@ def min_max_lists(
     search reached hold only load that cannot leave R in any assignment (every item with pairs
     on R has its other holders in R or its edges there full), so the optimum T* satisfies
     ``sum_R min(T*, cap) >= load(R)``: a proven lower bound, and the next probe. The first probe
-    is the lower bound ``max(max base, ceil(total / P))``, after the rank caps alone have been met
-    (failing that, the instance is infeasible); every probe is a lower bound and the loop ends
-    when one succeeds, so the result is optimal. Moves never lift a rank above its limit, so the
+    is the same bound over each connected component of the holder graph (ranks linked by shared
+    items), after the rank caps alone have been met (failing that, the instance is infeasible);
+    every probe is a lower bound and the loop ends when one succeeds, so the result is optimal. Moves never lift a rank above its limit, so the
     assignment stays valid throughout; from a near-optimal start it takes two or three probes.
 
     Returns:
@@ -414,7 +444,9 @@ def min_max_lists(
         unbounded = [c if c is not None else max(load) for c in caps]
         if not _rebalance(load, x, holders, at_rank, unbounded, caps, edge_cap)[0]:
             return None
-    low = max(max(base), -(-sum(load) // num_ranks))
+    low = _component_bound(load, holders, caps)
+    if low is None:
+        return None
     high = max(load)
     while low < high:
         limit = [low if c is None else min(low, c) for c in caps]

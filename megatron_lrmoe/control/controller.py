@@ -37,12 +37,13 @@ config give the same plan on every rank (ties: lower expert id, lower rank).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -157,12 +158,12 @@ class ControlPlan:
         fixed_forward_peak: Peak forward load without replicas (fixed ownership).
         fixed_backward_peak: Peak backward load of the same quotas without replicas.
         threshold: The placement search's threshold (the greedy's peak bound).
-        memory: Planned bytes per rank, or None without a cost model.
         memory_budget_bytes, exchange_budget_bytes, max_replicas_per_rank: The limits planned to.
         trimmed_pairs: Pairs the budgets removed, ``sum(uncapped_quota - quota)``.
         binding_budgets: Budgets that trimmed the quotas (``"memory"``, ``"exchange"``).
         unmet_budgets: Budgets that even quota 0 does not meet this call (then quota is 0).
         planner_time_s: Wall time of :func:`plan_call`.
+        memory: (property) Planned bytes per rank, or None without a cost model.
     """
 
     ep_rank: int
@@ -185,7 +186,6 @@ class ControlPlan:
     fixed_forward_peak: int
     fixed_backward_peak: int
     threshold: int
-    memory: Optional[MemoryPlan]
     memory_budget_bytes: Optional[int]
     exchange_budget_bytes: Optional[int]
     max_replicas_per_rank: int
@@ -198,6 +198,13 @@ class ControlPlan:
     save_groups: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default=None, repr=False
     )
+    # Builds ``memory`` on first use (the per-rank byte arrays cost a dozen array ops).
+    memory_builder: Optional[Callable[[], MemoryPlan]] = field(default=None, repr=False)
+
+    @cached_property
+    def memory(self) -> Optional[MemoryPlan]:
+        """Planned bytes per rank next to fixed ownership's, or None without a cost model."""
+        return None if self.memory_builder is None else self.memory_builder()
 
     # ----------------------------------------------------------------------------------------- #
     # Derived quantities
@@ -523,6 +530,7 @@ class _Call:
         self.num_sources, self.num_experts = n.shape
         self.local = self.num_experts // self.num_sources
         self.owner = np.arange(self.num_experts) // self.local
+        self.diagonal = (np.arange(self.num_experts), self.owner)  # (expert, owner) index
         self.w = n.sum(0)
         self.sent = n.sum(1)
         self.memory_budget = lrmoe.memory_budget_bytes if cost is not None else None
@@ -553,10 +561,8 @@ class _Call:
 
     def place(self) -> None:
         """Replicas, the exact forward split over them, and pruning of idle replicas."""
-        w, owner = self.w, self.owner
-        self.fixed_rank_load = np.bincount(owner, weights=w, minlength=self.num_sources).astype(
-            np.int64
-        )
+        w = self.w
+        self.fixed_rank_load = self.per_owner(w)
         self.threshold = int(self.fixed_rank_load.max(initial=0))
         self.holders = _Holders([], [], [])
         if self.lrmoe.max_replicas_per_rank > 0 and self.num_sources > 1:
@@ -565,14 +571,22 @@ class _Call:
             if placement.replica_expert.size:
                 self.holders = self._polish(placement, self.exact_forward)
         forward = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
-        forward[np.arange(self.num_experts), owner] = w
-        for e, ranks, amounts in zip(*vars(self.holders).values()):
-            forward[e, ranks] = amounts
+        forward[self.diagonal] = w
+        self.holds = np.zeros(forward.shape, dtype=bool)
+        self.holds[self.diagonal] = True
+        if self.holders.experts:
+            for e, ranks, amounts in zip(*vars(self.holders).values()):
+                forward[e, ranks] = amounts
+            self.holds |= forward > 0
+            self.forward_rank_load = forward.sum(0)
+        else:
+            self.forward_rank_load = self.fixed_rank_load
         self.forward_load = forward
-        self.forward_rank_load = forward.sum(0)
-        self.holds = forward > 0
-        self.holds[np.arange(self.num_experts), owner] = True
         self.replicas_per_rank = self.holds.sum(0) - self.local
+
+    def per_owner(self, values: np.ndarray) -> np.ndarray:
+        """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
+        return values.reshape(self.num_sources, self.local).sum(1)
 
     def _polish(self, placement: Any, exact: bool) -> _Holders:
         """The greedy's forward split, or (``exact``) the exact min-max split over its holders
@@ -588,7 +602,7 @@ class _Call:
         experts = sorted(moved)
         rigid = np.ones(self.num_experts, dtype=bool)
         rigid[experts] = False
-        base = np.bincount(owner[rigid], weights=w[rigid], minlength=self.num_sources)
+        base = self.per_owner(w * rigid)
         ranks, initial = [], []
         for e in experts:
             held = dict(moved[e])
@@ -598,9 +612,7 @@ class _Call:
             initial.append([held[g] for g in order])
         if not exact:
             return _Holders(experts, ranks, initial)
-        result = min_max_lists(
-            base.astype(np.int64).tolist(), [int(w[e]) for e in experts], ranks, initial
-        )
+        result = min_max_lists(base.tolist(), [int(w[e]) for e in experts], ranks, initial)
         assert result is not None  # no capacities: always feasible
         kept = _Holders([], [], [])
         for e, order, amounts in zip(experts, ranks, result[0]):
@@ -647,10 +659,18 @@ class _Call:
         """
         owner, holders = self.owner, self.holders
         save = self.mode == "save"
+        caps = self.rank_caps(quota) if with_caps else None
+        if caps is not None and any(c < 0 for c in caps):
+            return None
+        load = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
+        if caps is None and not holders.experts:
+            # Fixed ownership, nothing to balance: every kept pair on its owner.
+            load[self.diagonal] = quota
+            plan = _Backward(quota, load, self.per_owner(quota), None, None)
+            return self._finish(plan)
         rigid = np.ones(self.num_experts, dtype=bool)
         rigid[holders.experts] = False
-        base = np.bincount(owner[rigid], weights=quota[rigid], minlength=self.num_sources)
-        base = base.astype(np.int64).tolist()
+        base = self.per_owner(quota * rigid).tolist()
         amounts, initial = [], []
         for e, forward in zip(holders.experts, holders.forward):
             q, total = int(quota[e]), int(self.w[e])
@@ -664,23 +684,19 @@ class _Call:
                     left -= 1
             amounts.append(q)
             initial.append(share)
-        caps = self.rank_caps(quota) if with_caps else None
-        if caps is not None and any(c < 0 for c in caps):
+        result = min_max_lists(
+            base, amounts, holders.ranks, initial, caps, holders.forward if save else None
+        )
+        if result is None:
             return None
-        if caps is None and not holders.experts:
-            rows, rank_load = [], base  # fixed ownership, nothing to balance
-        else:
-            result = min_max_lists(
-                base, amounts, holders.ranks, initial, caps, holders.forward if save else None
-            )
-            if result is None:
-                return None
-            rows, rank_load = result
-        load = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
+        rows, rank_load = result
         load[rigid, owner[rigid]] = quota[rigid]
         for e, ranks, row in zip(holders.experts, holders.ranks, rows):
             load[e, ranks] = row
         plan = _Backward(quota, load, np.asarray(rank_load, dtype=np.int64), None, None)
+        return self._finish(plan)
+
+    def _finish(self, plan: _Backward) -> _Backward:
         if self.local_scope:
             self._source_quota(plan)
         plan.failed = self.broken_budget(plan)
@@ -876,7 +892,7 @@ def plan_call(
     group = None
     if plan.save_groups is not None:
         group = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in plan.save_groups)
-    fixed_backward = np.bincount(call.owner, weights=plan.quota, minlength=num_sources)
+    fixed_backward = call.per_owner(plan.quota)
     result = ControlPlan(
         ep_rank=int(ep_rank),
         ep_size=num_sources,
@@ -902,7 +918,6 @@ def plan_call(
         fixed_forward_peak=int(call.fixed_rank_load.max(initial=0)),
         fixed_backward_peak=int(fixed_backward.max(initial=0)),
         threshold=call.threshold,
-        memory=_memory_plan(call, plan) if cost is not None else None,
         memory_budget_bytes=lrmoe.memory_budget_bytes,
         exchange_budget_bytes=lrmoe.exchange_budget_bytes,
         max_replicas_per_rank=lrmoe.max_replicas_per_rank,
@@ -911,6 +926,7 @@ def plan_call(
         unmet_budgets=unmet,
         planner_time_s=time.perf_counter() - start,
         save_groups=group,
+        memory_builder=None if cost is None else functools.partial(_memory_plan, call, plan),
     )
     if check if check is not None else lrmoe.debug_check_invariants:
         result.check_invariants()

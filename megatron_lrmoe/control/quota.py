@@ -22,6 +22,7 @@ __all__ = ["expert_quotas", "split_quota_over_sources", "quotas_np", "split_np",
 # about 16 digits, so noise in a ratio such as 0.1 + 0.2 or 1 - 0.7 never adds a pair.
 _ABS_TOL = 1e-9
 _REL_TOL = 1e-12
+_NO_UNIT = np.iinfo(np.int64).max  # a threshold no key reaches
 
 
 def _check_keep_ratio(keep_ratio: float) -> float:
@@ -143,6 +144,6 @@ def split_np(counts: np.ndarray, quota: np.ndarray) -> np.ndarray:
         threshold = ranked[
             np.arange(key.shape[0]), np.minimum(num_sources - leftover, num_sources - 1)
         ]
-        threshold[leftover == 0] = np.iinfo(np.int64).max
+        threshold[leftover == 0] = _NO_UNIT
         base += key >= threshold[:, None]
     return base.T
