@@ -226,6 +226,9 @@ def test_exchange_budget_limits_sent_and_received_rows() -> None:
         assert int(plan.source_quota.sum(1).max()) <= 40
         assert int(plan.backward_rank_load.max()) <= 40
         assert int(plan.memory.exchange_bytes.max()) <= budget
+        # With a memory budget that does not bind, only the exchange budget is named.
+        both = dataclasses.replace(lrmoe, memory_budget_bytes=10**12)
+        assert plan_call(counts, 0, both, COST, check=True).binding_budgets == ("exchange",)
 
 
 def test_auto_mode_picks_recompute_when_saving_does_not_fit() -> None:

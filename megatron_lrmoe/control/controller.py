@@ -743,17 +743,16 @@ class _Call:
         plan = self.backward(q0, with_caps=False)
         if not plan.failed:
             return plan, None, (), ()
-        first = plan.failed
         plan = self.backward(q0, with_caps=True)
         if plan is not None and not plan.failed:
             return plan, None, (), ()  # the caps only moved pairs between holders
         zero = self.backward(np.zeros_like(q0), with_caps=True)
         if zero is None or zero.failed:
-            plan = self.backward(np.zeros_like(q0), with_caps=False)
-            unmet = zero.failed if zero is not None else "memory"
-            return plan, 0, (unmet,), (unmet,)
+            # Quota 0 sends nothing, so only the memory budget can stay broken: the saved
+            # activations and replicas alone exceed it. Keep no pair, report, never raise.
+            return self.backward(np.zeros_like(q0), with_caps=False), 0, ("memory",), ("memory",)
         # Bisection on the common cap: lo always feasible, hi never.
-        lo, hi, best, reason = 0, int(q0.max(initial=0)), zero, first
+        lo, hi, best = 0, int(q0.max(initial=0)), zero
         while hi - lo > 1:
             mid = (lo + hi) // 2
             trial = self.backward(np.minimum(q0, mid), with_caps=True)
@@ -761,12 +760,24 @@ class _Call:
                 lo, best = mid, trial
             else:
                 hi = mid
-                reason = trial.failed if trial is not None else _cap_reason(self)
-        return best, lo, (reason,), ()
+        return best, lo, self.binding(hi), ()
 
-
-def _cap_reason(call: _Call) -> str:
-    return "memory" if call.memory_budget is not None else "exchange"
+    def binding(self, cap: int) -> tuple[str, ...]:
+        """The budgets that each alone rule out the quota cap ``cap``."""
+        budgets = {"memory": self.memory_budget, "exchange": self.exchange_budget}
+        names = [name for name, value in budgets.items() if value is not None]
+        if len(names) == 1:
+            return tuple(names)
+        quota = np.minimum(self.q0, cap)
+        found = []
+        for name in names:
+            self.memory_budget = budgets["memory"] if name == "memory" else None
+            self.exchange_budget = budgets["exchange"] if name == "exchange" else None
+            trial = self.backward(quota, with_caps=True)
+            if trial is None or trial.failed:
+                found.append(name)
+        self.memory_budget, self.exchange_budget = budgets["memory"], budgets["exchange"]
+        return tuple(found) or tuple(names)
 
 
 def _groups(
