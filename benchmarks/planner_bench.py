@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
     small = small_cases(args.small_cases)
     print("small cases vs brute-force optimum:", json.dumps(small))
+    calibration = median_us(lambda: sum(range(10**6)), 11)[1] / 1e3
+    print(f"calibration: sum(range(10**6)) takes {calibration:.1f} CPU ms here")
     result = {
         "settings": {
             "keep_ratio": KEEP,
@@ -264,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
             "budget": "memory_budget_bytes = 0.9 x the unbounded replicas_save plan's peak",
         },
         "machine": {
+            # CPU ms of sum(range(10**6)): about 10-15 ms on an idle modern x86 core; scale the
+            # timings by it to compare machines.
+            "calibration_ms": round(median_us(lambda: sum(range(10**6)), 11)[1] / 1e3, 2),
             "python": platform.python_version(),
             "numpy": np.__version__,
             "torch": torch.__version__,

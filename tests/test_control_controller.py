@@ -42,8 +42,8 @@ def zipf_counts(num_ranks: int, num_experts: int, exponent: float, pairs: int, s
 
 
 def _same(a: ControlPlan, b: ControlPlan) -> None:
-    for name in [f.name for f in dataclasses.fields(ControlPlan)] + ["memory"]:
-        if name in ("planner_time_s", "memory_builder"):
+    for name in [f.name for f in dataclasses.fields(ControlPlan)] + ["memory", "source_quota"]:
+        if name in ("planner_time_s", "memory_builder", "source_split"):
             continue
         x, y = getattr(a, name), getattr(b, name)
         if isinstance(x, torch.Tensor):
@@ -87,6 +87,13 @@ def test_invariants_and_determinism_on_random_loads() -> None:
         if lrmoe.activation_mode != "auto":
             assert plan.activation_mode == lrmoe.activation_mode
         assert (plan.source_quota is None) == (lrmoe.scope == "global")
+        if plan.source_quota is not None:
+            # What one rank reads of the split: its row and its experts' columns.
+            fresh = plan_call(counts, rank, lrmoe, COST)  # nothing computed in full yet
+            local = num_experts // num_ranks
+            row, mine = fresh.source_quota_row(rank), slice(rank * local, (rank + 1) * local)
+            assert torch.equal(row, plan.source_quota[rank])
+            assert torch.equal(fresh.source_quota_columns(mine), plan.source_quota[:, mine])
         _same(plan, plan_call(counts.copy(), rank, lrmoe, COST))
         # The same plan on every rank, up to the rank's own index.
         other = plan_call(torch.from_numpy(counts), (rank + 1) % num_ranks, lrmoe, COST)

@@ -52,7 +52,7 @@ from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.control.balance import interval_split_np, min_max_lists
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.placement import place_replicas
-from megatron_lrmoe.control.quota import quotas_np, split_np
+from megatron_lrmoe.control.quota import SourceSplit, quotas_np, split_np
 
 __all__ = [
     "ControlPlan",
@@ -144,7 +144,9 @@ class ControlPlan:
         uncapped_quota: ``[E]`` ``ceil(keep_ratio * W)``, the upper bound.
         quota: ``[E]`` pairs of expert e kept for backward, ``min(uncapped_quota, quota_cap)``.
         quota_cap: The common per-expert cap the budgets forced, or None when none bound.
-        source_quota: ``[P, E]`` kept pairs per (source, expert) chunk (scope local), else None.
+        source_split: Kept pairs per (source, expert) chunk (scope local), else None; computed in
+            full on first use. ``source_quota`` (property) is the full ``[P, E]`` tensor;
+            ``source_quota_row`` / ``source_quota_columns`` give what one rank needs for less.
         holds: ``[E, P]`` bool, rank g holds expert e this call (owner always, replicas).
         forward_load: ``[E, P]`` A, pairs of e computed on g in forward.
         backward_load: ``[E, P]`` B, kept pairs of e whose backward runs on g.
@@ -173,7 +175,7 @@ class ControlPlan:
     uncapped_quota: torch.Tensor
     quota: torch.Tensor
     quota_cap: Optional[int]
-    source_quota: Optional[torch.Tensor]
+    source_split: Optional[SourceSplit]
     holds: torch.Tensor
     forward_load: torch.Tensor
     backward_load: torch.Tensor
@@ -200,6 +202,23 @@ class ControlPlan:
     )
     # Builds ``memory`` on first use (the per-rank byte arrays cost a dozen array ops).
     memory_builder: Optional[Callable[[], MemoryPlan]] = field(default=None, repr=False)
+
+    @cached_property
+    def source_quota(self) -> Optional[torch.Tensor]:
+        """``[P, E]`` kept pairs per (source, expert) chunk (scope local), else None."""
+        return None if self.source_split is None else torch.from_numpy(self.source_split.full())
+
+    def source_quota_row(self, source: int) -> Optional[torch.Tensor]:
+        """``[E]`` row ``source`` of :attr:`source_quota` (what that source keeps per expert)."""
+        return (
+            None if self.source_split is None else torch.from_numpy(self.source_split.row(source))
+        )
+
+    def source_quota_columns(self, experts: slice) -> Optional[torch.Tensor]:
+        """``[P, len]`` columns of :attr:`source_quota` (what each source keeps of ``experts``)."""
+        if self.source_split is None:
+            return None
+        return torch.from_numpy(self.source_split.columns(experts))
 
     @cached_property
     def memory(self) -> Optional[MemoryPlan]:
@@ -508,7 +527,7 @@ class _Backward:
     quota: np.ndarray
     backward_load: np.ndarray  # [E, P]
     rank_load: np.ndarray  # [P]
-    source_quota: Optional[np.ndarray]
+    source: Optional[SourceSplit]
     save_groups: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]
     failed: str = ""  # the budget it breaks ("" when within budgets)
 
@@ -703,22 +722,28 @@ class _Call:
         return plan
 
     def _source_quota(self, plan: _Backward) -> None:
-        """Per-source kept pairs; save mode re-splits replicated experts per forward holder."""
+        """Per-source kept pairs; save mode re-splits replicated experts per forward holder.
+
+        Without that re-split the largest-remainder split is left to be computed on first use
+        (``SourceSplit``): a rank's op needs only its own row and columns.
+        """
         n, quota = self.n, plan.quota
-        source = split_np(n, quota)
         if self.mode == "save" and self.holders.experts:
+            source = split_np(n, quota)
             experts = np.asarray(self.holders.experts)
             group_expert, group_rank, fwd = _groups(n, self.forward_load, self.owner, experts)
             kept = split_np(fwd, plan.backward_load[group_expert, group_rank])
             starts = np.flatnonzero(np.r_[True, group_expert[1:] != group_expert[:-1]])
             source[:, experts] = np.add.reduceat(kept, starts, axis=1)
             plan.save_groups = (group_expert, group_rank, kept)
-        plan.source_quota = source
+            plan.source = SourceSplit(n, quota, np.ascontiguousarray(source))
+        else:
+            plan.source = SourceSplit(n, quota)
 
     def sent_rows(self, plan: _Backward) -> np.ndarray:
         """``[P]`` kept rows each source sends (scope global: the most its owner may pick)."""
-        if plan.source_quota is not None:
-            return plan.source_quota.sum(1)
+        if plan.source is not None:
+            return plan.source.full().sum(1)
         return np.minimum(self.n, plan.quota[None, :]).sum(1)
 
     def broken_budget(self, plan: _Backward) -> str:
@@ -912,11 +937,7 @@ def plan_call(
         uncapped_quota=torch.from_numpy(q0),
         quota=torch.from_numpy(plan.quota),
         quota_cap=cap,
-        source_quota=(
-            None
-            if plan.source_quota is None
-            else torch.from_numpy(np.ascontiguousarray(plan.source_quota))
-        ),
+        source_split=plan.source,
         holds=torch.from_numpy(call.holds),
         forward_load=torch.from_numpy(call.forward_load),
         backward_load=torch.from_numpy(plan.backward_load),

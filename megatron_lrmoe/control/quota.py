@@ -16,7 +16,14 @@ import torch
 
 from megatron_lrmoe.control._checks import long_tensor
 
-__all__ = ["expert_quotas", "split_quota_over_sources", "quotas_np", "split_np", "water_fill_np"]
+__all__ = [
+    "SourceSplit",
+    "expert_quotas",
+    "quotas_np",
+    "split_np",
+    "split_quota_over_sources",
+    "water_fill_np",
+]
 
 # A product keep_ratio * N within this much above an integer counts as that integer: float64 keeps
 # about 16 digits, so noise in a ratio such as 0.1 + 0.2 or 1 - 0.7 never adds a pair.
@@ -147,3 +154,47 @@ def split_np(counts: np.ndarray, quota: np.ndarray) -> np.ndarray:
         threshold[leftover == 0] = _NO_UNIT
         base += key >= threshold[:, None]
     return base.T
+
+
+class SourceSplit:
+    """The split of quotas over sources (:func:`split_np`), computed in full only when asked.
+
+    A rank's op needs one row (what it sends) and its own experts' columns (what it receives);
+    both cost a fraction of the full ``[P, E]`` split, which stays available (and cached).
+
+    Args:
+        counts: ``[P, E]`` int64 pairs per (source, expert).
+        quota: ``[E]`` int64 quotas.
+        matrix: The full split if already known (e.g. the controller's save-mode re-split).
+    """
+
+    def __init__(
+        self, counts: np.ndarray, quota: np.ndarray, matrix: np.ndarray | None = None
+    ) -> None:
+        self.counts, self.quota, self._matrix = counts, quota, matrix
+
+    def full(self) -> np.ndarray:
+        """``[P, E]`` int64, C-contiguous."""
+        if self._matrix is None:
+            self._matrix = np.ascontiguousarray(split_np(self.counts, self.quota))
+        return self._matrix
+
+    def row(self, source: int) -> np.ndarray:
+        """``[E]`` the split's row ``source`` (ranks it in each column without sorting)."""
+        if self._matrix is not None:
+            return self._matrix[source].copy()
+        num_sources = self.counts.shape[0]
+        base, key = np.divmod(
+            self.quota[None, :] * self.counts, np.maximum(self.counts.sum(0), 1)[None, :]
+        )
+        leftover = self.quota - base.sum(0)
+        key *= num_sources
+        key += (num_sources - 1 - np.arange(num_sources))[:, None]
+        ahead = np.count_nonzero(key > key[source][None, :], axis=0)
+        return base[source] + (ahead < leftover)
+
+    def columns(self, experts: np.ndarray | slice) -> np.ndarray:
+        """``[P, len(experts)]`` the split's columns ``experts``."""
+        if self._matrix is not None:
+            return self._matrix[:, experts].copy()
+        return np.ascontiguousarray(split_np(self.counts[:, experts], self.quota[experts]))
