@@ -197,11 +197,17 @@ class ControlPlan:
     planner_time_s: float
     # Save mode, replicated experts: (expert, holder, [P, groups] kept pairs) per forward
     # sub-chunk group with pairs; None otherwise (then backward splits follow the line rule).
-    save_groups: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
-        default=None, repr=False
-    )
     # Builds ``memory`` on first use (the per-rank byte arrays cost a dozen array ops).
     memory_builder: Optional[Callable[[], MemoryPlan]] = field(default=None, repr=False)
+
+    @cached_property
+    def save_groups(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Save mode with replicas, scope local: ``(expert, holder, [P, groups] kept pairs)`` of
+        every forward sub-chunk group with pairs; None otherwise (backward splits then follow
+        the line rule over ``backward_load``)."""
+        if not isinstance(self.source_split, _SaveSplit):
+            return None
+        return tuple(torch.from_numpy(a) for a in self.source_split.groups)
 
     @cached_property
     def source_quota(self) -> Optional[torch.Tensor]:
@@ -528,7 +534,6 @@ class _Backward:
     backward_load: np.ndarray  # [E, P]
     rank_load: np.ndarray  # [P]
     source: Optional[SourceSplit]
-    save_groups: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]
     failed: str = ""  # the budget it breaks ("" when within budgets)
 
 
@@ -729,14 +734,10 @@ class _Call:
         """
         n, quota = self.n, plan.quota
         if self.mode == "save" and self.holders.experts:
-            source = split_np(n, quota)
             experts = np.asarray(self.holders.experts)
-            group_expert, group_rank, fwd = _groups(n, self.forward_load, self.owner, experts)
-            kept = split_np(fwd, plan.backward_load[group_expert, group_rank])
-            starts = np.flatnonzero(np.r_[True, group_expert[1:] != group_expert[:-1]])
-            source[:, experts] = np.add.reduceat(kept, starts, axis=1)
-            plan.save_groups = (group_expert, group_rank, kept)
-            plan.source = SourceSplit(n, quota, np.ascontiguousarray(source))
+            plan.source = _SaveSplit(
+                n, quota, self.forward_load, self.owner, experts, plan.backward_load
+            )
         else:
             plan.source = SourceSplit(n, quota)
 
@@ -803,6 +804,63 @@ class _Call:
                 found.append(name)
         self.memory_budget, self.exchange_budget = budgets["memory"], budgets["exchange"]
         return tuple(found) or tuple(names)
+
+
+class _SaveSplit(SourceSplit):
+    """Save mode with replicas: a replicated expert's kept pairs per source are its holders'
+    ``B[e, g]``, each split over the sources in proportion to their pairs in that holder's
+    forward sub-chunk (largest remainder); other experts keep the plain split. Lazy too."""
+
+    def __init__(
+        self,
+        counts: np.ndarray,
+        quota: np.ndarray,
+        forward_load: np.ndarray,
+        owner: np.ndarray,
+        experts: np.ndarray,
+        backward_load: np.ndarray,
+    ) -> None:
+        super().__init__(counts, quota)
+        self.forward_load, self.owner, self.experts = forward_load, owner, experts
+        self.backward_load = backward_load
+
+    @cached_property
+    def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(expert, holder, [P, groups] kept pairs)`` per forward sub-chunk group."""
+        group_expert, group_rank, fwd = _groups(
+            self.counts, self.forward_load, self.owner, self.experts
+        )
+        kept = np.ascontiguousarray(split_np(fwd, self.backward_load[group_expert, group_rank]))
+        return group_expert, group_rank, kept
+
+    @cached_property
+    def replicated(self) -> np.ndarray:
+        """``[P, len(experts)]`` kept pairs per source of each replicated expert."""
+        group_expert, _, kept = self.groups
+        starts = np.flatnonzero(np.r_[True, group_expert[1:] != group_expert[:-1]])
+        return np.add.reduceat(kept, starts, axis=1)
+
+    def full(self) -> np.ndarray:
+        if self._matrix is None:
+            matrix = np.ascontiguousarray(split_np(self.counts, self.quota))
+            matrix[:, self.experts] = self.replicated
+            self._matrix = matrix
+        return self._matrix
+
+    def row(self, source: int) -> np.ndarray:
+        out = super().row(source)
+        out[self.experts] = self.replicated[source]
+        return out
+
+    def columns(self, experts: np.ndarray | slice) -> np.ndarray:
+        out = super().columns(experts)
+        ids = np.arange(self.counts.shape[1])[experts]
+        where = np.searchsorted(self.experts, ids)
+        hit = (where < self.experts.size) & (
+            self.experts[np.minimum(where, self.experts.size - 1)] == ids
+        )
+        out[:, hit] = self.replicated[:, where[hit]]
+        return out
 
 
 def _groups(
@@ -925,9 +983,6 @@ def plan_call(
         if not binding:
             break  # the first mode (save) keeps everything the keep ratio asks for
     call, plan, cap, binding, unmet = best
-    group = None
-    if plan.save_groups is not None:
-        group = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in plan.save_groups)
     fixed_backward = call.per_owner(plan.quota)
     result = ControlPlan(
         ep_rank=int(ep_rank),
@@ -957,7 +1012,6 @@ def plan_call(
         binding_budgets=binding,
         unmet_budgets=unmet,
         planner_time_s=time.perf_counter() - start,
-        save_groups=group,
         memory_builder=None if cost is None else functools.partial(_memory_plan, call, plan),
     )
     if check if check is not None else lrmoe.debug_check_invariants:
