@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -568,17 +567,19 @@ class _Call:
     def slots(self, threshold: int) -> list[int]:
         """Replica slots per rank at placement threshold T under the memory budget.
 
-        Reserves, for a rank whose forward load is T: its saved activations, its source-side rows
-        and the backward rows of its untrimmed quota (``ceil(keep * T)``), then counts how many
-        replicas fit in what is left. The quota has priority over replicas; the exact budget check
-        after the assignment trims if the reservation was not enough.
+        A rank whose forward load is T holds its saved activations and source-side rows whatever
+        the quota; replicas may use what is left, and the quotas get what the replicas leave (the
+        budget check after the assignment trims them). Replicas come first because the forward
+        is exact and its peak sets the step time, and in save mode they also spread a hot rank's
+        saved activations; a policy that reserved the untrimmed backward first placed no replica
+        at all under tight budgets, leaving skewed loads at fixed ownership's forward peak
+        (several times the balanced one) to keep a few per cent more pairs.
         """
         limit = self.lrmoe.max_replicas_per_rank
         if self.memory_budget is None or self.cost is None:
             return [limit] * self.num_sources
         cost, mode = self.cost, self.mode
-        kept = math.ceil(float(self.lrmoe.keep_ratio) * threshold)
-        fixed = cost.expert_saved_bytes(mode) * threshold + cost.backward_bytes(mode) * kept
+        fixed = cost.expert_saved_bytes(mode) * threshold
         per_source = cost.source_saved_bytes(mode, keeps_all=self.lrmoe.is_exact)
         room = self.memory_budget - fixed - per_source * self.sent
         return np.clip(room // cost.replica_bytes, 0, limit).tolist()
@@ -665,7 +666,8 @@ class _Call:
         )
 
     def rank_caps(self, quota: np.ndarray) -> Optional[list[int]]:
-        """``[P]`` most kept pairs per rank under the budgets (None: unbounded); may be < 0."""
+        """``[P]`` most kept pairs per rank under the budgets (None: unbounded); may be < 0 (then
+        no quota fits)."""
         caps = None
         if self.memory_budget is not None:
             left = self.memory_budget - self.fixed_memory(self.keeps_all(quota))
@@ -684,8 +686,14 @@ class _Call:
         owner, holders = self.owner, self.holders
         save = self.mode == "save"
         caps = self.rank_caps(quota) if with_caps else None
-        if caps is not None and any(c < 0 for c in caps):
-            return None
+        if caps is not None:
+            # Cheap necessary conditions first (most failing steps of the cap search stop here):
+            # pairs of experts with one holder cannot move, and all pairs must fit somewhere.
+            room = np.asarray(caps)
+            rigid = np.ones(self.num_experts, dtype=bool)
+            rigid[holders.experts] = False
+            if (self.per_owner(quota * rigid) > room).any() or int(quota.sum()) > int(room.sum()):
+                return None
         load = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
         if caps is None and not holders.experts:
             # Fixed ownership, nothing to balance: every kept pair on its owner.
@@ -968,21 +976,19 @@ def plan_call(
     if budgets and cost is None:
         raise ValueError("LRMoE budgets need a CostModel (CostModel.from_config(config))")
     q0 = quotas_np(n.sum(0), float(lrmoe.keep_ratio))
-    best: Optional[tuple[_Call, _Backward, Optional[int], tuple, tuple]] = None
+    # Modes in order of preference (auto: save, then recompute); the first that no budget trims
+    # wins at once, else the one that keeps the most pairs (then the lower forward peak).
+    best: Optional[tuple[tuple, _Call, _Backward, Optional[int], tuple, tuple]] = None
     for mode in _modes(lrmoe):
         call = _Call(n, lrmoe, cost, mode, q0, exact_forward)
         call.place()
         plan, cap, binding, unmet = call.solve()
-        candidate = (call, plan, cap, binding, unmet)
-        if (
-            best is None
-            or (not unmet and best[4])
-            or (bool(unmet) == bool(best[4]) and int(plan.quota.sum()) > int(best[1].quota.sum()))
-        ):
-            best = candidate
+        rank = (bool(unmet), -int(plan.quota.sum()), int(call.forward_rank_load.max(initial=0)))
+        if best is None or rank < best[0]:
+            best = (rank, call, plan, cap, binding, unmet)
         if not binding:
-            break  # the first mode (save) keeps everything the keep ratio asks for
-    call, plan, cap, binding, unmet = best
+            break
+    _, call, plan, cap, binding, unmet = best
     fixed_backward = call.per_owner(plan.quota)
     result = ControlPlan(
         ep_rank=int(ep_rank),
