@@ -51,7 +51,7 @@ from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.control.balance import interval_split_np, min_max_lists
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.placement import place_replicas
-from megatron_lrmoe.control.quota import SourceSplit, quotas_np, split_np
+from megatron_lrmoe.control.quota import SourceSplit, quotas_np, split_np, water_fill_np
 
 __all__ = [
     "ControlPlan",
@@ -63,8 +63,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Bisection of the placement threshold stops within this fraction of T: the exact assignment that
-# follows removes most of what a finer threshold would gain, at a fraction of the greedy runs.
+# Bisection of the placement threshold stops within this fraction of T: a finer threshold lowers
+# the forward peak by under 0.2 % and costs at least one more greedy run per halving.
 PLACEMENT_TOLERANCE = 1.0 / 512
 
 
@@ -789,7 +789,7 @@ class _Call:
         lo, hi, best = 0, int(q0.max(initial=0)), zero
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            trial = self.backward(np.minimum(q0, mid), with_caps=True)
+            trial = self.backward(water_fill_np(q0, mid), with_caps=True)
             if trial is not None and not trial.failed:
                 lo, best = mid, trial
             else:
@@ -802,7 +802,7 @@ class _Call:
         names = [name for name, value in budgets.items() if value is not None]
         if len(names) == 1:
             return tuple(names)
-        quota = np.minimum(self.q0, cap)
+        quota = water_fill_np(self.q0, cap)
         found = []
         for name in names:
             self.memory_budget = budgets["memory"] if name == "memory" else None
