@@ -13,11 +13,11 @@ from typing import Any, Literal, Optional
 
 Selection = Literal["sample", "topk"]
 Scope = Literal["local", "global"]
-ActivationMode = Literal["save", "recompute"]
+ActivationMode = Literal["save", "recompute", "auto"]
 
 SELECTIONS: tuple[str, ...] = ("sample", "topk")
 SCOPES: tuple[str, ...] = ("local", "global")
-ACTIVATION_MODES: tuple[str, ...] = ("save", "recompute")
+ACTIVATION_MODES: tuple[str, ...] = ("save", "recompute", "auto")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ class LRMoEConfig:
         activation_mode: What the expert side keeps for backward. ``"save"`` (stock-like): the
             received token rows and the fc1 output of every pair. ``"recompute"``: nothing on the
             expert side; the source re-sends the kept pairs' token rows with their gradient rows
-            and the expert recomputes fc1 for kept rows only.
+            and the expert recomputes fc1 for kept rows only. ``"auto"``: the controller chooses
+            per call: ``"save"`` unless the memory budget would trim more pairs than
+            ``"recompute"`` does (megatron_lrmoe/control/controller.py).
         seed: Seed of the sampling stream; the stream is also keyed by layer number and call
             index, so every rank and every rerun draws the same sample.
         record_stats: Keep per-call statistics on ``layer.last_call_stats`` (counts, bytes, and
@@ -52,6 +54,16 @@ class LRMoEConfig:
             source's permuted pair order) in the statistics. Costs memory; for tests and debugging.
         debug_check_invariants: Check the integer plan's invariants at run time (quota sums, kept
             counts, split sums). Adds device-to-host syncs; for debugging.
+        memory_budget_bytes: Per-GPU bytes one layer call may hold for its backward: replica
+            weights and their gradient buffers, saved activations and the backward's token
+            buffers (control/costs.py lists the terms). ``None`` (default): unbounded. A call
+            that would exceed it keeps fewer pairs (hot experts first); ``keep_ratio`` stays the
+            upper bound. 0 keeps no pair.
+        exchange_budget_bytes: Per-GPU bytes sent or received in the backward's gradient
+            exchange, every kept row counted. ``None`` (default): unbounded.
+        max_replicas_per_rank: Copies of other ranks' experts one rank may host in a call to
+            balance the load (placed per call, refreshed from the owner). 0 (default): fixed
+            ownership, as stock Megatron.
     """
 
     keep_ratio: float = 1.0
@@ -62,6 +74,9 @@ class LRMoEConfig:
     record_stats: bool = True
     debug_record_selection: bool = False
     debug_check_invariants: bool = False
+    memory_budget_bytes: Optional[int] = None
+    exchange_budget_bytes: Optional[int] = None
+    max_replicas_per_rank: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_ratio, (int, float)) or not math.isfinite(self.keep_ratio):
@@ -76,6 +91,17 @@ class LRMoEConfig:
         _check_choice("activation_mode", self.activation_mode, ACTIVATION_MODES)
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"LRMoEConfig.seed ({self.seed!r}) must be a non-negative int")
+        for name in ("memory_budget_bytes", "exchange_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and (_not_int(value) or value < 0):
+                raise ValueError(
+                    f"LRMoEConfig.{name} ({value!r}) must be None (unbounded) or an int >= 0"
+                )
+        if _not_int(self.max_replicas_per_rank) or self.max_replicas_per_rank < 0:
+            raise ValueError(
+                f"LRMoEConfig.max_replicas_per_rank ({self.max_replicas_per_rank!r}) must be an "
+                "int >= 0 (0: fixed ownership)"
+            )
 
     @property
     def is_exact(self) -> bool:
@@ -100,6 +126,10 @@ class LRMoEConfig:
             if hasattr(args, name) and getattr(args, name) is not None:
                 kwargs[f.name] = getattr(args, name)
         return cls(**kwargs)
+
+
+def _not_int(value: Any) -> bool:
+    return not isinstance(value, int) or isinstance(value, bool)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

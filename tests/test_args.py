@@ -259,3 +259,56 @@ def test_rules_also_hold_after_megatron_validate_args(monkeypatch: pytest.Monkey
     args = megatron_parse(monkeypatch, argv + ["--expert-tensor-parallel-size", "1"])
     validate_args(args, {})
     validate_lrmoe_args(args)
+
+
+def test_budget_flags_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = megatron_parse(
+        monkeypatch,
+        BASE + ["--lrmoe", "--lrmoe-memory-budget-bytes", "24GiB",
+                "--lrmoe-exchange-budget-bytes", "512M", "--lrmoe-max-replicas-per-rank", "2",
+                "--lrmoe-activation-mode", "auto"],
+    )  # fmt: skip
+    validate_lrmoe_args(args)
+    config = lrmoe_config_from_args(args)
+    assert config.memory_budget_bytes == 24 * 2**30
+    assert config.exchange_budget_bytes == 512 * 10**6
+    assert config.max_replicas_per_rank == 2 and config.activation_mode == "auto"
+    # Unset budget flags keep the config's defaults (unbounded, fixed ownership).
+    config = lrmoe_config_from_args(megatron_parse(monkeypatch, BASE + ["--lrmoe"]))
+    assert config.memory_budget_bytes is None and config.max_replicas_per_rank == 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lrmoe-memory-budget-bytes", "1G"],
+        ["--lrmoe-exchange-budget-bytes", "100"],
+        ["--lrmoe-max-replicas-per-rank", "1"],
+    ],
+    ids=lambda a: a[0],
+)
+def test_budget_flags_need_lrmoe(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
+    with pytest.raises(ValueError, match=f"{argv[0]}.*without --lrmoe"):
+        validate_lrmoe_args(megatron_parse(monkeypatch, BASE + argv))
+
+
+def test_invalid_budget_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = megatron_parse(monkeypatch, BASE + ["--lrmoe", "--lrmoe-max-replicas-per-rank", "-1"])
+    with pytest.raises(ValueError) as info:
+        validate_lrmoe_args(args)
+    assert str(info.value).startswith("--lrmoe-max-replicas-per-rank")
+    with pytest.raises(SystemExit):
+        megatron_parse(monkeypatch, BASE + ["--lrmoe", "--lrmoe-memory-budget-bytes", "lots"])
+    with pytest.raises(SystemExit):
+        megatron_parse(monkeypatch, BASE + ["--lrmoe", "--lrmoe-exchange-budget-bytes", "-3"])
+
+
+def test_parse_bytes_units() -> None:
+    from megatron_lrmoe.training.args import parse_bytes
+
+    assert parse_bytes("512") == 512 and parse_bytes("0") == 0
+    assert parse_bytes("80G") == 80 * 10**9 and parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("2 MiB") == 2 * 2**20
+    for bad in ("", "x", "1.2.3", "-1", "3PB", "GiB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)

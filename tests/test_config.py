@@ -81,3 +81,32 @@ def test_each_unsupported_setting_is_named(fields: dict, match: str) -> None:
 
 def test_valid_config_passes() -> None:
     LRMoEConfig(keep_ratio=0.5).validate_against(moe_transformer_config())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(memory_budget_bytes=-1), r"memory_budget_bytes \(-1\) must be None \(unbounded\)"),
+        (dict(memory_budget_bytes=1.5e9), r"memory_budget_bytes \(1500000000.0\) must be None"),
+        (dict(exchange_budget_bytes=-5), r"exchange_budget_bytes \(-5\) must be None"),
+        (dict(exchange_budget_bytes=True), r"exchange_budget_bytes \(True\) must be None"),
+        (dict(max_replicas_per_rank=-1), r"max_replicas_per_rank \(-1\) must be an int >= 0"),
+        (dict(max_replicas_per_rank=None), r"max_replicas_per_rank \(None\) must be an int"),
+    ],
+)
+def test_invalid_budget_fields(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LRMoEConfig(**kwargs)
+
+
+def test_budget_defaults_are_stock() -> None:
+    cfg = LRMoEConfig()
+    assert cfg.memory_budget_bytes is None and cfg.exchange_budget_bytes is None
+    assert cfg.max_replicas_per_rank == 0
+    cfg = LRMoEConfig(
+        memory_budget_bytes=0,
+        exchange_budget_bytes=10,
+        max_replicas_per_rank=2,
+        activation_mode="auto",
+    )
+    assert cfg.memory_budget_bytes == 0 and cfg.activation_mode == "auto"

@@ -1,1 +1,5 @@
-"""Before expert compute, integers only: pair counts (and budgets) in, a frozen call plan out."""
+"""Before expert compute, integers only: pair counts (and budgets) in, a frozen call plan out.
+
+``controller.plan_call`` is the entry point (quotas, replica placement, forward and backward
+assignment, memory plan); ``costs``, ``quota``, ``placement`` and ``balance`` are its stages.
+"""

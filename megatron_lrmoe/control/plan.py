@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.control.planner import expert_quotas, split_quota_over_sources
+
+if TYPE_CHECKING:
+    from megatron_lrmoe.control.controller import ControlPlan
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class CallPlan:
         layer_number: Megatron's layer number (keys the sampling stream).
         stream: The rest of the sampling stream's key: ``(training step, call within the step)``
             when the layer knows the step (``set_lrmoe_training_step``), else ``(call index,)``.
+        control: The controller's full plan (replicas, assignments, memory) when the call was
+            planned by :func:`megatron_lrmoe.control.controller.plan_call`, else None.
     """
 
     ep_rank: int
@@ -42,6 +47,28 @@ class CallPlan:
     source_quota: Optional[torch.Tensor]
     layer_number: int
     stream: tuple[int, ...]
+    control: Optional["ControlPlan"] = None
+
+    @classmethod
+    def from_control(
+        cls, control: "ControlPlan", layer_number: int, stream: tuple[int, ...]
+    ) -> "CallPlan":
+        """The call plan of a controller plan: its quotas and their split over sources.
+
+        ``source_quota`` is the controller's (scope local) unless every pair is kept; budgets can
+        trim even at keep ratio 1, so the op must test ``control.keeps_all``, not the config.
+        """
+        return cls(
+            ep_rank=control.ep_rank,
+            ep_size=control.ep_size,
+            num_local_experts=control.num_local_experts,
+            global_counts=control.counts,
+            quota=control.quota,
+            source_quota=None if control.keeps_all else control.source_quota,
+            layer_number=layer_number,
+            stream=tuple(int(x) for x in stream),
+            control=control,
+        )
 
     @classmethod
     def build(

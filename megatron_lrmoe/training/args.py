@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -28,6 +29,7 @@ __all__ = [
     "add_lrmoe_args",
     "lrmoe_help_text",
     "lrmoe_config_from_args",
+    "parse_bytes",
     "validate_lrmoe_args",
 ]
 
@@ -65,7 +67,8 @@ _HELP: dict[str, str] = {
     "activation_mode": (
         "What the expert side keeps for backward. 'save': received token rows and fc1 outputs "
         "(stock-like). 'recompute': nothing; kept rows are re-sent with their gradients and "
-        "fc1 is recomputed for them only. Default: %(def)s."
+        "fc1 is recomputed for them only. 'auto': the controller picks per layer call, 'save' "
+        "unless the memory budget trims more pairs there than in 'recompute'. Default: %(def)s."
     ),
     "seed": (
         "Seed of the pair-sampling stream (keyed further by layer and call, identical on every "
@@ -83,7 +86,39 @@ _HELP: dict[str, str] = {
         "Check the integer plan's invariants at run time (adds device-to-host syncs; for "
         "debugging). Default: off."
     ),
+    "memory_budget_bytes": (
+        "Per-GPU bytes one MoE layer call may hold for its backward: replica weights and "
+        "gradient buffers, saved activations and backward token buffers. Calls that would "
+        "exceed it keep fewer pairs, hottest experts trimmed first (--lrmoe-keep-ratio stays the "
+        "upper bound). Accepts K/M/G/KiB/MiB/GiB suffixes. Default: unbounded."
+    ),
+    "exchange_budget_bytes": (
+        "Per-GPU bytes sent or received by the MoE backward's gradient exchange per layer call; "
+        "calls that would exceed it keep fewer pairs. Accepts K/M/G/KiB/MiB/GiB suffixes. "
+        "Default: unbounded."
+    ),
+    "max_replicas_per_rank": (
+        "Copies of other ranks' hot experts one rank may host per layer call to balance the "
+        "expert load (placed per call; replica gradients go to the owner). Default: %(def)s "
+        "(fixed ownership, as stock Megatron)."
+    ),
 }
+
+_BYTE_COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512"``, ``"80G"`` or ``"1.5GiB"`` as a whole number of bytes (argparse ``type``).
+
+    K/M/G/T are powers of 1000, KiB/MiB/GiB/TiB powers of 1024; a trailing B is optional.
+    """
+    match = _BYTE_COUNT.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count such as 512, 80G or 24GiB")
+    number, unit = match.group(1), (match.group(2) or "").lower()
+    scale = 1024 ** ("kmgt".index(unit[0]) + 1) if unit.endswith("i") else _BYTE_UNITS[unit]
+    return int(float(number) * scale)
 
 
 class _LRMoEHelpAction(argparse.Action):
@@ -152,6 +187,10 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             group.add_argument(flag, type=float, default=None, metavar="K", help=text)
         elif name == "seed":
             group.add_argument(flag, type=int, default=None, metavar="SEED", help=text)
+        elif name.endswith("_bytes"):
+            group.add_argument(flag, type=parse_bytes, default=None, metavar="BYTES", help=text)
+        elif name == "max_replicas_per_rank":
+            group.add_argument(flag, type=int, default=None, metavar="N", help=text)
         elif default is True:
             # --lrmoe-record-stats / --no-lrmoe-record-stats; None means "not given".
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)

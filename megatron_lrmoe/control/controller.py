@@ -1,0 +1,1025 @@
+"""The per-call controller: all-gathered pair counts and budgets in, a frozen plan out.
+
+Shape legend: P EP ranks, E experts, L = E / P experts owned per rank (rank r owns
+``[r*L, (r+1)*L)``), ``N[r, e]`` pairs from source rank r to expert e, ``W[e] = sum_r N[r, e]``.
+
+Pipeline of :func:`plan_call` (host integers only, before any expert compute):
+1. Quotas: ``Q0 = ceil(keep_ratio * W)`` (control/quota.py), the upper bound.
+2. Placement (``max_replicas_per_rank > 0``): threshold search + greedy (control/placement.py)
+   chooses replicas of hot experts, within the replica slots the memory budget leaves, and its
+   moves give the forward split ``A[e, g]`` (pairs of e computed on g); with
+   ``exact_forward=True`` the exact min-max split over the same holders replaces it.
+3. Backward: the exact min-max assignment ``B[e, g]`` of the quotas over the forward holders
+   (control/balance.py). In ``save`` mode a holder can only run backward on pairs whose
+   activations it saved, so ``B <= A``; in ``recompute`` mode any holder will do.
+4. Budgets (water-filling): if the plan with ``Q0`` exceeds the memory or exchange budget, the
+   largest common per-expert cap ``c`` with ``Q = min(Q0, c)`` that fits is found by bisection
+   (hot experts lose pairs first); the holders' budgets enter the assignment as per-rank caps. If
+   even quota 0 does not fit, the plan keeps no pair and names the budget in ``unmet_budgets``;
+   it never raises at run time.
+5. ``activation_mode="auto"``: save unless recompute keeps more pairs under the memory budget.
+
+Per-source splits (what the op exchanges) follow one rule everywhere: an expert's pairs are laid
+on a line in source-rank order and its holders take consecutive ranges, the owner first, then the
+replicas by rank (``interval_split_np``), so each (source, expert) chunk splits into contiguous
+sub-chunks per holder. Backward, scope local: recompute mode selects ``source_quota[r, e]``
+(largest remainder, as without replicas) per (source, expert) chunk and sends the kept rows to the
+holders by the same rule over ``B``; save mode selects per forward sub-chunk (source, expert,
+holder), the holder's ``B[e, g]`` split over its sources in proportion to their pairs there.
+
+Invariants (``ControlPlan.check_invariants``): ``0 <= Q <= Q0 <= W``; ``Q == min(Q0, cap)``;
+owners always hold their experts; replicas per rank within ``max_replicas_per_rank``;
+``A.sum(1) == W``, ``B.sum(1) == Q``, both zero where a rank does not hold the expert, ``B <= A``
+in save mode; per-source splits sum to the counts and quotas; per-rank loads at most the planned
+peaks; budgets respected unless named in ``unmet_budgets``. Deterministic: the same counts and
+config give the same plan on every rank (ties: lower expert id, lower rank).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control.balance import interval_split_np, min_max_lists
+from megatron_lrmoe.control.costs import CostModel
+from megatron_lrmoe.control.placement import place_replicas
+from megatron_lrmoe.control.quota import SourceSplit, quotas_np, split_np, water_fill_np
+
+__all__ = [
+    "ControlPlan",
+    "MemoryPlan",
+    "check_budgets",
+    "minimum_memory_bytes",
+    "plan_call",
+]
+
+logger = logging.getLogger(__name__)
+
+# Bisection of the placement threshold stops within this fraction of T: a finer threshold lowers
+# the forward peak by under 0.2 % and costs at least one more greedy run per halving.
+PLACEMENT_TOLERANCE = 1.0 / 512
+
+
+# --------------------------------------------------------------------------------------------- #
+# Plan objects
+# --------------------------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryPlan:
+    """Planned bytes per GPU (``[P]`` int64 each) next to fixed ownership's (stock Megatron).
+
+    Budgeted (``memory_budget_bytes``): ``replica_bytes + saved_bytes + backward_bytes``.
+    Reported: ``forward_buffer_bytes`` (received rows and returned outputs in forward) and the
+    backward gradient exchange per rank. ``stock_*``: no replicas, every pair kept, save mode.
+    """
+
+    replica_bytes: torch.Tensor
+    saved_bytes: torch.Tensor
+    backward_bytes: torch.Tensor
+    forward_buffer_bytes: torch.Tensor
+    exchange_sent_bytes: torch.Tensor
+    exchange_recv_bytes: torch.Tensor
+    stock_saved_bytes: torch.Tensor
+    stock_backward_bytes: torch.Tensor
+    stock_forward_buffer_bytes: torch.Tensor
+    stock_exchange_sent_bytes: torch.Tensor
+    stock_exchange_recv_bytes: torch.Tensor
+
+    @property
+    def budgeted_bytes(self) -> torch.Tensor:
+        """``[P]`` what the memory budget limits: replicas + saved activations + backward."""
+        return self.replica_bytes + self.saved_bytes + self.backward_bytes
+
+    @property
+    def total_bytes(self) -> torch.Tensor:
+        """``[P]`` replicas + token buffers (forward and backward) + saved activations."""
+        return self.budgeted_bytes + self.forward_buffer_bytes
+
+    @property
+    def stock_total_bytes(self) -> torch.Tensor:
+        """``[P]`` the same sum under fixed ownership, every pair kept."""
+        return self.stock_saved_bytes + self.stock_backward_bytes + self.stock_forward_buffer_bytes
+
+    @property
+    def exchange_bytes(self) -> torch.Tensor:
+        """``[P]`` what the exchange budget limits: max(sent, received)."""
+        return torch.maximum(self.exchange_sent_bytes, self.exchange_recv_bytes)
+
+    def summary(self) -> dict[str, int]:
+        """Peaks over ranks, for logging."""
+        return {
+            "replica_bytes": int(self.replica_bytes.max()),
+            "saved_bytes": int(self.saved_bytes.max()),
+            "backward_bytes": int(self.backward_bytes.max()),
+            "forward_buffer_bytes": int(self.forward_buffer_bytes.max()),
+            "budgeted_bytes": int(self.budgeted_bytes.max()),
+            "total_bytes": int(self.total_bytes.max()),
+            "stock_total_bytes": int(self.stock_total_bytes.max()),
+            "exchange_bytes": int(self.exchange_bytes.max()),
+            "stock_exchange_bytes": int(
+                torch.maximum(self.stock_exchange_sent_bytes, self.stock_exchange_recv_bytes).max()
+            ),
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class ControlPlan:
+    """The controller's decisions for one MoE layer call (host int64 tensors, immutable).
+
+    Attributes:
+        ep_rank: This rank's index in the EP group.
+        ep_size: P.
+        num_local_experts: L.
+        counts: ``[P, E]`` N, pairs from source r to expert e.
+        uncapped_quota: ``[E]`` ``ceil(keep_ratio * W)``, the upper bound.
+        quota: ``[E]`` pairs of expert e kept for backward, ``min(uncapped_quota, quota_cap)``.
+        quota_cap: The common per-expert cap the budgets forced, or None when none bound.
+        source_split: Kept pairs per (source, expert) chunk (scope local), else None; computed in
+            full on first use. ``source_quota`` (property) is the full ``[P, E]`` tensor;
+            ``source_quota_row`` / ``source_quota_columns`` give what one rank needs for less.
+        holds: ``[E, P]`` bool, rank g holds expert e this call (owner always, replicas).
+        forward_load: ``[E, P]`` A, pairs of e computed on g in forward.
+        backward_load: ``[E, P]`` B, kept pairs of e whose backward runs on g.
+        activation_mode: ``"save"`` or ``"recompute"``, resolved for this call.
+        scope: ``"local"`` or ``"global"``.
+        forward_rank_load: ``[P]`` pairs computed per rank in forward.
+        backward_rank_load: ``[P]`` kept pairs per rank in backward.
+        forward_peak: Planned peak per-rank forward load (exact optimum for the placement).
+        backward_peak: Planned peak per-rank backward load (exact optimum for the placement,
+            the quotas and the budgets).
+        fixed_forward_peak: Peak forward load without replicas (fixed ownership).
+        fixed_backward_peak: Peak backward load of the same quotas without replicas.
+        threshold: The placement search's threshold (the greedy's peak bound).
+        memory_budget_bytes, exchange_budget_bytes, max_replicas_per_rank: The limits planned to.
+        trimmed_pairs: Pairs the budgets removed, ``sum(uncapped_quota - quota)``.
+        binding_budgets: Budgets that trimmed the quotas (``"memory"``, ``"exchange"``).
+        unmet_budgets: Budgets that even quota 0 does not meet this call (then quota is 0).
+        planner_time_s: Wall time of :func:`plan_call`.
+        memory: (property) Planned bytes per rank, or None without a cost model.
+    """
+
+    ep_rank: int
+    ep_size: int
+    num_local_experts: int
+    counts: torch.Tensor
+    uncapped_quota: torch.Tensor
+    quota: torch.Tensor
+    quota_cap: Optional[int]
+    source_split: Optional[SourceSplit]
+    holds: torch.Tensor
+    forward_load: torch.Tensor
+    backward_load: torch.Tensor
+    activation_mode: str
+    scope: str
+    forward_rank_load: torch.Tensor
+    backward_rank_load: torch.Tensor
+    forward_peak: int
+    backward_peak: int
+    fixed_forward_peak: int
+    fixed_backward_peak: int
+    threshold: int
+    memory_budget_bytes: Optional[int]
+    exchange_budget_bytes: Optional[int]
+    max_replicas_per_rank: int
+    trimmed_pairs: int
+    binding_budgets: tuple[str, ...]
+    unmet_budgets: tuple[str, ...]
+    planner_time_s: float
+    # Save mode, replicated experts: (expert, holder, [P, groups] kept pairs) per forward
+    # sub-chunk group with pairs; None otherwise (then backward splits follow the line rule).
+    # Builds ``memory`` on first use (the per-rank byte arrays cost a dozen array ops).
+    memory_builder: Optional[Callable[[], MemoryPlan]] = field(default=None, repr=False)
+
+    @cached_property
+    def save_groups(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Save mode with replicas, scope local: ``(expert, holder, [P, groups] kept pairs)`` of
+        every forward sub-chunk group with pairs; None otherwise (backward splits then follow
+        the line rule over ``backward_load``)."""
+        if not isinstance(self.source_split, _SaveSplit):
+            return None
+        return tuple(torch.from_numpy(a) for a in self.source_split.groups)
+
+    @cached_property
+    def source_quota(self) -> Optional[torch.Tensor]:
+        """``[P, E]`` kept pairs per (source, expert) chunk (scope local), else None."""
+        return None if self.source_split is None else torch.from_numpy(self.source_split.full())
+
+    def source_quota_row(self, source: int) -> Optional[torch.Tensor]:
+        """``[E]`` row ``source`` of :attr:`source_quota` (what that source keeps per expert)."""
+        return (
+            None if self.source_split is None else torch.from_numpy(self.source_split.row(source))
+        )
+
+    def source_quota_columns(self, experts: slice) -> Optional[torch.Tensor]:
+        """``[P, len]`` columns of :attr:`source_quota` (what each source keeps of ``experts``)."""
+        if self.source_split is None:
+            return None
+        return torch.from_numpy(self.source_split.columns(experts))
+
+    @cached_property
+    def memory(self) -> Optional[MemoryPlan]:
+        """Planned bytes per rank next to fixed ownership's, or None without a cost model."""
+        return None if self.memory_builder is None else self.memory_builder()
+
+    # ----------------------------------------------------------------------------------------- #
+    # Derived quantities
+
+    @cached_property
+    def owner(self) -> torch.Tensor:
+        """``[E]`` owner rank of every expert."""
+        return torch.arange(self.counts.shape[1]) // self.num_local_experts
+
+    @cached_property
+    def replicas_per_rank(self) -> torch.Tensor:
+        """``[P]`` replicas (experts held but not owned) on each rank."""
+        replicas = self.holds.clone()
+        replicas[torch.arange(replicas.shape[0]), self.owner] = False
+        return replicas.sum(0)
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.replicas_per_rank.sum())
+
+    @property
+    def kept_pairs(self) -> int:
+        return int(self.quota.sum())
+
+    @property
+    def keeps_all(self) -> bool:
+        """True when every pair is kept: the op may take its exact (keep 1.0) path."""
+        return bool(torch.equal(self.quota, self.counts.sum(0)))
+
+    def summary(self) -> dict[str, Any]:
+        """The quantities the layer logs per call."""
+        out: dict[str, Any] = {
+            "pairs": int(self.counts.sum()),
+            "kept_pairs": self.kept_pairs,
+            "quota_cap": self.quota_cap,
+            "trimmed_pairs": self.trimmed_pairs,
+            "binding_budgets": ",".join(self.binding_budgets),
+            "unmet_budgets": ",".join(self.unmet_budgets),
+            "replicas": self.num_replicas,
+            "activation_mode": self.activation_mode,
+            "forward_peak": self.forward_peak,
+            "backward_peak": self.backward_peak,
+            "fixed_forward_peak": self.fixed_forward_peak,
+            "fixed_backward_peak": self.fixed_backward_peak,
+            "planner_time_us": round(self.planner_time_s * 1e6, 1),
+        }
+        if self.memory is not None:
+            out.update(self.memory.summary())
+        return out
+
+    # ----------------------------------------------------------------------------------------- #
+    # Per-source splits (what the op sends where)
+
+    def _np(self, t: torch.Tensor) -> np.ndarray:
+        return t.numpy()
+
+    @cached_property
+    def forward_assignment(self) -> torch.Tensor:
+        """``[P(src), E, P(holder)]`` pairs of source r's chunk of e computed on each holder."""
+        out = interval_split_np(
+            self._np(self.counts), self._np(self.forward_load), self._np(self.owner)
+        )
+        return torch.from_numpy(out)
+
+    def forward_send_counts(self, source: int) -> torch.Tensor:
+        """``[E, P]`` pairs ``source`` sends to each holder, per expert."""
+        return _split_row(self.counts, self.forward_load, self.owner, source)
+
+    def forward_recv_counts(self, holder: int) -> torch.Tensor:
+        """``[P, E]`` pairs ``holder`` computes, per source and expert."""
+        return _split_column(self.counts, self.forward_load, self.owner, holder)
+
+    @cached_property
+    def backward_assignment(self) -> Optional[torch.Tensor]:
+        """``[P(src), E, P(holder)]`` kept pairs of (source, expert) whose backward runs on each
+        holder; None with scope global (the owner's selection decides the sources at run time;
+        it then splits each holder's ``backward_load`` with the same rule)."""
+        if self.source_quota is None:
+            return None
+        if self.save_groups is None:
+            out = interval_split_np(
+                self._np(self.source_quota), self._np(self.backward_load), self._np(self.owner)
+            )
+            return torch.from_numpy(out)
+        num_sources, num_experts = self.source_quota.shape
+        out = torch.zeros(num_sources, num_experts, num_sources, dtype=torch.int64)
+        out[:, torch.arange(num_experts), self.owner] = self.source_quota
+        group_expert, group_rank, group_kept = self.save_groups
+        out[:, group_expert, self.owner[group_expert]] = 0
+        out[:, group_expert, group_rank] = group_kept
+        return out
+
+    def backward_send_counts(self, source: int) -> Optional[torch.Tensor]:
+        """``[E, P]`` kept pairs ``source`` sends to each holder (None with scope global)."""
+        if self.source_quota is None:
+            return None
+        if self.save_groups is None:
+            return _split_row(self.source_quota, self.backward_load, self.owner, source)
+        num_experts, num_ranks = self.holds.shape
+        out = torch.zeros(num_experts, num_ranks, dtype=torch.int64)
+        out[torch.arange(num_experts), self.owner] = self.source_quota[source]
+        group_expert, group_rank, group_kept = self.save_groups
+        out[group_expert, self.owner[group_expert]] = 0
+        out[group_expert, group_rank] = group_kept[source]
+        return out
+
+    def backward_recv_counts(self, holder: int) -> Optional[torch.Tensor]:
+        """``[P, E]`` kept pairs whose backward runs on ``holder`` (None with scope global)."""
+        if self.source_quota is None:
+            return None
+        if self.save_groups is None:
+            return _split_column(self.source_quota, self.backward_load, self.owner, holder)
+        out = torch.where(self.owner == holder, self.source_quota, 0)
+        group_expert, group_rank, group_kept = self.save_groups
+        out[:, group_expert] = 0
+        mine = group_rank == holder
+        out[:, group_expert[mine]] = group_kept[:, mine]
+        return out
+
+    # ----------------------------------------------------------------------------------------- #
+    # Invariants
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an invariant of the module docstring is violated."""
+        n, a, b = self.counts, self.forward_load, self.backward_load
+        num_sources, num_experts = n.shape
+        w = n.sum(0)
+        experts = torch.arange(num_experts)
+        q, q0 = self.quota, self.uncapped_quota
+        assert bool((q >= 0).all()) and bool((q <= q0).all()) and bool((q0 <= w).all()), "quota"
+        expected = q0 if self.quota_cap is None else q0.clamp(max=self.quota_cap)
+        assert torch.equal(q, expected), "quota is not min(uncapped, cap)"
+        if self.unmet_budgets:
+            assert int(q.sum()) == 0, "an unmet budget must keep no pair"
+        assert self.trimmed_pairs == int((q0 - q).sum()), "trimmed count"
+        assert bool(self.holds[experts, self.owner].all()), "owner must hold its expert"
+        replicas = self.replicas_per_rank
+        assert _peak(replicas) <= self.max_replicas_per_rank, "replica slots"
+        for name, load, total in (("forward", a, w), ("backward", b, q)):
+            assert bool((load >= 0).all()), f"negative {name} load"
+            assert torch.equal(load.sum(1), total), f"{name} load does not sum to its total"
+            assert not bool(load[~self.holds].any()), f"{name} load on a rank without the expert"
+        if self.activation_mode == "save":
+            assert bool((b <= a).all()), "save mode: backward beyond the forward's saved pairs"
+        assert torch.equal(self.forward_rank_load, a.sum(0)), "forward rank loads"
+        assert torch.equal(self.backward_rank_load, b.sum(0)), "backward rank loads"
+        assert _peak(a.sum(0)) <= self.forward_peak, "forward peak"
+        assert _peak(b.sum(0)) <= self.backward_peak, "backward peak"
+        assert self.forward_peak <= self.fixed_forward_peak, "replicas raised the forward peak"
+        fwd = self.forward_assignment
+        assert torch.equal(fwd.sum(2), n) and torch.equal(fwd.sum(0), a), "forward split"
+        if self.source_quota is not None:
+            s = self.source_quota
+            assert bool((s >= 0).all()) and bool((s <= n).all()), "source quota range"
+            assert torch.equal(s.sum(0), q), "source quota sums"
+            bwd = self.backward_assignment
+            assert torch.equal(bwd.sum(2), s) and torch.equal(bwd.sum(0), b), "backward split"
+            if self.activation_mode == "save":
+                assert bool((bwd <= fwd).all()), "save mode: kept pairs outside their sub-chunk"
+            for r in range(num_sources):
+                assert torch.equal(self.forward_send_counts(r), fwd[r]), "forward send rows"
+                assert torch.equal(self.forward_recv_counts(r), fwd[:, :, r]), "forward recv"
+                assert torch.equal(self.backward_send_counts(r), bwd[r]), "backward send rows"
+                assert torch.equal(self.backward_recv_counts(r), bwd[:, :, r]), "backward recv"
+        if self.memory is not None:
+            if self.memory_budget_bytes is not None and "memory" not in self.unmet_budgets:
+                peak = _peak(self.memory.budgeted_bytes)
+                assert peak <= self.memory_budget_bytes, "memory budget exceeded"
+            if self.exchange_budget_bytes is not None and "exchange" not in self.unmet_budgets:
+                peak = _peak(self.memory.exchange_bytes)
+                assert peak <= self.exchange_budget_bytes, "exchange budget exceeded"
+
+
+def _peak(values: torch.Tensor) -> int:
+    return int(values.max()) if values.numel() else 0
+
+
+def _holder_bounds(parts: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, P]`` start and end of each holder's range on its expert's line (owner first)."""
+    rows = torch.arange(parts.shape[0])
+    cum = parts.cumsum(1) - parts
+    first = parts[rows, owner]
+    lo = cum + first[:, None] * (torch.arange(parts.shape[1])[None, :] < owner[:, None])
+    lo[rows, owner] = 0
+    return lo, lo + parts
+
+
+def _split_row(
+    chunks: torch.Tensor, parts: torch.Tensor, owner: torch.Tensor, source: int
+) -> torch.Tensor:
+    """Row ``source`` of :func:`interval_split_np` as ``[E, P]``."""
+    lo_h, hi_h = _holder_bounds(parts, owner)
+    lo_s = chunks[:source].sum(0)
+    hi_s = lo_s + chunks[source]
+    return (torch.minimum(hi_s[:, None], hi_h) - torch.maximum(lo_s[:, None], lo_h)).clamp(min=0)
+
+
+def _split_column(
+    chunks: torch.Tensor, parts: torch.Tensor, owner: torch.Tensor, holder: int
+) -> torch.Tensor:
+    """Holder ``holder``'s slice of :func:`interval_split_np` as ``[P(src), E]``."""
+    lo_h, hi_h = _holder_bounds(parts, owner)
+    lo_s = chunks.cumsum(0) - chunks
+    hi_s = lo_s + chunks
+    lo = torch.maximum(lo_s, lo_h[:, holder][None, :])
+    hi = torch.minimum(hi_s, hi_h[:, holder][None, :])
+    return (hi - lo).clamp(min=0)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Start-up validation
+# --------------------------------------------------------------------------------------------- #
+
+
+def _modes(lrmoe: LRMoEConfig) -> tuple[str, ...]:
+    return ("save", "recompute") if lrmoe.activation_mode == "auto" else (lrmoe.activation_mode,)
+
+
+def minimum_memory_bytes(lrmoe: LRMoEConfig, cost: CostModel, pairs_per_rank: int) -> int:
+    """Least per-GPU memory a call needs at quota 0 without replicas, with every rank computing
+    the mean ``pairs_per_rank`` rows (the best any placement can do).
+
+    It is what no quota can remove: saved activations (save mode) and source-side rows (z, and
+    the token rows in recompute mode). With ``activation_mode="auto"`` the cheaper mode counts.
+    """
+    return min(
+        pairs_per_rank
+        * (cost.expert_saved_bytes(mode) + cost.source_saved_bytes(mode, keeps_all=False))
+        for mode in _modes(lrmoe)
+    )
+
+
+def check_budgets(
+    lrmoe: LRMoEConfig,
+    cost: Optional[CostModel],
+    pairs_per_rank: Optional[int] = None,
+    layer_name: str = "LRMoELayer",
+) -> None:
+    """Start-up check of the budgets against the layer's shapes (call at layer construction).
+
+    Args:
+        lrmoe: The layer's config.
+        cost: The layer's :class:`CostModel` (``CostModel.from_config(transformer_config)``);
+            required when a budget is set.
+        pairs_per_rank: Pairs each rank routes per call, tokens per rank times top-k (e.g.
+            ``seq_length * micro_batch_size / tp`` (sequence parallel) ``* moe_router_topk``), if
+            known; without it only what the shapes alone decide is checked.
+        layer_name: Named in error messages.
+
+    Raises:
+        ValueError: A budget no quota can meet, naming the budget, the minimum and the fix.
+    """
+    budgets = lrmoe.memory_budget_bytes is not None or lrmoe.exchange_budget_bytes is not None
+    if budgets and cost is None:
+        raise ValueError(f"{layer_name}: LRMoE budgets need a CostModel of the layer's shapes")
+    memory = lrmoe.memory_budget_bytes
+    if memory is None or cost is None or pairs_per_rank is None:
+        return
+    need = minimum_memory_bytes(lrmoe, cost, pairs_per_rank)
+    if memory < need:
+        fix = f"set --lrmoe-memory-budget-bytes to at least {need}"
+        if lrmoe.activation_mode == "save":
+            cheaper = minimum_memory_bytes(
+                LRMoEConfig(activation_mode="recompute"), cost, pairs_per_rank
+            )
+            if cheaper < need:
+                fix += f" (or {cheaper} with --lrmoe-activation-mode recompute or auto)"
+        raise ValueError(
+            f"{layer_name}: memory_budget_bytes ({memory}) cannot be met at any quota: a call "
+            f"with {pairs_per_rank} pairs per rank holds at least {need} bytes per GPU at quota 0 "
+            f"without replicas (activation_mode={lrmoe.activation_mode!r}); {fix}"
+        )
+    if lrmoe.max_replicas_per_rank > 0 and memory < need + cost.replica_bytes:
+        logger.warning(
+            "%s: max_replicas_per_rank=%d can never be used: one replica needs %d bytes on top of "
+            "the %d bytes of quota 0, and memory_budget_bytes is %d",
+            layer_name,
+            lrmoe.max_replicas_per_rank,
+            cost.replica_bytes,
+            need,
+            memory,
+        )
+
+
+# --------------------------------------------------------------------------------------------- #
+# The controller
+# --------------------------------------------------------------------------------------------- #
+
+
+@dataclass
+class _Holders:
+    """Forward holders of the replicated experts (the flexible items of both assignments)."""
+
+    experts: list[int]  # replicated experts, ascending
+    ranks: list[list[int]]  # their holders, ascending (owner included)
+    forward: list[list[int]]  # A per holder
+
+
+@dataclass
+class _Backward:
+    quota: np.ndarray
+    backward_load: np.ndarray  # [E, P]
+    rank_load: np.ndarray  # [P]
+    source: Optional[SourceSplit]
+    failed: str = ""  # the budget it breaks ("" when within budgets)
+
+
+class _Call:
+    """One mode's planning state (counts, placement, forward split, budgets)."""
+
+    def __init__(
+        self,
+        n: np.ndarray,
+        lrmoe: LRMoEConfig,
+        cost: Optional[CostModel],
+        mode: str,
+        q0: np.ndarray,
+        exact_forward: bool = False,
+    ) -> None:
+        self.n, self.lrmoe, self.cost, self.mode, self.q0 = n, lrmoe, cost, mode, q0
+        self.exact_forward = exact_forward
+        self.num_sources, self.num_experts = n.shape
+        self.local = self.num_experts // self.num_sources
+        self.owner = np.arange(self.num_experts) // self.local
+        self.diagonal = (np.arange(self.num_experts), self.owner)  # (expert, owner) index
+        self.w = n.sum(0)
+        self.sent = n.sum(1)
+        self.memory_budget = lrmoe.memory_budget_bytes if cost is not None else None
+        self.exchange_budget = (
+            lrmoe.exchange_budget_bytes if cost is not None and self.num_sources > 1 else None
+        )
+        self.local_scope = lrmoe.scope == "local"
+
+    # -- placement and forward split ----------------------------------------------------------
+
+    def slots(self, threshold: int) -> list[int]:
+        """Replica slots per rank at placement threshold T under the memory budget.
+
+        A rank whose forward load is T holds its saved activations and source-side rows whatever
+        the quota; replicas may use what is left, and the quotas get what the replicas leave (the
+        budget check after the assignment trims them). Replicas come first because the forward
+        is exact and its peak sets the step time, and in save mode they also spread a hot rank's
+        saved activations; a policy that reserved the untrimmed backward first placed no replica
+        at all under tight budgets, leaving skewed loads at fixed ownership's forward peak
+        (several times the balanced one) to keep a few per cent more pairs.
+        """
+        limit = self.lrmoe.max_replicas_per_rank
+        if self.memory_budget is None or self.cost is None:
+            return [limit] * self.num_sources
+        cost, mode = self.cost, self.mode
+        fixed = cost.expert_saved_bytes(mode) * threshold
+        per_source = cost.source_saved_bytes(mode, keeps_all=self.lrmoe.is_exact)
+        room = self.memory_budget - fixed - per_source * self.sent
+        return np.clip(room // cost.replica_bytes, 0, limit).tolist()
+
+    def place(self) -> None:
+        """Replicas, the exact forward split over them, and pruning of idle replicas."""
+        w = self.w
+        self.fixed_rank_load = self.per_owner(w)
+        self.threshold = int(self.fixed_rank_load.max(initial=0))
+        self.holders = _Holders([], [], [])
+        if self.lrmoe.max_replicas_per_rank > 0 and self.num_sources > 1:
+            placement = place_replicas(w, self.num_sources, self.slots, PLACEMENT_TOLERANCE)
+            self.threshold = placement.threshold
+            if placement.replica_expert.size:
+                self.holders = self._polish(placement, self.exact_forward)
+        forward = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
+        forward[self.diagonal] = w
+        self.holds = np.zeros(forward.shape, dtype=bool)
+        self.holds[self.diagonal] = True
+        if self.holders.experts:
+            for e, ranks, amounts in zip(*vars(self.holders).values()):
+                forward[e, ranks] = amounts
+            self.holds |= forward > 0
+            self.forward_rank_load = forward.sum(0)
+        else:
+            self.forward_rank_load = self.fixed_rank_load
+        self.forward_load = forward
+        self.replicas_per_rank = self.holds.sum(0) - self.local
+
+    def per_owner(self, values: np.ndarray) -> np.ndarray:
+        """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
+        return values.reshape(self.num_sources, self.local).sum(1)
+
+    def _polish(self, placement: Any, exact: bool) -> _Holders:
+        """The greedy's forward split, or (``exact``) the exact min-max split over its holders
+        with the replicas it leaves idle dropped."""
+        w, owner = self.w, self.owner
+        moved: dict[int, dict[int, int]] = {}
+        for e, g, amount in zip(
+            placement.replica_expert.tolist(),
+            placement.replica_rank.tolist(),
+            placement.replica_pairs.tolist(),
+        ):
+            moved.setdefault(e, {})[g] = amount
+        experts = sorted(moved)
+        rigid = np.ones(self.num_experts, dtype=bool)
+        rigid[experts] = False
+        base = self.per_owner(w * rigid)
+        ranks, initial = [], []
+        for e in experts:
+            held = dict(moved[e])
+            held[int(owner[e])] = int(w[e]) - sum(moved[e].values())
+            order = sorted(held)
+            ranks.append(order)
+            initial.append([held[g] for g in order])
+        if not exact:
+            return _Holders(experts, ranks, initial)
+        result = min_max_lists(base.tolist(), [int(w[e]) for e in experts], ranks, initial)
+        assert result is not None  # no capacities: always feasible
+        kept = _Holders([], [], [])
+        for e, order, amounts in zip(experts, ranks, result[0]):
+            pairs = [(g, x) for g, x in zip(order, amounts) if x > 0 or g == owner[e]]
+            if len(pairs) > 1:
+                kept.experts.append(e)
+                kept.ranks.append([g for g, _ in pairs])
+                kept.forward.append([x for _, x in pairs])
+        return kept
+
+    # -- backward, budgets -------------------------------------------------------------------
+
+    def keeps_all(self, quota: np.ndarray) -> bool:
+        return self.lrmoe.is_exact and bool(np.array_equal(quota, self.w))
+
+    def fixed_memory(self, keeps_all: bool) -> np.ndarray:
+        """``[P]`` budgeted bytes no quota changes: replicas, saved activations, source rows."""
+        return self.cost.replica_bytes * self.replicas_per_rank + self.saved_memory(keeps_all)
+
+    def saved_memory(self, keeps_all: bool) -> np.ndarray:
+        """``[P]`` saved activations: expert side per computed pair, source side per sent pair."""
+        cost, mode = self.cost, self.mode
+        return (
+            cost.expert_saved_bytes(mode) * self.forward_rank_load
+            + cost.source_saved_bytes(mode, keeps_all) * self.sent
+        )
+
+    def rank_caps(self, quota: np.ndarray) -> Optional[list[int]]:
+        """``[P]`` most kept pairs per rank under the budgets (None: unbounded); may be < 0 (then
+        no quota fits)."""
+        caps = None
+        if self.memory_budget is not None:
+            left = self.memory_budget - self.fixed_memory(self.keeps_all(quota))
+            caps = left // self.cost.backward_bytes(self.mode)
+        if self.exchange_budget is not None:
+            room = self.exchange_budget // self.cost.exchange_bytes(self.mode)
+            caps = np.full(self.num_sources, room) if caps is None else np.minimum(caps, room)
+        return None if caps is None else caps.tolist()
+
+    def backward(self, quota: np.ndarray, with_caps: bool) -> Optional[_Backward]:
+        """Exact min-max backward assignment of ``quota`` (rank caps from the budgets if asked).
+
+        Returns None when the caps admit no assignment, else the plan with ``failed`` naming a
+        budget the result still breaks (only possible without caps or on the source side).
+        """
+        owner, holders = self.owner, self.holders
+        save = self.mode == "save"
+        caps = self.rank_caps(quota) if with_caps else None
+        if caps is not None:
+            # Cheap necessary conditions first (most failing steps of the cap search stop here):
+            # pairs of experts with one holder cannot move, and all pairs must fit somewhere.
+            room = np.asarray(caps)
+            rigid = np.ones(self.num_experts, dtype=bool)
+            rigid[holders.experts] = False
+            if (self.per_owner(quota * rigid) > room).any() or int(quota.sum()) > int(room.sum()):
+                return None
+        load = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
+        if caps is None and not holders.experts:
+            # Fixed ownership, nothing to balance: every kept pair on its owner.
+            load[self.diagonal] = quota
+            plan = _Backward(quota, load, self.per_owner(quota), None, None)
+            return self._finish(plan)
+        rigid = np.ones(self.num_experts, dtype=bool)
+        rigid[holders.experts] = False
+        base = self.per_owner(quota * rigid).tolist()
+        amounts, initial = [], []
+        for e, forward in zip(holders.experts, holders.forward):
+            q, total = int(quota[e]), int(self.w[e])
+            share = [q * a // total for a in forward] if total else [0] * len(forward)
+            left = q - sum(share)
+            for j, a in enumerate(forward):
+                if left == 0:
+                    break
+                if not save or share[j] < a:
+                    share[j] += 1
+                    left -= 1
+            amounts.append(q)
+            initial.append(share)
+        result = min_max_lists(
+            base, amounts, holders.ranks, initial, caps, holders.forward if save else None
+        )
+        if result is None:
+            return None
+        rows, rank_load = result
+        load[rigid, owner[rigid]] = quota[rigid]
+        for e, ranks, row in zip(holders.experts, holders.ranks, rows):
+            load[e, ranks] = row
+        plan = _Backward(quota, load, np.asarray(rank_load, dtype=np.int64), None, None)
+        return self._finish(plan)
+
+    def _finish(self, plan: _Backward) -> _Backward:
+        if self.local_scope:
+            self._source_quota(plan)
+        plan.failed = self.broken_budget(plan)
+        return plan
+
+    def _source_quota(self, plan: _Backward) -> None:
+        """Per-source kept pairs; save mode re-splits replicated experts per forward holder.
+
+        Without that re-split the largest-remainder split is left to be computed on first use
+        (``SourceSplit``): a rank's op needs only its own row and columns.
+        """
+        n, quota = self.n, plan.quota
+        if self.mode == "save" and self.holders.experts:
+            experts = np.asarray(self.holders.experts)
+            plan.source = _SaveSplit(
+                n, quota, self.forward_load, self.owner, experts, plan.backward_load
+            )
+        else:
+            plan.source = SourceSplit(n, quota)
+
+    def sent_rows(self, plan: _Backward) -> np.ndarray:
+        """``[P]`` kept rows each source sends (scope global: the most its owner may pick)."""
+        if plan.source is not None:
+            return plan.source.full().sum(1)
+        return np.minimum(self.n, plan.quota[None, :]).sum(1)
+
+    def broken_budget(self, plan: _Backward) -> str:
+        if self.memory_budget is not None:
+            used = (
+                self.fixed_memory(self.keeps_all(plan.quota))
+                + self.cost.backward_bytes(self.mode) * plan.rank_load
+            )
+            if int(used.max(initial=0)) > self.memory_budget:
+                return "memory"
+        if self.exchange_budget is not None:
+            rows = np.maximum(self.sent_rows(plan), plan.rank_load)
+            if int(rows.max(initial=0)) * self.cost.exchange_bytes(self.mode) > (
+                self.exchange_budget
+            ):
+                return "exchange"
+        return ""
+
+    def solve(self) -> tuple[_Backward, Optional[int], tuple[str, ...], tuple[str, ...]]:
+        """Quotas under the budgets: ``(plan, cap, binding budgets, unmet budgets)``."""
+        q0 = self.q0
+        plan = self.backward(q0, with_caps=False)
+        if not plan.failed:
+            return plan, None, (), ()
+        plan = self.backward(q0, with_caps=True)
+        if plan is not None and not plan.failed:
+            return plan, None, (), ()  # the caps only moved pairs between holders
+        zero = self.backward(np.zeros_like(q0), with_caps=True)
+        if zero is None or zero.failed:
+            # Quota 0 sends nothing, so only the memory budget can stay broken: the saved
+            # activations and replicas alone exceed it. Keep no pair, report, never raise.
+            return self.backward(np.zeros_like(q0), with_caps=False), 0, ("memory",), ("memory",)
+        # Bisection on the common cap: lo always feasible, hi never.
+        lo, hi, best = 0, int(q0.max(initial=0)), zero
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            trial = self.backward(water_fill_np(q0, mid), with_caps=True)
+            if trial is not None and not trial.failed:
+                lo, best = mid, trial
+            else:
+                hi = mid
+        return best, lo, self.binding(hi), ()
+
+    def binding(self, cap: int) -> tuple[str, ...]:
+        """The budgets that each alone rule out the quota cap ``cap``."""
+        budgets = {"memory": self.memory_budget, "exchange": self.exchange_budget}
+        names = [name for name, value in budgets.items() if value is not None]
+        if len(names) == 1:
+            return tuple(names)
+        quota = water_fill_np(self.q0, cap)
+        found = []
+        for name in names:
+            self.memory_budget = budgets["memory"] if name == "memory" else None
+            self.exchange_budget = budgets["exchange"] if name == "exchange" else None
+            trial = self.backward(quota, with_caps=True)
+            if trial is None or trial.failed:
+                found.append(name)
+        self.memory_budget, self.exchange_budget = budgets["memory"], budgets["exchange"]
+        return tuple(found) or tuple(names)
+
+
+class _SaveSplit(SourceSplit):
+    """Save mode with replicas: a replicated expert's kept pairs per source are its holders'
+    ``B[e, g]``, each split over the sources in proportion to their pairs in that holder's
+    forward sub-chunk (largest remainder); other experts keep the plain split. Lazy too."""
+
+    def __init__(
+        self,
+        counts: np.ndarray,
+        quota: np.ndarray,
+        forward_load: np.ndarray,
+        owner: np.ndarray,
+        experts: np.ndarray,
+        backward_load: np.ndarray,
+    ) -> None:
+        super().__init__(counts, quota)
+        self.forward_load, self.owner, self.experts = forward_load, owner, experts
+        self.backward_load = backward_load
+
+    @cached_property
+    def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(expert, holder, [P, groups] kept pairs)`` per forward sub-chunk group."""
+        group_expert, group_rank, fwd = _groups(
+            self.counts, self.forward_load, self.owner, self.experts
+        )
+        kept = np.ascontiguousarray(split_np(fwd, self.backward_load[group_expert, group_rank]))
+        return group_expert, group_rank, kept
+
+    @cached_property
+    def replicated(self) -> np.ndarray:
+        """``[P, len(experts)]`` kept pairs per source of each replicated expert."""
+        group_expert, _, kept = self.groups
+        starts = np.flatnonzero(np.r_[True, group_expert[1:] != group_expert[:-1]])
+        return np.add.reduceat(kept, starts, axis=1)
+
+    def full(self) -> np.ndarray:
+        if self._matrix is None:
+            matrix = np.ascontiguousarray(split_np(self.counts, self.quota))
+            matrix[:, self.experts] = self.replicated
+            self._matrix = matrix
+        return self._matrix
+
+    def row(self, source: int) -> np.ndarray:
+        out = super().row(source)
+        out[self.experts] = self.replicated[source]
+        return out
+
+    def columns(self, experts: np.ndarray | slice) -> np.ndarray:
+        out = super().columns(experts)
+        ids = np.arange(self.counts.shape[1])[experts]
+        where = np.searchsorted(self.experts, ids)
+        hit = (where < self.experts.size) & (
+            self.experts[np.minimum(where, self.experts.size - 1)] == ids
+        )
+        out[:, hit] = self.replicated[:, where[hit]]
+        return out
+
+
+def _groups(
+    n: np.ndarray, forward_load: np.ndarray, owner: np.ndarray, experts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Forward sub-chunks of the replicated experts: ``(expert, holder, [P, groups] pairs)``.
+
+    Groups are the (expert, holder) pairs with forward pairs, sorted by expert then holder.
+    """
+    parts = forward_load[experts]
+    rows = np.arange(experts.size)
+    first = owner[experts]
+    cum = np.cumsum(parts, axis=1) - parts
+    lo_h = cum + parts[rows, first][:, None] * (np.arange(parts.shape[1])[None, :] < first[:, None])
+    lo_h[rows, first] = 0
+    idx_e, idx_g = np.nonzero(parts)
+    lo = lo_h[idx_e, idx_g]
+    hi = lo + parts[idx_e, idx_g]
+    chunks = n[:, experts[idx_e]]
+    lo_s = np.cumsum(n[:, experts], axis=0)[:, idx_e] - chunks
+    hi_s = lo_s + chunks
+    pairs = np.maximum(np.minimum(hi_s, hi[None, :]) - np.maximum(lo_s, lo[None, :]), 0)
+    return experts[idx_e], idx_g, pairs
+
+
+def _memory_plan(call: _Call, plan: _Backward) -> MemoryPlan:
+    cost, mode, sent = call.cost, call.mode, call.sent
+    own = call.fixed_rank_load
+    replicas = cost.replica_bytes * call.replicas_per_rank
+    saved = call.saved_memory(call.keeps_all(plan.quota))
+    multi = call.num_sources > 1
+    exchange = cost.exchange_bytes(mode) if multi else 0
+    row = cost.row_bytes if multi else 0
+    arrays = [
+        replicas,
+        saved,
+        cost.backward_bytes(mode) * plan.rank_load,
+        cost.forward_buffer_bytes * call.forward_rank_load,
+        exchange * call.sent_rows(plan),
+        exchange * plan.rank_load,
+        cost.stock_saved_bytes * own,
+        cost.stock_backward_bytes * own,
+        cost.forward_buffer_bytes * own,
+        row * sent,
+        row * own,
+    ]
+    return MemoryPlan(*(torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in arrays))
+
+
+def _as_counts(counts: Any) -> np.ndarray:
+    if isinstance(counts, torch.Tensor):
+        if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+            raise ValueError(f"counts must be an integer tensor, got {counts.dtype}")
+        # NOTE: device-to-host sync if the counts live on the GPU (pass host counts).
+        counts = counts.detach().to("cpu", torch.int64).numpy()
+    n = np.ascontiguousarray(np.asarray(counts, dtype=np.int64))
+    if n.ndim != 2 or n.shape[0] == 0:
+        raise ValueError(f"counts must be [P, E] with P >= 1, got shape {tuple(n.shape)}")
+    if n.shape[1] % n.shape[0]:
+        raise ValueError(
+            f"counts has {n.shape[1]} experts, not divisible by its {n.shape[0]} ranks"
+        )
+    if (n < 0).any():
+        raise ValueError("counts must be non-negative")
+    return n
+
+
+def plan_call(
+    counts: Any,
+    ep_rank: int,
+    lrmoe: LRMoEConfig,
+    cost: Optional[CostModel] = None,
+    *,
+    check: Optional[bool] = None,
+    exact_forward: bool = False,
+) -> ControlPlan:
+    """Plan one MoE layer call from the all-gathered pair counts (see the module docstring).
+
+    Args:
+        counts: ``[P, E]`` host int pairs from source rank r to expert e (a torch tensor or numpy
+            array; every rank passes the same counts).
+        ep_rank: This rank's index in the EP group.
+        lrmoe: keep ratio (upper bound), budgets, replica limit, activation mode, scope.
+        cost: Bytes per pair and per replica (:meth:`CostModel.from_config`); needed for budgets
+            and for the memory accounting (``ControlPlan.memory`` is None without it).
+        check: Run ``check_invariants`` (default: ``lrmoe.debug_check_invariants``).
+        exact_forward: Replace the placement greedy's forward split by the exact min-max split
+            over the same replicas (drops replicas it leaves idle). Off by default: on Zipf
+            loads it lowers the forward peak by well under 1 % and costs milliseconds at EP 64
+            (benchmarks/planner_bench.py measures both).
+
+    Returns:
+        The frozen plan; identical on every rank for the same counts and config.
+
+    Raises:
+        ValueError: malformed counts, an ``ep_rank`` outside ``[0, P)``, or budgets without a
+            cost model.
+    """
+    start = time.perf_counter()
+    n = _as_counts(counts)
+    num_sources = n.shape[0]
+    if not 0 <= int(ep_rank) < num_sources:
+        raise ValueError(f"ep_rank ({ep_rank}) must be in [0, {num_sources})")
+    budgets = lrmoe.memory_budget_bytes is not None or lrmoe.exchange_budget_bytes is not None
+    if budgets and cost is None:
+        raise ValueError("LRMoE budgets need a CostModel (CostModel.from_config(config))")
+    q0 = quotas_np(n.sum(0), float(lrmoe.keep_ratio))
+    # Modes in order of preference (auto: save, then recompute); the first that no budget trims
+    # wins at once, else the one that keeps the most pairs (then the lower forward peak).
+    best: Optional[tuple[tuple, _Call, _Backward, Optional[int], tuple, tuple]] = None
+    for mode in _modes(lrmoe):
+        call = _Call(n, lrmoe, cost, mode, q0, exact_forward)
+        call.place()
+        plan, cap, binding, unmet = call.solve()
+        rank = (bool(unmet), -int(plan.quota.sum()), int(call.forward_rank_load.max(initial=0)))
+        if best is None or rank < best[0]:
+            best = (rank, call, plan, cap, binding, unmet)
+        if not binding:
+            break
+    _, call, plan, cap, binding, unmet = best
+    fixed_backward = call.per_owner(plan.quota)
+    result = ControlPlan(
+        ep_rank=int(ep_rank),
+        ep_size=num_sources,
+        num_local_experts=call.local,
+        counts=torch.from_numpy(n),
+        uncapped_quota=torch.from_numpy(q0),
+        quota=torch.from_numpy(plan.quota),
+        quota_cap=cap,
+        source_split=plan.source,
+        holds=torch.from_numpy(call.holds),
+        forward_load=torch.from_numpy(call.forward_load),
+        backward_load=torch.from_numpy(plan.backward_load),
+        activation_mode=call.mode,
+        scope=lrmoe.scope,
+        forward_rank_load=torch.from_numpy(call.forward_rank_load),
+        backward_rank_load=torch.from_numpy(plan.rank_load),
+        forward_peak=int(call.forward_rank_load.max(initial=0)),
+        backward_peak=int(plan.rank_load.max(initial=0)),
+        fixed_forward_peak=int(call.fixed_rank_load.max(initial=0)),
+        fixed_backward_peak=int(fixed_backward.max(initial=0)),
+        threshold=call.threshold,
+        memory_budget_bytes=lrmoe.memory_budget_bytes,
+        exchange_budget_bytes=lrmoe.exchange_budget_bytes,
+        max_replicas_per_rank=lrmoe.max_replicas_per_rank,
+        trimmed_pairs=int((q0 - plan.quota).sum()),
+        binding_budgets=binding,
+        unmet_budgets=unmet,
+        planner_time_s=time.perf_counter() - start,
+        memory_builder=None if cost is None else functools.partial(_memory_plan, call, plan),
+    )
+    if check if check is not None else lrmoe.debug_check_invariants:
+        result.check_invariants()
+    return result

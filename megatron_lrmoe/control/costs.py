@@ -1,0 +1,150 @@
+"""Bytes per pair and per replica of one LRMoE layer call, from the layer's shapes and dtypes.
+
+Shape legend: H hidden size, F expert FFN width, F1 fc1 output width (2F gated, else F).
+
+The controller plans memory and traffic with these constants. They model what the LRMoE op holds
+and sends (megatron_lrmoe/op.py) at the granularity of rows; per-pair scalars (routing weights,
+``||x||^2``, positions; 4-8 bytes against kilobytes per row) are left out. Terms:
+
+| term | per | save | recompute |
+|---|---|---|---|
+| replica | replica on a rank | fc1 + fc2 weights + their gradient buffer | same |
+| expert-side saved activations | pair computed in forward | x (H) + fc1 output h (F1) | 0 |
+| source-side saved rows | pair sent by the rank | z (H) unless every pair is kept; | + the token row (H), |
+|  |  |  | re-sent for kept pairs |
+| backward working rows | kept pair at its backward holder | gradient row (H) + gathered x, h (H + F1) + dh (F1) + dx (H) | gradient + token rows (2H) + recomputed h (F1) + dh (F1) + dx (H) |
+| backward exchange | kept pair | gradient row (H) | gradient + token row (2H) |
+| forward token buffers (reported only) | pair computed in forward | x in (H) + z out (H) | same |
+
+Stock Megatron with fixed ownership (the reference) saves x and h for every pair, holds the
+gradient row, dh and dx in backward (2H + F1 per pair, no gathered copies) and no replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CostModel"]
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r} for the LRMoE cost model")
+    return _DTYPE_BYTES[name]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-pair and per-replica bytes of one MoE layer call.
+
+    Attributes:
+        hidden_size: H.
+        ffn_hidden_size: F, one expert's FFN width.
+        gated: True for gated activations (fc1 is ``[2F, H]``).
+        activation_bytes: Bytes per element of token rows and activations (2 for bf16).
+        param_bytes: Bytes per element of expert weights.
+        grad_bytes: Bytes per element of the gradient buffer a replica needs (Megatron's
+            ``main_grad``; 4 for fp32 gradient accumulation).
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    gated: bool = True
+    activation_bytes: int = 2
+    param_bytes: int = 2
+    grad_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "ffn_hidden_size", "activation_bytes", "param_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"CostModel.{name} ({value!r}) must be a positive int")
+        if not isinstance(self.grad_bytes, int) or self.grad_bytes < 0:
+            raise ValueError(f"CostModel.grad_bytes ({self.grad_bytes!r}) must be an int >= 0")
+
+    @classmethod
+    def from_config(cls, config: Any, grad_bytes: int = 4) -> "CostModel":
+        """Read H, F, gating and dtypes from a Megatron ``TransformerConfig`` (duck-typed).
+
+        Args:
+            config: The MoE layer's ``TransformerConfig``.
+            grad_bytes: Element size of the replica's gradient buffer (``main_grad``).
+        """
+        ffn = getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size
+        if getattr(config, "bf16", False):
+            activation = 2
+        elif getattr(config, "fp16", False):
+            activation = 2
+        else:
+            activation = 4
+        return cls(
+            hidden_size=int(config.hidden_size),
+            ffn_hidden_size=int(ffn),
+            gated=bool(getattr(config, "gated_linear_unit", False)),
+            activation_bytes=activation,
+            param_bytes=_dtype_bytes(getattr(config, "params_dtype", "float32")),
+            grad_bytes=int(grad_bytes),
+        )
+
+    @property
+    def fc1_width(self) -> int:
+        """F1: 2F for gated activations, else F."""
+        return 2 * self.ffn_hidden_size if self.gated else self.ffn_hidden_size
+
+    @property
+    def replica_bytes(self) -> int:
+        """One expert copy: fc1 ``[F1, H]`` and fc2 ``[H, F]`` weights plus a gradient buffer."""
+        elements = self.fc1_width * self.hidden_size + self.hidden_size * self.ffn_hidden_size
+        return elements * (self.param_bytes + self.grad_bytes)
+
+    @property
+    def row_bytes(self) -> int:
+        """One token, output or gradient row (H elements)."""
+        return self.hidden_size * self.activation_bytes
+
+    def expert_saved_bytes(self, mode: str) -> int:
+        """Bytes the expert side keeps from forward to backward per pair it computed."""
+        if mode == "save":
+            return (self.hidden_size + self.fc1_width) * self.activation_bytes
+        return 0
+
+    def source_saved_bytes(self, mode: str, keeps_all: bool) -> int:
+        """Bytes the source keeps from forward to backward per pair it sent.
+
+        ``z`` (for the exact router gradient of dropped pairs) unless every pair is kept, and in
+        recompute mode the token row that is re-sent with the gradient of a kept pair.
+        """
+        z_row = 0 if keeps_all else self.row_bytes
+        return z_row + (self.row_bytes if mode == "recompute" else 0)
+
+    def backward_bytes(self, mode: str) -> int:
+        """Working bytes per kept pair at the rank that runs its expert backward.
+
+        Both modes hold 3H + 2F1 elements: save gathers x and h of the kept rows, recompute
+        receives x with the gradient and recomputes h.
+        """
+        del mode  # the same row count in both modes (see the module table)
+        return (3 * self.hidden_size + 2 * self.fc1_width) * self.activation_bytes
+
+    def exchange_bytes(self, mode: str) -> int:
+        """Bytes per kept pair in the backward's gradient exchange (the largest one)."""
+        return self.row_bytes * (2 if mode == "recompute" else 1)
+
+    @property
+    def forward_buffer_bytes(self) -> int:
+        """Forward token buffers per computed pair: the received row and the returned output."""
+        return 2 * self.row_bytes
+
+    @property
+    def stock_saved_bytes(self) -> int:
+        """Stock Megatron's saved activations per pair (x and h at the expert)."""
+        return (self.hidden_size + self.fc1_width) * self.activation_bytes
+
+    @property
+    def stock_backward_bytes(self) -> int:
+        """Stock Megatron's backward working bytes per pair (gradient row, dh, dx)."""
+        return (2 * self.hidden_size + self.fc1_width) * self.activation_bytes

@@ -1,0 +1,200 @@
+"""Replica placement for one layer call: a peak-load threshold search with a greedy inside.
+
+Shapes: E experts, P ranks, L = E / P experts owned per rank (rank r owns ``[r*L, (r+1)*L)``).
+
+Problem: expert e receives ``W[e]`` pairs this call. Each rank may host up to ``slots[r]`` replicas
+(copies of experts it does not own, one per expert); pairs of an expert may be computed by any
+rank holding it. Choose the replicas so that the peak per-rank load is as low as possible.
+
+Method (the quota-driven threshold search of UltraEP, arXiv 2606.04101, redesigned here): for a
+threshold T, ranks above T are overloaded by ``load - T``, ranks below have slack ``T - load``.
+:func:`threshold_greedy` walks the overloaded ranks (largest excess first) and, for each, its
+experts hottest first, moving pairs to the rank with the most slack that has a free slot and does
+not hold that expert yet, as much as the excess, the expert and the slack allow; one replica per
+move. T is feasible when every excess is moved. :func:`place_replicas` searches the smallest
+feasible T: it starts at the lower bound ``max(ceil(total / P), max_e ceil(W[e] / P))``, gallops up
+in doubling steps and bisects back (every T it returns was verified, so the search is correct even
+where the greedy is not monotone in T). The greedy's own split of pairs is only a starting point:
+the controller then computes the exact min-max assignment over the chosen replicas.
+
+Deterministic: ties go to the lower rank, then the lower expert id. Everything is host integers.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+
+__all__ = ["Placement", "place_replicas", "threshold_greedy"]
+
+Slots = Union[int, Sequence[int], Callable[[int], Sequence[int]]]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Replicas chosen for one call and the greedy's split of pairs.
+
+    Attributes:
+        threshold: The smallest T (within the search's tolerance) at which the greedy succeeded;
+            the greedy's peak load is at most T.
+        replica_expert: ``[M]`` int64 expert of each replica, sorted by (expert, rank).
+        replica_rank: ``[M]`` int64 rank hosting it (never the expert's owner).
+        replica_pairs: ``[M]`` int64 pairs the greedy moved to it (all positive).
+        greedy_runs: How many thresholds were tried (planner cost diagnostics).
+    """
+
+    threshold: int
+    replica_expert: np.ndarray
+    replica_rank: np.ndarray
+    replica_pairs: np.ndarray
+    greedy_runs: int
+
+
+def threshold_greedy(
+    expert_load: Sequence[int],
+    rank_load: Sequence[int],
+    experts_hot_first: Sequence[Sequence[int]],
+    threshold: int,
+    slots: Sequence[int],
+) -> Optional[list[tuple[int, int, int]]]:
+    """Moves pairs off the ranks above ``threshold`` into replicas on ranks below it.
+
+    Args:
+        expert_load: ``[E]`` pairs per expert.
+        rank_load: ``[P]`` pairs per rank with no replicas (its owned experts' loads).
+        experts_hot_first: Per rank, its owned experts by load descending (ties: lower id).
+        threshold: The peak load T to reach.
+        slots: ``[P]`` replicas each rank may host.
+
+    Returns:
+        Moves ``(expert, rank, pairs)`` in the order made (at most one per (expert, rank)), or
+        None when some rank cannot be brought down to T.
+    """
+    num_ranks = len(rank_load)
+    slack = [max(threshold - x, 0) for x in rank_load]
+    free = list(slots)
+    over = sorted(
+        (g for g in range(num_ranks) if rank_load[g] > threshold),
+        key=lambda g: (threshold - rank_load[g], g),
+    )
+    if not over:
+        return []
+    if sum(rank_load[g] - threshold for g in over) > sum(slack):
+        return None
+    # Max-heap on slack (ties: lower rank); one live entry per rank, stale ones are skipped.
+    heap = [(-slack[g], g) for g in range(num_ranks) if slack[g] > 0 and free[g] > 0]
+    heapq.heapify(heap)
+    moves: list[tuple[int, int, int]] = []
+    for r in over:
+        need = rank_load[r] - threshold
+        for e in experts_hot_first[r]:
+            if need == 0:
+                break
+            left = expert_load[e]
+            used: list[int] = []  # targets of this expert: not eligible for it again
+            while need > 0 and left > 0:
+                while heap and (-heap[0][0] != slack[heap[0][1]] or free[heap[0][1]] == 0):
+                    heapq.heappop(heap)
+                if not heap:
+                    break
+                _, g = heapq.heappop(heap)
+                amount = min(need, left, slack[g])
+                moves.append((e, g, amount))
+                slack[g] -= amount
+                free[g] -= 1
+                need -= amount
+                left -= amount
+                used.append(g)
+            for g in used:
+                if slack[g] > 0 and free[g] > 0:
+                    heapq.heappush(heap, (-slack[g], g))
+            if not heap and need > 0:
+                return None
+        if need > 0:
+            return None
+    return moves
+
+
+def _slots_at(slots: Slots, threshold: int, num_ranks: int) -> list[int]:
+    if callable(slots):
+        return [int(s) for s in slots(threshold)]
+    if isinstance(slots, int):
+        return [slots] * num_ranks
+    return [int(s) for s in slots]
+
+
+def place_replicas(
+    expert_load: np.ndarray,
+    num_ranks: int,
+    slots: Slots,
+    tolerance: float = 0.0,
+) -> Placement:
+    """Threshold search + greedy: replicas for this call's loads (see the module docstring).
+
+    Args:
+        expert_load: ``[E]`` int64 pairs per expert, E divisible by ``num_ranks``.
+        num_ranks: P.
+        slots: Replicas per rank: an int for every rank, a ``[P]`` sequence, or a function of the
+            threshold T returning one (the controller's memory budget makes slots depend on T).
+        tolerance: Stop bisecting once the bracket is within ``max(1, tolerance * T)``; 0 finds
+            the smallest T the greedy reaches to the unit.
+
+    Returns:
+        The placement; no replicas when none lower the peak.
+    """
+    num_experts = int(expert_load.shape[0])
+    local = num_experts // max(num_ranks, 1)
+    empty = np.zeros(0, dtype=np.int64)
+    by_rank = expert_load.reshape(max(num_ranks, 1), local)
+    rank_load = by_rank.sum(1).tolist()
+    top = max(rank_load, default=0)
+    total = sum(rank_load)
+    low = max(-(-total // max(num_ranks, 1)), int((-(-expert_load // num_ranks)).max(initial=0)))
+    if num_ranks <= 1 or top <= low:
+        return Placement(top, empty, empty, empty, 0)
+    loads = expert_load.tolist()
+    # Owned experts hottest first (stable: ties to the lower id), as global ids.
+    order = np.argsort(-by_rank, axis=1, kind="stable") + np.arange(num_ranks)[:, None] * local
+    hot_first = order.tolist()
+    runs = 0
+
+    def attempt(threshold: int) -> Optional[list[tuple[int, int, int]]]:
+        nonlocal runs
+        runs += 1
+        room = _slots_at(slots, threshold, num_ranks)
+        if not any(room):
+            return None
+        return threshold_greedy(loads, rank_load, hot_first, threshold, room)
+
+    best_t, best = top, []
+    moves = attempt(low)
+    if moves is not None:
+        best_t, best = low, moves
+    else:
+        # Gallop up from the lower bound, then bisect the last bracket.
+        bad, step = low, max(1, int(tolerance * low), low >> 10)
+        while True:
+            trial = bad + step
+            if trial >= top:
+                break
+            moves = attempt(trial)
+            if moves is not None:
+                best_t, best = trial, moves
+                break
+            bad, step = trial, step * 2
+        while best_t - bad > max(1, int(tolerance * best_t)):
+            trial = (bad + best_t) // 2
+            moves = attempt(trial)
+            if moves is None:
+                bad = trial
+            else:
+                best_t, best = trial, moves
+    if not best:
+        return Placement(top, empty, empty, empty, runs)
+    arr = np.asarray(best, dtype=np.int64).reshape(-1, 3)
+    order = np.lexsort((arr[:, 1], arr[:, 0]))
+    arr = arr[order]
+    return Placement(best_t, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), runs)
