@@ -139,7 +139,7 @@ def _known_call(layer_number: int) -> CallStats:
 
 
 class FakeLRMoELayer(LRMoELayer):
-    """An ``LRMoELayer`` (for the metrics' forward hooks) whose calls produce known stats."""
+    """An ``LRMoELayer`` (for the metrics' stats listeners) whose calls produce known stats."""
 
     def __init__(self, layer_number: int) -> None:  # noqa: D107 - no MoELayer construction
         torch.nn.Module.__init__(self)
@@ -147,10 +147,14 @@ class FakeLRMoELayer(LRMoELayer):
         self.last_call_stats: Optional[CallStats] = None
         self.weight = torch.nn.Parameter(torch.ones(1))
         self._step: Optional[int] = None  # set_training_step's state
-        self._calls_in_step = 0
+        self._backwards_in_step = 0
+        self._stats_listeners = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         self.last_call_stats = _known_call(self.layer_number)
+        if torch.is_grad_enabled():  # as LRMoELayer.routed_experts_compute hands calls out
+            for fn in list(self._stats_listeners.values()):
+                fn(self.layer_number, self.last_call_stats)
         return x * self.weight
 
 
@@ -456,4 +460,4 @@ def test_training_step_reaches_the_layers() -> None:
     model = fake_model()
     assert set_lrmoe_training_step(model, 7) == 2
     layers = [m for m in model[0].modules() if isinstance(m, FakeLRMoELayer)]
-    assert all(layer._step == 7 and layer._calls_in_step == 0 for layer in layers)
+    assert all(layer._step == 7 and layer._backwards_in_step == 0 for layer in layers)

@@ -31,7 +31,6 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -298,15 +297,8 @@ def build_gpt_model(
 # MoE-layer time and backward bytes.
 # ------------------------------------------------------------------------------------------------
 class MoELayerProbe:
-    """Wall clock of every MoE layer's forward and backward, and its backward exchange bytes.
-
-    Forward time runs from a forward pre-hook to a forward hook of each ``MoELayer`` (router,
-    permutation, dispatch, experts, combine, unpermute). Backward time runs from a full backward
-    pre-hook (the gradient of the layer's output has arrived) to a full backward hook (the
-    gradient of its input is complete); autograd runs the nodes of one layer back to back, so
-    the span holds that layer's backward, LRMoE's scoring, selection, packing and exchanges
-    included. On CPU every op is synchronous, so wall clock is the work; on GPU the spans are
-    taken with CUDA events and read in :meth:`take` (one sync per read).
+    """Time in every MoE layer (:class:`~megatron_lrmoe.observe.timing.MoELayerTimer`) and the
+    bytes its backward exchanges send.
 
     Backward bytes are the bytes this rank sends in the layer's backward exchanges: an LRMoE
     layer reports them in ``last_call_stats.backward_bytes``; for a stock ``MoELayer`` they are
@@ -315,46 +307,17 @@ class MoELayerProbe:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from megatron.core.transformer.moe.moe_layer import MoELayer
+        from megatron_lrmoe.observe.timing import MoELayerTimer
 
-        self.layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-        self._cuda = torch.cuda.is_available()
-        self._open: dict[tuple[int, str], Any] = {}
-        self._spans: list[tuple[Any, Any]] = []
+        self.timer = MoELayerTimer(model)
+        self.layers = self.timer.layers
         self._bytes = 0
         self._pending_stats: list[Any] = []
-        self._handles = []
-        for layer in self.layers:
-            self._handles += [
-                layer.register_forward_pre_hook(partial(self._start, id(layer), "fwd")),
-                layer.register_forward_hook(partial(self._forward_done, id(layer))),
-                layer.register_full_backward_pre_hook(partial(self._start, id(layer), "bwd")),
-                layer.register_full_backward_hook(partial(self._stop, id(layer), "bwd")),
-            ]
+        self._handles = [layer.register_forward_hook(self._forward_done) for layer in self.layers]
 
-    def _now(self) -> Any:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _start(self, key: int, phase: str, *_: Any) -> None:
-        # Evaluation forwards (no grad) are not training time. Backward hooks run with grad
-        # mode off, so the check is for the forward phase only.
-        if phase == "fwd" and not torch.is_grad_enabled():
-            return
-        self._open[(key, phase)] = self._now()
-
-    def _stop(self, key: int, phase: str, *_: Any) -> None:
-        start = self._open.pop((key, phase), None)
-        if start is not None:
-            self._spans.append((start, self._now()))
-
-    def _forward_done(self, key: int, layer: Any, args: tuple, output: Any) -> None:
+    def _forward_done(self, layer: Any, args: tuple, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        self._stop(key, "fwd")
         stats = getattr(layer, "last_call_stats", None)
         if stats is not None:
             self._pending_stats.append(stats)  # its bytes are known once backward ran
@@ -372,16 +335,14 @@ class MoELayerProbe:
 
     def take(self) -> tuple[float, int]:
         """Seconds in MoE layers and backward bytes sent since the last call; resets both."""
-        if self._cuda:
-            seconds = sum(a.elapsed_time(b) for a, b in self._spans) / 1e3  # NOTE: syncs
-        else:
-            seconds = sum(b - a for a, b in self._spans)
+        seconds = self.timer.take()  # NOTE: syncs on GPU
         sent = self._bytes + sum(s.backward_bytes for s in self._pending_stats)
-        self._spans, self._pending_stats, self._bytes = [], [], 0
+        self._pending_stats, self._bytes = [], 0
         return seconds, sent
 
     def remove(self) -> None:
         """Remove the hooks."""
+        self.timer.remove()
         for handle in self._handles:
             handle.remove()
         self._handles = []

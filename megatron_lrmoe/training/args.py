@@ -178,6 +178,15 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action=_LRMoEHelpAction,
         help="Show the LRMoE flags only (this group) and exit.",
     )
+    group.add_argument(
+        "--moe-layer-timing",
+        action="store_true",
+        help=(
+            "Log the time spent in the MoE layers (forward + backward, CUDA events, every "
+            "overhead included) per iteration and since the start, for stock and LRMoE layers "
+            "alike (a line after Megatron's, and moe/layer_* scalars). Does not need --lrmoe."
+        ),
+    )
     for name, default in _DEFAULTS.items():
         text = _HELP[name] % {"def": default}
         flag = LRMOE_FLAGS[name]

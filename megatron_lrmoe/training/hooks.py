@@ -29,7 +29,9 @@ while it runs. Instead :func:`install_lrmoe_training_log`, called explicitly by 
 Both wrappers are version-checked (megatron-core 0.19 and the exact parameter names of 0.19.2's
 functions, and that ``pretrain`` / ``train`` still call them by global name), installed together
 or not at all, and idempotent. Nothing happens on import, and nothing is installed without
-``--lrmoe``.
+``--lrmoe`` or ``--moe-layer-timing``. ``--moe-layer-timing`` (stock runs too) adds a line with
+the time spent in the MoE layers (forward and backward, CUDA events, every overhead included)
+per iteration and since the start, and ``moe/layer_*`` scalars.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import Any, Callable, Optional
 
 from megatron_lrmoe.layer import set_lrmoe_training_step
 from megatron_lrmoe.observe.metrics import LRMoEMetrics
+from megatron_lrmoe.observe.timing import MoELayerTimer
 
 logger = logging.getLogger(__name__)
 
@@ -187,13 +190,19 @@ class LRMoETrainingLog:
         last_line: The last line printed (or that would be printed on the last rank).
     """
 
-    def __init__(self, groups: Optional[list[Any]] = None) -> None:
+    def __init__(
+        self, groups: Optional[list[Any]] = None, lrmoe: bool = True, moe_timing: bool = False
+    ) -> None:
         self.groups = groups
+        self.lrmoe = lrmoe
+        self.moe_timing = moe_timing
         self.metrics: Optional[LRMoEMetrics] = None
+        self.timer: Optional[MoELayerTimer] = None
         self.model: Any = None
         self.last_line = ""
         self._module: Optional[ModuleType] = None
         self._originals: dict[str, Callable[..., Any]] = {}
+        self._timed_iteration = 0
 
     # --- wrappers -------------------------------------------------------------------------------
     def wrap_train(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -207,13 +216,18 @@ class LRMoETrainingLog:
             # The sampling stream follows the training step, so a resumed run draws what an
             # uninterrupted one would (see LRMoELayer.set_training_step).
             set_lrmoe_training_step(model, int(getattr(_megatron_args(), "iteration", 0) or 0))
-            previous = self.metrics
-            metrics = self.metrics = self.make_metrics(model)
+            previous = self.metrics, self.timer
+            metrics = self.metrics = self.make_metrics(model) if self.lrmoe else None
+            timer = self.timer = MoELayerTimer(model) if self.moe_timing else None
+            self._timed_iteration = int(getattr(_megatron_args(), "iteration", 0) or 0)
             try:
                 return original(*args, **kwargs)
             finally:
-                metrics.close()
-                self.metrics = previous
+                if metrics is not None:
+                    metrics.close()
+                if timer is not None:
+                    timer.remove()
+                self.metrics, self.timer = previous
 
         setattr(train, _MARKER, self)
         return train
@@ -225,7 +239,7 @@ class LRMoETrainingLog:
         @functools.wraps(original)
         def training_log(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            if self.metrics is not None:
+            if self.metrics is not None or self.timer is not None:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
                 iteration = int(bound.arguments["iteration"])
@@ -262,17 +276,40 @@ class LRMoETrainingLog:
             The reported scalars (empty when no LRMoE backward ran anywhere; nothing is
             printed then).
         """
-        if self.metrics is None:
-            return {}
         writer, wandb_writer = _megatron_writers()
-        scalars = self.metrics.report(iteration, writer=writer, wandb_writer=wandb_writer)
-        fragment = self.metrics.last_log_string
-        if fragment:
-            self.last_line = lrmoe_log_line(
-                iteration, getattr(_megatron_args(), "train_iters", None), fragment
-            )
-            _print_rank_last(self.last_line)
+        train_iters = getattr(_megatron_args(), "train_iters", None)
+        scalars: dict[str, float] = {}
+        if self.metrics is not None:
+            scalars = self.metrics.report(iteration, writer=writer, wandb_writer=wandb_writer)
+            fragment = self.metrics.last_log_string
+            if fragment:
+                self.last_line = lrmoe_log_line(iteration, train_iters, fragment)
+                _print_rank_last(self.last_line)
+        if self.timer is not None:
+            self._report_timing(iteration, train_iters, writer, wandb_writer)
         return scalars
+
+    def _report_timing(self, iteration: int, train_iters: Any, writer: Any, wandb: Any) -> None:
+        """MoE-layer time since the last report and since the start, this rank's, one line."""
+        iterations = max(1, iteration - self._timed_iteration)
+        self._timed_iteration = iteration
+        seconds = self.timer.take()  # NOTE: device-to-host sync (CUDA events), once per report
+        ms = 1e3 * seconds / iterations
+        values = {
+            "moe/layer_ms_per_iteration": ms,
+            "moe/layer_seconds_cumulative": self.timer.total_seconds,
+        }
+        for name, value in values.items():
+            if writer is not None:
+                writer.add_scalar(name, value, iteration)
+        if wandb is not None:
+            wandb.log(values, iteration)
+        fragment = (
+            f" moe layers: {ms:.1f} ms/iter | moe layers cumulative: "
+            f"{self.timer.total_seconds:.3f} s |"
+        )
+        self.last_line = lrmoe_log_line(iteration, train_iters, fragment)
+        _print_rank_last(self.last_line)
 
     # --- installation ---------------------------------------------------------------------------
     def install(self, module: ModuleType) -> None:
@@ -315,7 +352,9 @@ def install_lrmoe_training_log(
         RuntimeError: The installed megatron-core's ``train`` / ``training_log`` are not the
             0.19.2 ones this wraps, or only one of them is wrapped.
     """
-    if not getattr(args, "lrmoe", False):
+    lrmoe = bool(getattr(args, "lrmoe", False))
+    moe_timing = bool(getattr(args, "moe_layer_timing", False))
+    if not (lrmoe or moe_timing):
         return None
     if module is None:
         import importlib
@@ -329,6 +368,6 @@ def install_lrmoe_training_log(
                 "something replaced one of the LRMoE training-log wrappers"
             )
         return hooks
-    hooks = LRMoETrainingLog()
+    hooks = LRMoETrainingLog(lrmoe=lrmoe, moe_timing=moe_timing)
     hooks.install(module)
     return hooks
