@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Qwen3-30B-A3B proxy (4 layers, the real MoE layer shape) on one H200 per run, EP=1: LRMoE keep
+# 1.0 and keep 0.5 `sample` side by side (one GPU each, same data, seed and schedule), real text
+# (the byte-level Python standard library dataset of examples/make_indexed_dataset.py),
+# --moe-layer-timing on, so each log has Megatron's iteration lines, the LRMoE line and the
+# cumulative MoE-layer time.
+#
+#   bash benchmarks/train_compare.sh OUT_DIR            (TRAIN_ITERS, GBS, TIMEOUT_S override)
+#
+# Needs two visible GPUs (runs A and B concurrently on GPU 0 and 1), megatron-core 0.19.2
+# importable, this checkout on PYTHONPATH. Logs: OUT_DIR/train_keep1.0.log, _keep0.5.log.
+set -u
+out="${1:?usage: train_compare.sh OUT_DIR}"
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+iters=${TRAIN_ITERS:-300}
+limit=${TIMEOUT_S:-420}
+if [ ! -f .data/pystdlib_bytes.bin ]; then
+  python3 examples/make_indexed_dataset.py --output-prefix .data/pystdlib_bytes \
+    --max-bytes 12000000 >"$out/dataset.log" 2>&1 || { cat "$out/dataset.log"; exit 1; }
+fi
+common=(GPUS_PER_NODE=1 NNODES=1 NUM_LAYERS=4 TP=1 PP=1 EP=1 SEQ_LENGTH=4096 MBS=1
+        GBS="${GBS:-4}" TRANSFORMER_IMPL=local TRAIN_ITERS="$iters" LR=5e-4 MIN_LR=5e-5
+        WARMUP_ITERS=20 EVAL_INTERVAL=50 EVAL_ITERS=8 LOG_INTERVAL=1
+        DATA_PREFIX="$PWD/.data/pystdlib_bytes")
+run() {  # run GPU PORT KEEP LOG
+  env "${common[@]}" CUDA_VISIBLE_DEVICES="$1" MASTER_PORT="$2" KEEP_RATIO="$3" \
+    DATA_CACHE="/tmp/lrmoe_data_cache_$3" \
+    timeout "$limit" bash examples/qwen3_30b_a3b/pretrain.sh --moe-layer-timing \
+    >"$4" 2>&1
+  echo "exit $? ($3)" >>"$4"
+}
+run 0 29611 1.0 "$out/train_keep1.0.log" &
+a=$!
+run 1 29612 0.5 "$out/train_keep0.5.log" &
+b=$!
+wait $a $b
+for f in "$out"/train_keep*.log; do
+  echo "== $f"; grep -E "iteration +(1|50|100|150|200|250|300)/|validation loss at|moe layers:|exit" "$f" | tail -n 30
+done
