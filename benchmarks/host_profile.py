@@ -32,6 +32,11 @@ def main() -> None:
     parser.add_argument("--selection", default="sample")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rows", type=int, default=35)
+    parser.add_argument(
+        "--torch-profiler",
+        action="store_true",
+        help="also print torch.profiler's table by self CPU time (CUDA runtime calls included)",
+    )
     args = parser.parse_args()
 
     from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
@@ -68,6 +73,17 @@ def main() -> None:
                 stream = io.StringIO()
                 pstats.Stats(profiler, stream=stream).sort_stats(key).print_stats(args.rows)
                 print(f"--- by {key}\n" + stream.getvalue(), flush=True)
+        if args.torch_profiler:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    out, _ = layer(x.detach().requires_grad_(True))
+                    out.backward(up)
+                torch.cuda.synchronize()
+            if torch.distributed.get_rank() == 0:
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
+                print(f"--- torch.profiler, 5 calls, by self CPU time\n{table}", flush=True)
     torch.distributed.destroy_process_group()
 
 
