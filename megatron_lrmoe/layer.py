@@ -15,6 +15,8 @@ from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.dispatch.dispatcher import LRAlltoAllTokenDispatcher
 from megatron_lrmoe.experts.module import LRGroupedMLP
 from megatron_lrmoe.op import ExpertCall, lrmoe_experts
+from megatron_lrmoe.control.controller import check_budgets, plan_call
+from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.plan import CallPlan
 from megatron_lrmoe.observe.stats import CallStats
 
@@ -68,6 +70,9 @@ class LRMoELayer(MoELayer):
             )
         if self.use_shared_expert and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
+        self._layer_name = layer_name
+        self._cost: Optional[CostModel] = None
+        self._check_controller(self.lrmoe_config)
         self._call_index = 0
         self._backward_index = 0
         self._step: Optional[int] = None
@@ -85,6 +90,22 @@ class LRMoELayer(MoELayer):
         if step != self._step:
             self._step = int(step)
             self._backwards_in_step = 0
+
+    def _check_controller(self, lrmoe: LRMoEConfig) -> None:
+        """Start-up checks of what the controller plans (budgets that can never be met)."""
+        if lrmoe.max_replicas_per_rank > 0:
+            raise ValueError(
+                f"{self._layer_name}: max_replicas_per_rank={lrmoe.max_replicas_per_rank} is not "
+                "supported yet: the controller plans replicas (megatron_lrmoe.control) but the "
+                "layer does not place them; use --lrmoe-max-replicas-per-rank 0"
+            )
+        if _uses_controller(lrmoe):
+            check_budgets(lrmoe, self._cost_model(), None, self._layer_name)
+
+    def _cost_model(self) -> CostModel:
+        if self._cost is None:
+            self._cost = CostModel.from_config(self.config)
+        return self._cost
 
     def next_sample_stream(self) -> tuple[int, ...]:
         """The sampling stream's key for the backward now running (the op calls it once).
@@ -131,14 +152,23 @@ class LRMoELayer(MoELayer):
         call_index = self._call_index
         if torch.is_grad_enabled():
             self._call_index += 1
-        plan = CallPlan.build(
-            dispatcher.global_counts,
-            ep_rank=dispatcher.ep_rank,
-            num_local_experts=self.num_local_experts,
-            lrmoe=self.lrmoe_config,
-            layer_number=int(self.layer_number or 0),
-            stream=(),
-        )
+        lrmoe = self.lrmoe_config
+        layer_number = int(self.layer_number or 0)
+        if _uses_controller(lrmoe):
+            # Budgets, or the save/recompute choice: the controller plans the call (host only).
+            if lrmoe.max_replicas_per_rank > 0:
+                self._check_controller(lrmoe)
+            control = plan_call(dispatcher.global_counts, dispatcher.ep_rank, lrmoe, self._cost_model())
+            plan = CallPlan.from_control(control, layer_number, ())
+        else:
+            plan = CallPlan.build(
+                dispatcher.global_counts,
+                ep_rank=dispatcher.ep_rank,
+                num_local_experts=self.num_local_experts,
+                lrmoe=lrmoe,
+                layer_number=layer_number,
+                stream=(),
+            )
         stats = None
         if self.lrmoe_config.record_stats:
             stats = CallStats(
@@ -148,6 +178,7 @@ class LRMoELayer(MoELayer):
                 pairs_sent=int(plan.send_counts.sum()),
                 quota_per_expert=plan.quota.tolist(),
                 tokens_per_expert=plan.global_counts.sum(0).tolist(),
+                control=plan.control,
             )
         call = ExpertCall(
             plan=plan,
@@ -165,6 +196,16 @@ class LRMoELayer(MoELayer):
             for fn in list(self._stats_listeners.values()):
                 fn(int(self.layer_number or 1), stats)
         return output, None
+
+
+def _uses_controller(lrmoe: LRMoEConfig) -> bool:
+    """Whether calls need the full controller (budgets, ``auto`` mode, replicas)."""
+    return (
+        lrmoe.memory_budget_bytes is not None
+        or lrmoe.exchange_budget_bytes is not None
+        or lrmoe.activation_mode == "auto"
+        or lrmoe.max_replicas_per_rank > 0
+    )
 
 
 class _ListenerHandle:

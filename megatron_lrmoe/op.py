@@ -99,6 +99,19 @@ class ExpertCall:
         return rows.index_select(0, index)
 
     @property
+    def exact(self) -> bool:
+        """Every pair is kept: the exact (keep 1) path. Budgets can trim even at keep ratio 1,
+        so a controller plan decides when there is one."""
+        control = self.plan.control
+        return control.keeps_all if control is not None else self.lrmoe.is_exact
+
+    @property
+    def activation_mode(self) -> str:
+        """``"save"`` or ``"recompute"`` for this call (the controller resolves ``"auto"``)."""
+        control = self.plan.control
+        return control.activation_mode if control is not None else self.lrmoe.activation_mode
+
+    @property
     def groups(self) -> GroupSizes:
         """Rows per local expert in forward (offsets built once per call)."""
         if self._groups is None:
@@ -137,7 +150,7 @@ def lrmoe_experts(
     Returns:
         ``[T, H]``: for each token the sum of its pairs' routing-weighted expert outputs.
     """
-    fn = ExactMoEFunction if call.lrmoe.is_exact else TrimmedMoEFunction
+    fn = ExactMoEFunction if call.exact else TrimmedMoEFunction
     return fn.apply(hidden, probs, call, w1, w2)
 
 
@@ -249,7 +262,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
         perm, plan = call.perm, call.plan
-        save = call.lrmoe.activation_mode == "save"
+        save = call.activation_mode == "save"
         x = call.to_experts(hidden.index_select(0, perm.token_of_pair))
         z, h = expert_forward(x, w1, w2, call.groups, call.spec)
         z = call.to_sources(z)
@@ -399,7 +412,7 @@ def _select_local(
     send_kept = quota.reshape(p, nle)
     recv_kept = quota_src[:, plan.local_experts].contiguous()
     kept_positions = None
-    if lrmoe.activation_mode == "save":
+    if call.activation_mode == "save":
         if p == 1:
             # Send order is expert order: the kept pairs are the kept expert-side rows.
             kept_positions = sel.kept_index
@@ -449,7 +462,7 @@ def _select_global(
     send_kept = counts[0].reshape(p, nle)
     recv_kept = counts[1].reshape(p, nle)
     kept_index = torch.nonzero(kept_src).squeeze(1)
-    kept_positions = owner_sel.kept_index if lrmoe.activation_mode == "save" else None
+    kept_positions = owner_sel.kept_index if call.activation_mode == "save" else None
     return KeptPlan(
         kept_index, weight_src[kept_index].float(), send_kept, recv_kept, kept_positions, poison
     )
@@ -470,7 +483,7 @@ def pack_kept(
     row_scale = probs.float().index_select(0, kept.kept_index) * kept.weight
     g_kept = scale_rows(g, row_scale, index=tok)
     x_kept = None
-    if call.lrmoe.activation_mode == "recompute" and call.plan.ep_size > 1:
+    if call.activation_mode == "recompute" and call.plan.ep_size > 1:
         x_kept = hidden.index_select(0, tok)
     return g_kept, x_kept
 
@@ -550,7 +563,7 @@ def _record_trimmed(
 ) -> None:
     stats, plan, lrmoe = call.stats, call.plan, call.lrmoe
     hidden = g.shape[-1]
-    recompute_rows = lrmoe.activation_mode == "recompute" and plan.ep_size > 1
+    recompute_rows = call.activation_mode == "recompute" and plan.ep_size > 1
     _fill_exchanges(
         call, g, kept.send_kept, kept.recv_kept, hidden * (2 if recompute_rows else 1)
     )
@@ -565,7 +578,7 @@ def _record_trimmed(
         if lrmoe.scope == "global":
             stats.exchanges["scores"] = _exchange_stats(plan.send_counts, rank, 4, 0, 0)
             stats.exchanges["weights"] = _exchange_stats(plan.recv_counts, rank, 4, 0, 0)
-        elif lrmoe.activation_mode == "save":
+        elif call.activation_mode == "save":
             stats.exchanges["positions"] = _exchange_stats(kept.send_kept, rank, 8, 0, 0)
     stats.timer = timer
     stats.backward_done = True

@@ -257,6 +257,8 @@ def lrmoe_vs_dense_reference(
         "kept_per_local_expert": stats.kept_per_local_expert,
         "grad_rows": stats.exchanges["grad"].rows,
         "dgrad_rows": stats.exchanges["dgrad"].rows,
+        "tokens_per_expert": stats.tokens_per_expert,
+        "control": stats.control_summary,
     }
 
 
@@ -300,3 +302,26 @@ def sample_mean_gradient(rank: int, world: int, n: int, scope: str) -> dict[str,
         "w2_sample_std": w2s.std(0),
         "w1_topk": w1_topk.double(),
     }
+
+
+def controller_cases(rank: int, world: int, ep: int) -> list[dict[str, Any]]:
+    """LRMoE layers planned by the controller (budgets, ``auto``), each checked against the dense
+    masked reference with the same selection, plus what the controller decided.
+
+    Sizes: TOKENS tokens per rank, fp32, ``H`` hidden, top-k ``K``: stock's backward gradient
+    exchange is ``TOKENS * K * H * 4`` bytes per rank, so a budget of a fraction of it binds.
+    """
+    pg = init_megatron_parallel(ep=ep)
+    cfg = _config(ep)
+    stock_exchange = TOKENS * cfg.moe_router_topk * cfg.hidden_size * 4
+    cases = [
+        # A budget that never binds: the same plan as no budget.
+        dict(keep_ratio=0.5, exchange_budget_bytes=10 * stock_exchange),
+        # A binding exchange budget at keep ratio 1: hot experts trimmed, the trimmed path runs.
+        dict(keep_ratio=1.0, exchange_budget_bytes=stock_exchange // 3),
+        # auto: the controller chooses save or recompute.
+        dict(keep_ratio=0.5, activation_mode="auto", selection="topk"),
+        # A memory budget no quota meets: nothing kept, the call still runs.
+        dict(keep_ratio=0.5, memory_budget_bytes=1),
+    ]
+    return [lrmoe_vs_dense_reference(pg, ep, kw, dict(moe_aux_loss_coeff=0.0)) for kw in cases]

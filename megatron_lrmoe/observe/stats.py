@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -83,6 +83,9 @@ class CallStats:
         kept_mask: ``[S]`` bool in this rank's permuted pair order (``debug_record_selection``).
         kept_weight: ``[S]`` gradient multiplier of each pair, 0 when dropped (same flag).
         backward_done: Whether backward has filled the rest.
+        timer: CUDA-event spans of scoring, selection and packing (read lazily).
+        control: The controller's ``ControlPlan`` when budgets or ``activation_mode="auto"``
+            planned the call (see :attr:`control_summary`), else None.
     """
 
     layer_number: int
@@ -100,6 +103,14 @@ class CallStats:
     kept_weight: Optional[torch.Tensor] = None
     backward_done: bool = False
     timer: Optional[SpanTimer] = None
+    control: Optional[Any] = None
+
+    @property
+    def control_summary(self) -> Optional[dict[str, Any]]:
+        """The controller's plan of this call (``ControlPlan.summary()``: quota cap, trimmed
+        pairs, binding budgets, activation mode, planned peak loads, memory next to fixed
+        ownership, planner time), or None when the call was planned without it."""
+        return None if self.control is None else self.control.summary()
 
     @property
     def kept_ratio(self) -> Optional[float]:
