@@ -52,8 +52,9 @@ class LRMoEConfig:
             timings of scoring/selection/packing). Timing uses CUDA events on GPU.
         debug_record_selection: Also keep the kept mask of each call (per source rank, in the
             source's permuted pair order) in the statistics. Costs memory; for tests and debugging.
-        debug_check_invariants: Check the integer plan's invariants at run time (quota sums, kept
-            counts, split sums). Adds device-to-host syncs; for debugging.
+        debug_check_invariants: Check the integer plan's invariants at run time (quota range,
+            the split over sources and its sums; with the controller, every invariant of its
+            plan). Host-side only; for debugging.
         memory_budget_bytes: Per-GPU bytes one layer call may hold for its backward: replica
             weights and their gradient buffers, saved activations and the backward's token
             buffers (control/costs.py lists the terms). ``None`` (default): unbounded. A call

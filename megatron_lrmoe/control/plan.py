@@ -135,10 +135,18 @@ class CallPlan:
         return self.quota[self.local_experts].contiguous()
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if an integer invariant is violated (debug flag)."""
+        """Raise AssertionError if an integer invariant is violated (debug flag).
+
+        Explicit raises, not ``assert``: the check must survive ``python -O``.
+        """
         n = self.global_counts.sum(0)
-        assert bool((self.quota >= 0).all()) and bool((self.quota <= n).all()), "quota range"
+        checks = [(bool((self.quota >= 0).all()) and bool((self.quota <= n).all()), "quota range")]
         if self.source_quota is not None:
-            assert bool((self.source_quota <= self.global_counts).all()), "source quota > N"
-            assert bool((self.source_quota >= 0).all()), "negative source quota"
-            assert torch.equal(self.source_quota.sum(0), self.quota), "source quota sum"
+            checks += [
+                (bool((self.source_quota <= self.global_counts).all()), "source quota > N"),
+                (bool((self.source_quota >= 0).all()), "negative source quota"),
+                (torch.equal(self.source_quota.sum(0), self.quota), "source quota sum"),
+            ]
+        for ok, what in checks:
+            if not ok:
+                raise AssertionError(f"CallPlan invariant violated: {what}")

@@ -40,6 +40,8 @@ from typing import Literal, Union
 import torch
 import torch.nn.functional as F
 
+from megatron_lrmoe.dispatch.compaction import host_to_device
+
 __all__ = [
     "Counts",
     "GroupSizes",
@@ -60,18 +62,6 @@ GROUPED_MM_ENV = "LRMOE_GROUPED_MM"
 _ALIGN_BYTES = 16
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copies a small host tensor to ``device`` without blocking the host.
-
-    A plain ``.to("cuda")`` from pageable memory synchronises the stream (the host waits for
-    all queued kernels); staging through pinned memory makes it an async copy. The caching host
-    allocator keeps the pinned buffer alive until the copy has run.
-    """
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class GroupSizes:
@@ -144,7 +134,7 @@ class GroupSizes:
         if cached is not None:
             return cached
         if self.sizes is not None:
-            offs = _to_device(torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).int(), device)
+            offs = host_to_device(torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).int(), device)
         else:
             assert self._device_counts is not None
             offs = self._device_counts.to(device).cumsum(0).to(torch.int32).contiguous()
@@ -160,7 +150,7 @@ class GroupSizes:
         if self.sizes is not None:
             empty = [g for g, c in enumerate(self.sizes) if c == 0]
             if empty:
-                index = _to_device(torch.tensor(empty, dtype=torch.int64), out.device)
+                index = host_to_device(torch.tensor(empty, dtype=torch.int64), out.device)
                 out.index_fill_(0, index, 0)
             return
         assert self._device_counts is not None

@@ -10,7 +10,7 @@ expert). Segments are contiguous and in order, described by ``counts[G]`` (rows 
 Two selection policies:
 
 * ``topk``: the ``quota`` highest scores per segment, every kept row with weight 1 (the paper's
-  rule; biased, see ``shared/measurements/convergence_probe.md``).
+  rule; biased, see "Why ``sample`` is the default" in docs/design.md).
 * ``sample``: an unbiased fixed-size importance sample, inclusion probability proportional to
   ``sqrt(score)`` capped at 1, systematic sampling, weight ``1 / probability``.
 
