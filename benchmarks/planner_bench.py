@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import itertools
 import json
 import os
 import platform
@@ -40,7 +39,7 @@ import torch
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.control.controller import plan_call
 from megatron_lrmoe.control.costs import CostModel
-from megatron_lrmoe.control.placement import place_replicas
+from megatron_lrmoe.control.placement import place_replicas, reference_optimal_peak
 
 # Qwen3-30B-A3B-like expert shapes (bf16), as in benchmarks/common.py.
 COST = CostModel(hidden_size=2048, ffn_hidden_size=768, gated=True, activation_bytes=2)
@@ -111,32 +110,6 @@ def lower_bound(load: np.ndarray, num_ranks: int) -> int:
     return int(max(-(-load.sum() // num_ranks), (-(-load // num_ranks)).max(initial=0)))
 
 
-def brute_force_peak(load: list[int], num_ranks: int, slots: int) -> int:
-    """Exact optimum over every placement (min-cut bound per placement); tiny cases only."""
-    num_experts = len(load)
-    local = num_experts // num_ranks
-    choices = []
-    for r in range(num_ranks):
-        others = [e for e in range(num_experts) if e // local != r]
-        options = [()]
-        for k in range(1, slots + 1):
-            options += list(itertools.combinations(others, k))
-        choices.append(options)
-    best = None
-    for pick in itertools.product(*choices):
-        holders = [{e // local} for e in range(num_experts)]
-        for rank, experts in enumerate(pick):
-            for e in experts:
-                holders[e].add(rank)
-        peak = 0
-        for mask in range(1, 1 << num_ranks):
-            inside = {r for r in range(num_ranks) if mask >> r & 1}
-            confined = sum(x for x, h in zip(load, holders) if h <= inside)
-            peak = max(peak, -(-confined // len(inside)))
-        best = peak if best is None else min(best, peak)
-    return best
-
-
 def small_cases(count: int) -> dict[str, Any]:
     rng = np.random.default_rng(7)
     ratios, ratios_exact, fixed = [], [], []
@@ -148,7 +121,7 @@ def small_cases(count: int) -> dict[str, Any]:
         lrmoe = LRMoEConfig(keep_ratio=KEEP, max_replicas_per_rank=1)
         plan = plan_call(counts, 0, lrmoe)
         exact = plan_call(counts, 0, lrmoe, exact_forward=True)
-        best = brute_force_peak(load.tolist(), num_ranks, 1)
+        best = reference_optimal_peak(load.tolist(), num_ranks, 1)
         ratios.append(plan.forward_peak / best)
         ratios_exact.append(exact.forward_peak / best)
         fixed.append(plan.fixed_forward_peak / best)

@@ -6,14 +6,17 @@ Shapes: E experts, P ranks, L = E / P owned per rank.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import numpy as np
 import torch
 
 from megatron_lrmoe.control.balance import balance_over_replicas
-from megatron_lrmoe.control.placement import place_replicas, threshold_greedy
+from megatron_lrmoe.control.placement import (
+    place_replicas,
+    reference_optimal_peak,
+    threshold_greedy,
+)
 
 
 def _holds(num_experts: int, num_ranks: int, replicas: dict[int, tuple[int, ...]]):
@@ -23,39 +26,6 @@ def _holds(num_experts: int, num_ranks: int, replicas: dict[int, tuple[int, ...]
     for rank, experts in replicas.items():
         holds[list(experts), rank] = True
     return holds
-
-
-def _cut_bound(load: list[int], holders: list[set[int]], num_ranks: int) -> int:
-    """Exact min-max peak for fixed holders by min-cut duality: the largest, over rank sets R,
-    of ``ceil(load of experts held only inside R / |R|)`` (tested in test_planner.py)."""
-    best = 0
-    for mask in range(1, 1 << num_ranks):
-        inside = {r for r in range(num_ranks) if mask >> r & 1}
-        confined = sum(x for x, held in zip(load, holders) if held <= inside)
-        best = max(best, -(-confined // len(inside)))
-    return best
-
-
-def _optimal_peak(load: list[int], num_ranks: int, slots: int) -> int:
-    """Brute force: every placement of at most ``slots`` replicas per rank, exact min-max each."""
-    num_experts = len(load)
-    local = num_experts // num_ranks
-    choices = []
-    for r in range(num_ranks):
-        others = [e for e in range(num_experts) if e // local != r]
-        per_rank = [()]
-        for k in range(1, slots + 1):
-            per_rank += list(itertools.combinations(others, k))
-        choices.append(per_rank)
-    best = None
-    for pick in itertools.product(*choices):
-        holders = [{e // local} for e in range(num_experts)]
-        for rank, experts in enumerate(pick):
-            for e in experts:
-                holders[e].add(rank)
-        peak = _cut_bound(load, holders, num_ranks)
-        best = peak if best is None else min(best, peak)
-    return best
 
 
 def _greedy_peak(load: list[int], num_ranks: int, slots: int) -> tuple[int, int, object]:
@@ -88,7 +58,7 @@ def test_placement_invariants_and_quality_against_brute_force() -> None:
         num_experts = num_ranks * local
         load = [rng.choice([0, 1, 3, 10, 40, 200]) for _ in range(num_experts)]
         greedy, exact_split, placement = _greedy_peak(load, num_ranks, slots)
-        optimum = _optimal_peak(load, num_ranks, slots)
+        optimum = reference_optimal_peak(load, num_ranks, slots)
         fixed = max(sum(load[r * local : (r + 1) * local]) for r in range(num_ranks))
         # Invariants: slots, one replica per (expert, rank), never on the owner, positive moves,
         # the greedy's split within its threshold, never worse than fixed ownership.

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-__all__ = ["Placement", "place_replicas", "threshold_greedy"]
+__all__ = ["Placement", "place_replicas", "reference_optimal_peak", "threshold_greedy"]
 
 Slots = Union[int, Sequence[int], Callable[[int], Sequence[int]]]
 
@@ -198,3 +198,46 @@ def place_replicas(
     order = np.lexsort((arr[:, 1], arr[:, 0]))
     arr = arr[order]
     return Placement(best_t, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), runs)
+
+
+def reference_optimal_peak(load: Sequence[int], num_ranks: int, slots: int) -> int:
+    """The exact optimum that :func:`place_replicas` approximates, by brute force (tiny cases).
+
+    Every placement of at most ``slots`` replicas per rank (rank r owns experts
+    ``[r*L, (r+1)*L)``); for each, the exact min-max peak of assigning every expert's load over
+    its holders, by min-cut duality: the largest, over rank sets R, of ``ceil(load of the experts
+    held only inside R / |R|)``. The slow, obvious reference the tests and the planner benchmark
+    compare the placement with.
+
+    Args:
+        load: ``[E]`` pairs per expert.
+        num_ranks: P; ``E`` must be a multiple of it.
+        slots: Replicas one rank may hold.
+
+    Returns:
+        The smallest achievable peak per-rank load.
+    """
+    import itertools
+
+    num_experts = len(load)
+    local = num_experts // num_ranks
+    choices = []
+    for rank in range(num_ranks):
+        others = [e for e in range(num_experts) if e // local != rank]
+        options: list[tuple[int, ...]] = [()]
+        for k in range(1, slots + 1):
+            options += list(itertools.combinations(others, k))
+        choices.append(options)
+    best: Optional[int] = None
+    for pick in itertools.product(*choices):
+        holders = [{e // local} for e in range(num_experts)]
+        for rank, experts in enumerate(pick):
+            for e in experts:
+                holders[e].add(rank)
+        peak = 0
+        for mask in range(1, 1 << num_ranks):
+            inside = {r for r in range(num_ranks) if mask >> r & 1}
+            confined = sum(x for x, h in zip(load, holders) if h <= inside)
+            peak = max(peak, -(-confined // len(inside)))
+        best = peak if best is None else min(best, peak)
+    return int(best or 0)
