@@ -294,12 +294,14 @@ def test_kept_ratio_sums_ranks_apart() -> None:
     assert metrics.report(1)["lrmoe/kept_ratio"] == pytest.approx(45 / 100)
 
 
-def test_kept_ratio_without_a_recorded_count_falls_back_to_the_plan() -> None:
+def test_a_finished_call_without_a_kept_count_is_an_error() -> None:
+    """Every backward records what it kept; stats without the count are a bug, not a guess."""
     stats = _trimmed_call()
     stats.kept_pairs_sent = None
     metrics = LRMoEMetrics(num_layers=1)
     metrics.record(1, stats)
-    assert metrics.report(1)["lrmoe/kept_ratio"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="kept_pairs_sent"):
+        metrics.report(1)
 
 
 # ------------------------------------------------------------------------------------------------

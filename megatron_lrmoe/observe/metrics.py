@@ -238,6 +238,11 @@ class LRMoEMetrics:
             col = self._host_acc[:, i]
             # This rank's own pairs and those its backward kept; the reduction sums the ranks.
             col[_ROW["pairs"]] += stats.pairs_sent
+            if stats.kept_pairs_sent is None:
+                raise ValueError(
+                    f"LRMoEMetrics: layer {layer_number}'s finished call has no kept_pairs_sent "
+                    "(every LRMoE backward records it; hand-built CallStats must set it)"
+                )
             col[_ROW["kept"]] += stats.kept_pairs_sent
             col[_ROW["bytes"]] += stats.backward_bytes
             col[_ROW["stock_bytes"]] += stats.stock_backward_bytes
