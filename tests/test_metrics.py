@@ -304,6 +304,33 @@ def test_a_finished_call_without_a_kept_count_is_an_error() -> None:
         metrics.report(1)
 
 
+def test_controller_calls_report_trimming_and_planner_time() -> None:
+    """Calls planned by the controller add two metrics; plain calls do not."""
+    from megatron_lrmoe import LRMoEConfig
+    from megatron_lrmoe.control.controller import plan_call
+    from megatron_lrmoe.control.costs import CostModel
+
+    counts = torch.tensor([[30, 10, 0, 20], [50, 10, 0, 0]])  # [P, E], 120 pairs
+    cost = CostModel(
+        hidden_size=64, ffn_hidden_size=32, gated=True, activation_bytes=2, param_bytes=2,
+        grad_bytes=4,
+    )
+    lrmoe = LRMoEConfig(keep_ratio=1.0, exchange_budget_bytes=40 * 64 * 2)
+    control = plan_call(counts, 0, lrmoe, cost)
+    assert control.trimmed_pairs > 0  # the budget binds
+    planned = _trimmed_call()
+    planned.control = control
+    metrics = LRMoEMetrics(num_layers=2)
+    metrics.record(1, planned)
+    metrics.record(2, _exact_call())
+    scalars = metrics.report(1)
+    assert scalars["lrmoe/budget_trimmed_fraction"] == pytest.approx(control.trimmed_pairs / 120)
+    assert scalars["lrmoe/planner_ms"] == pytest.approx(1e3 * control.planner_time_s)
+    plain = LRMoEMetrics(num_layers=2)
+    plain.record(2, _exact_call())
+    assert "lrmoe/planner_ms" not in plain.report(1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Real layers: the reported kept ratio against the kept masks, and under MoE recompute.
 # ------------------------------------------------------------------------------------------------

@@ -15,6 +15,9 @@ layer_number - 1``, Megatron's ``moe/<name>_layer_<i>`` convention, when ``per_l
                                all-to-alls would have sent), per rank and iteration
 ``overhead_ms``                milliseconds in LRMoE's scoring, selection and packing, per rank
                                and iteration
+``budget_trimmed_fraction``    only for calls the controller planned (budgets, ``auto``): pairs the
+                               budgets took from the keep ratio's quotas / all pairs of those calls
+``planner_ms``                 same calls: the controller's milliseconds per rank and iteration
 =============================  ==================================================================
 
 Ratios are sums of numerators over sums of denominators (over calls, micro-batches, layers and
@@ -65,6 +68,10 @@ _ROWS = (
     "overhead_ms",
     "calls",
     "ranks",
+    "planned_calls",
+    "planned_pairs",
+    "trimmed_pairs",
+    "planner_ms",
 )
 _ROW = {name: i for i, name in enumerate(_ROWS)}
 # Probabilities travel as fp32 in stock Megatron (router dtype); LRMoE's stats count 4 bytes too.
@@ -248,6 +255,14 @@ class LRMoEMetrics:
             col[_ROW["stock_bytes"]] += stats.stock_backward_bytes
             col[_ROW["calls"]] += 1
             col[_ROW["ranks"]] = 1
+            control = stats.control
+            if control is not None:
+                # The controller's plan of the call (budgets / auto): global numbers, the same
+                # on every rank; the reduction's sums keep their ratios.
+                col[_ROW["planned_calls"]] += 1
+                col[_ROW["planned_pairs"]] += float(control.counts.sum())
+                col[_ROW["trimmed_pairs"]] += control.trimmed_pairs
+                col[_ROW["planner_ms"]] += 1e3 * control.planner_time_s
             if stats.timer is not None:
                 self._timers.append((i, stats.timer))
             if stats.score_total is not None and stats.score_kept is not None:
@@ -350,7 +365,23 @@ class LRMoEMetrics:
 
 
 def _summary(sums: dict[str, float], per: float) -> dict[str, float]:
-    """The five metrics from accumulated sums; ``per`` = iterations x ranks to average over."""
+    """The metrics from accumulated sums; ``per`` = iterations x ranks to average over.
+
+    The five LRMoE metrics always; with calls planned by the controller (budgets or
+    ``activation_mode="auto"``) also ``budget_trimmed_fraction`` (pairs the budgets took from the
+    keep ratio's quotas, over all pairs of those calls) and ``planner_ms`` (per rank and
+    iteration).
+    """
+    out = _base_summary(sums, per)
+    if sums.get("planned_calls", 0.0) > 0:
+        out[PREFIX + "budget_trimmed_fraction"] = sums["trimmed_pairs"] / max(
+            sums["planned_pairs"], 1.0
+        )
+        out[PREFIX + "planner_ms"] = sums["planner_ms"] / per
+    return out
+
+
+def _base_summary(sums: dict[str, float], per: float) -> dict[str, float]:
     return {
         PREFIX + "kept_ratio": sums["kept"] / max(sums["pairs"], 1.0),
         PREFIX
