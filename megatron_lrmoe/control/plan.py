@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.control.planner import expert_quotas, split_quota_over_sources
+from megatron_lrmoe.control.quota import quotas_np, split_np
 
 if TYPE_CHECKING:
     from megatron_lrmoe.control.controller import ControlPlan
@@ -81,11 +81,16 @@ class CallPlan:
         stream: tuple[int, ...],
     ) -> "CallPlan":
         """Fix quotas (and their split over sources) from the global counts."""
+        # numpy on the host: this runs between the forward's one sync and its first expert
+        # kernel, where every microsecond of Python is GPU idle time (torch CPU ops cost ~10 us
+        # each; the numpy versions are the same integers, tested against them).
         global_counts = global_counts.to(torch.int64).cpu()
-        quota = expert_quotas(global_counts.sum(0), float(lrmoe.keep_ratio))
+        counts_np = global_counts.numpy()
+        quota_np = quotas_np(counts_np.sum(0), float(lrmoe.keep_ratio))
+        quota = torch.from_numpy(quota_np)
         source_quota = None
         if lrmoe.scope == "local" and not lrmoe.is_exact:
-            source_quota = split_quota_over_sources(global_counts, quota)
+            source_quota = torch.from_numpy(split_np(counts_np, quota_np))
         plan = cls(
             ep_rank=ep_rank,
             ep_size=global_counts.shape[0],
