@@ -11,7 +11,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
-from megatron_lrmoe.dispatch.permutation import PairPermutation, permute_probs
+from megatron_lrmoe.dispatch.permutation import PairPermutation, _slot_pair_by_rank, permute_probs
 from megatron_lrmoe.dispatch.rows import gather_sum
 
 
@@ -87,3 +87,12 @@ def test_too_many_pairs_per_token_is_an_error() -> None:
     routing_map = torch.ones(3, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match="more than moe_router_topk"):
         PairPermutation.build(routing_map, 12, 2)
+
+
+@pytest.mark.parametrize("t, e, k", [(1, 4, 1), (33, 16, 4), (64, 128, 8)])
+def test_complete_routing_slot_plan_equals_the_general_one(t: int, e: int, k: int) -> None:
+    """The sort-based plan for tokens with exactly K pairs is the general rank-based plan."""
+    routing_map = _routing(t, e, k, incomplete=False, seed=3)
+    perm = PairPermutation.build(routing_map, t * k, k)
+    general = _slot_pair_by_rank(routing_map, perm.token_of_pair, perm.expert_of_pair, k)
+    assert torch.equal(perm.slot_pair, general)

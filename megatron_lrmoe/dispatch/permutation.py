@@ -47,27 +47,31 @@ class PairPermutation:
 
         ``num_pairs`` is known on the host from the all-gathered counts, so nothing here syncs.
         """
-        num_tokens, _ = routing_map.shape
+        num_tokens, num_experts = routing_map.shape
         if num_pairs > num_tokens * topk:
             raise ValueError(
                 f"routing map has {num_pairs} pairs for {num_tokens} tokens, more than "
                 f"moe_router_topk ({topk}) per token"
             )
-        device = routing_map.device
         flat = routing_map.t().reshape(-1)  # expert-major, token-ascending
         index = torch.nonzero_static(flat, size=num_pairs).squeeze(1)
         expert_of_pair = index // num_tokens
         token_of_pair = index % num_tokens
-        slot_rank = torch.cumsum(routing_map, dim=1, dtype=torch.int64) - 1
-        slot_of_pair = slot_rank[token_of_pair, expert_of_pair]
-        slot_pair = torch.full((num_tokens * topk,), -1, dtype=torch.int64, device=device)
-        slot_pair.index_copy_(
-            0, token_of_pair * topk + slot_of_pair, torch.arange(num_pairs, device=device)
-        )
+        if num_pairs == num_tokens * topk:
+            # Every token has exactly K pairs: listing the pairs token-major (experts ascending
+            # within a token, i.e. slot order) is the whole slot plan. The keys are unique.
+            order = torch.argsort(token_of_pair * num_experts + expert_of_pair)
+            return cls(
+                token_of_pair=token_of_pair,
+                expert_of_pair=expert_of_pair,
+                slot_pair=order.view(num_tokens, topk),
+                num_tokens=num_tokens,
+                topk=topk,
+            )
         return cls(
             token_of_pair=token_of_pair,
             expert_of_pair=expert_of_pair,
-            slot_pair=slot_pair.view(num_tokens, topk),
+            slot_pair=_slot_pair_by_rank(routing_map, token_of_pair, expert_of_pair, topk),
             num_tokens=num_tokens,
             topk=topk,
         )
@@ -86,6 +90,23 @@ class PairPermutation:
         row_of_pair[kept_index] = torch.arange(kept_index.numel(), device=device)
         slots = self.slot_pair.masked_fill(self.slot_pair < 0, self.num_pairs)
         return row_of_pair[slots]
+
+
+def _slot_pair_by_rank(
+    routing_map: torch.Tensor, token_of_pair: torch.Tensor, expert_of_pair: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """``[T, K]`` slot plan for any routing map (tokens may have fewer than K pairs): slot k of
+    token t holds its k-th expert in ascending order, ``-1`` past its last pair."""
+    num_tokens = routing_map.shape[0]
+    num_pairs = token_of_pair.numel()
+    device = routing_map.device
+    slot_rank = torch.cumsum(routing_map, dim=1, dtype=torch.int64) - 1
+    slot_of_pair = slot_rank[token_of_pair, expert_of_pair]
+    slot_pair = torch.full((num_tokens * topk,), -1, dtype=torch.int64, device=device)
+    slot_pair.index_copy_(
+        0, token_of_pair * topk + slot_of_pair, torch.arange(num_pairs, device=device)
+    )
+    return slot_pair.view(num_tokens, topk)
 
 
 def permute_probs(probs: torch.Tensor, perm: PairPermutation) -> torch.Tensor:
