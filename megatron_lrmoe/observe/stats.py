@@ -25,6 +25,23 @@ class ExchangeStats:
     stock_bytes: int
 
 
+def timestamp(cuda: bool) -> Any:
+    """A point in time: a recorded CUDA event on GPU (no sync), ``perf_counter`` on CPU."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def elapsed_ms(start: Any, stop: Any) -> float:
+    """Milliseconds between two :func:`timestamp` values. NOTE: syncs on GPU (reads events)."""
+    if isinstance(start, float):
+        return (stop - start) * 1e3
+    stop.synchronize()
+    return float(start.elapsed_time(stop))
+
+
 class SpanTimer:
     """Measures named spans without forcing a device sync at record time."""
 
@@ -33,33 +50,14 @@ class SpanTimer:
         self._spans: dict[str, list] = {}
 
     def start(self, name: str) -> None:
-        if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._spans[name] = [ev, None]
-        else:
-            self._spans[name] = [time.perf_counter(), None]
+        self._spans[name] = [timestamp(self._cuda), None]
 
     def stop(self, name: str) -> None:
-        if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._spans[name][1] = ev
-        else:
-            self._spans[name][1] = time.perf_counter()
+        self._spans[name][1] = timestamp(self._cuda)
 
     def milliseconds(self) -> dict[str, float]:
         """Elapsed ms per span. NOTE: device-to-host sync on GPU (event.synchronize)."""
-        out = {}
-        for name, (a, b) in self._spans.items():
-            if b is None:
-                continue
-            if self._cuda:
-                b.synchronize()
-                out[name] = float(a.elapsed_time(b))
-            else:
-                out[name] = (b - a) * 1e3
-        return out
+        return {name: elapsed_ms(a, b) for name, (a, b) in self._spans.items() if b is not None}
 
 
 @dataclass

@@ -10,11 +10,12 @@ spans are CUDA events, read (one sync) in :meth:`MoELayerTimer.take`; on CPU wal
 
 from __future__ import annotations
 
-import time
 from functools import partial
 from typing import Any, Sequence, Union
 
 import torch
+
+from megatron_lrmoe.observe.stats import elapsed_ms, timestamp
 
 __all__ = ["MoELayerTimer"]
 
@@ -48,11 +49,7 @@ class MoELayerTimer:
             ]
 
     def _now(self) -> Any:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        return timestamp(self._cuda)
 
     def _start(self, key: int, phase: str, *_: Any) -> None:
         # Backward hooks run with grad mode off, so the check is for the forward phase only.
@@ -74,10 +71,7 @@ class MoELayerTimer:
 
         NOTE: device-to-host sync on GPU (the events are read).
         """
-        if self._cuda:
-            seconds = sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
-        else:
-            seconds = sum(b - a for a, b in self._spans)
+        seconds = sum(elapsed_ms(a, b) for a, b in self._spans) / 1e3
         self._spans = []
         self.total_seconds += seconds
         return seconds
