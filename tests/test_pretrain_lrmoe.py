@@ -256,6 +256,7 @@ SCRIPTS = [
     ("glm45_air/pretrain.sh", 32, {}),
     ("glm45_air/proxy_2xh200.sh", 2, {}),
     ("glm45_air/proxy_2xh200.sh", 2, {"LRMOE": "0"}),
+    ("glm45_air/proxy_1xh200.sh", 1, {}),
 ]
 
 
