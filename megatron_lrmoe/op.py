@@ -461,7 +461,8 @@ def _select_global(
     counts = counts.cpu()  # NOTE: device-to-host sync: split sizes of the compacted exchange
     send_kept = counts[0].reshape(p, nle)
     recv_kept = counts[1].reshape(p, nle)
-    kept_index = torch.nonzero(kept_src).squeeze(1)
+    # The kept count is a host integer now: no second sync for the compaction.
+    kept_index = torch.nonzero_static(kept_src, size=int(send_kept.sum())).squeeze(1)
     kept_positions = owner_sel.kept_index if call.activation_mode == "save" else None
     return KeptPlan(
         kept_index, weight_src[kept_index].float(), send_kept, recv_kept, kept_positions, poison
