@@ -43,6 +43,11 @@ def _forced_routing(name: str, num_experts: int, ep_rank: int, ep: int):
         ):  # only rank 0's experts receive: other ranks receive nothing
             routing_map[:, 0] = True
             routing_map[::3, local - 1] = True
+        elif name == "hot_expert0":  # every token takes expert 0, the router picks the rest
+            raised = torch.full_like(logits[:, :1], float(logits.detach().max()) + 1.0)
+            logits = torch.cat([raised, logits[:, 1:]], dim=1)
+            top = torch.topk(logits, k=self.topk, dim=-1).indices
+            routing_map.scatter_(1, top, True)
         elif name == "idle_last_rank":  # the last rank routes no token; the others flood expert 0
             if ep_rank != ep - 1:
                 routing_map[:, 0] = True
@@ -187,7 +192,8 @@ def _dense_reference(
         flat = x.reshape(-1, x.shape[-1])
         probs, routing_map = router(flat)
         expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)  # the permuted order
-        out = torch.zeros_like(flat)
+        # Tied to x and probs by zero terms, so a rank that routes no pair still has gradients.
+        out = flat * 0.0 + probs.sum() * 0.0
         for i, (e, t) in enumerate(zip(expert_ids.tolist(), token_ids.tolist())):
             h = flat[t] @ w1[e].t()
             z = reference_activation(h.unsqueeze(0), spec) @ w2[e].t()

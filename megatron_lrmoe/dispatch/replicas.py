@@ -144,10 +144,12 @@ class ReplicaLayout:
         device = perm.token_of_pair.device
         send_perm = chunk_gather_index(starts, send_counts, device)
         num_pairs = send_perm.numel()
-        pair_to_send = torch.empty_like(send_perm)
+        # One extra entry, -1, for empty slots (a token routed to fewer than K experts).
+        pair_to_send = torch.full((num_pairs + 1,), -1, dtype=torch.int64, device=device)
         pair_to_send[send_perm] = torch.arange(num_pairs, device=device)
         slots = perm.slot_pair
-        slot_send = torch.where(slots >= 0, pair_to_send[slots.clamp(min=0)], slots)
+        slot_send = pair_to_send[slots.masked_fill(slots < 0, num_pairs)]
+        pair_to_send = pair_to_send[:num_pairs]
         return cls(
             ep_rank=rank,
             ep_size=num_ranks,
