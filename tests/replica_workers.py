@@ -86,6 +86,7 @@ def suite(rank: int, world: int, ep: int, sections: dict[str, list]) -> dict[str
         "dense": lambda case: w.lrmoe_vs_dense_reference(pg, ep, *case),
         "on_off": lambda case: on_off_case(pg, ep, case),
         "cache": lambda case: cache_facts(pg, ep, case),
+        "checkpoint": lambda case: checkpoint_case(pg, ep, case),
     }
     return {name: [runners[name](case) for case in cases] for name, cases in sections.items()}
 
@@ -226,4 +227,52 @@ def training_on_off(rank: int, world: int, steps: int) -> dict[str, Any]:
             "calls": calls,
         }
         trainer.close()
+    return out
+
+
+CHECKPOINT_MODES = ("plain", "megatron_recompute", "torch_reentrant", "torch_non_reentrant")
+
+
+def checkpoint_case(pg, ep: int, kwargs: dict) -> dict[str, Any]:
+    """Two micro-batches of one training step under each activation checkpointing style (the
+    recomputed forward, and for reentrant styles a first forward without gradients, must place
+    and use the same replicas): kept pairs and gradients of every mode, and what was fetched."""
+    ep_rank = pg.ep.rank()
+    state = None
+    out: dict[str, Any] = {}
+    for mode in CHECKPOINT_MODES:
+        overrides = dict(moe_aux_loss_coeff=0.0)
+        if mode == "megatron_recompute":
+            overrides.update(recompute_granularity="selective", recompute_modules=["moe"])
+        cfg = w._config(ep, **overrides)
+        lrmoe = LRMoEConfig(max_replicas_per_rank=REPLICAS, debug_record_selection=True, **kwargs)
+        layer = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
+        w._apply_routing(layer.router, "hot_expert0", cfg.num_moe_experts, ep_rank, ep)
+        if state is None:
+            state = layer.state_dict()
+        else:
+            layer.load_state_dict(state)
+        layer.train()
+        layer.set_training_step(3)
+        seen: list = []
+        layer.add_stats_listener(lambda _, s: seen.append(s))
+        dxs = []
+        for micro_batch in range(2):
+            x, up = w._inputs(torch.distributed.get_rank(), cfg.hidden_size, seed=20 + micro_batch)
+            x = x.clone().requires_grad_(True)
+            if mode == "torch_reentrant":
+                y, _ = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+            elif mode == "torch_non_reentrant":
+                y, _ = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                y, _ = layer(x)
+            (y * up).sum().backward()
+            dxs.append(x.grad.detach().clone())
+        finished = [s for s in seen if s.backward_done]
+        out[mode] = {
+            "kept": [s.kept_weight.clone() for s in finished],
+            "placed": [s.replicas_placed for s in finished],
+            "dx": dxs,
+            **{k: v.detach().clone() for k, v in _grads(layer).items()},
+        }
     return out

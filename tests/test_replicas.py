@@ -293,10 +293,19 @@ ON_OFF = [
 ]
 
 
+CHECKPOINT = [dict(keep_ratio=0.5), dict(keep_ratio=0.5, activation_mode="recompute")]
+
+
 @pytest.fixture(scope="module")
 def ep2() -> list[dict]:
     # "dense" first: test_deterministic_across_ranks_and_runs reruns its first cases alone.
-    sections = {"dense": DENSE[2], "keep1": KEEP1[2], "on_off": ON_OFF, "cache": [{}]}
+    sections = {
+        "dense": DENSE[2],
+        "keep1": KEEP1[2],
+        "on_off": ON_OFF,
+        "cache": [{}],
+        "checkpoint": CHECKPOINT,
+    }
     return run_distributed(rw.suite, 2, 2, sections, timeout=TIMEOUT_S)
 
 
@@ -383,6 +392,24 @@ def test_replica_weights_are_fetched_once_per_step_and_never_part_of_the_model(e
         assert f["state_keys"] and f["param_names"] and f["buffer_names"], f
         assert f["cache_outside_state"], f
     assert sum(sum(r["cache"][0]["cached_replicas"]) for r in ep2) > 0, "no rank cached a replica"
+
+
+def test_activation_checkpointing_uses_the_same_replicas_and_pairs(ep2) -> None:
+    """Megatron's MoE recompute and torch's reentrant / non-reentrant checkpoints: the same
+    kept pairs and gradients as without checkpointing, with replicas placed."""
+    for rank, result in enumerate(ep2):
+        for case, modes in zip(CHECKPOINT, result["checkpoint"]):
+            plain = modes["plain"]
+            assert len(plain["kept"]) == 2 and all(p > 0 for p in plain["placed"]), case
+            for mode, got in modes.items():
+                where = f"rank {rank} {case} {mode}"
+                assert len(got["kept"]) == 2, where
+                for a, b in zip(plain["kept"], got["kept"]):
+                    assert torch.equal(a, b), f"{where}: other pairs kept"
+                for key in ("router", "fc1", "fc2"):
+                    torch.testing.assert_close(got[key], plain[key], rtol=1e-6, atol=1e-9)
+                for a, b in zip(plain["dx"], got["dx"]):
+                    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)
 
 
 def test_deterministic_across_ranks_and_runs(ep2) -> None:
