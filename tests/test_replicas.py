@@ -5,7 +5,7 @@ Cheapest first:
 * index plans (``dispatch/replicas.py``) against slow walks of the controller's line rule, on
   synthetic plans including degenerate loads (one expert takes everything, a rank without
   pairs); the two-stack expert MLP against one concatenated stack;
-* multi-process (EP 2 and 4, real megatron-core layers): keep 1.0 with replicas == keep 1.0
+* multi-process (EP 2, 4 and 8, real megatron-core layers): keep 1.0 with replicas == keep 1.0
   without == stock ``MoELayer``; keep < 1 with replicas == the dense masked reference with the
   same selection; the counts the controller promised (kept per expert == quota, per-rank
   loads == the plan, within the planned peaks, no replica in backward that was not in
@@ -255,6 +255,7 @@ KEEP1 = {
         (dict(moe_router_topk=2), "hot_expert0"),
         (dict(moe_router_topk=4, moe_aux_loss_coeff=0.0), "hot_expert0"),
     ],
+    8: [(dict(moe_router_topk=2), "hot_expert0")],  # one expert per rank
 }
 
 
@@ -284,6 +285,10 @@ DENSE = {
         _dense(0.3, "hot_expert0", topk=4, selection="topk", activation_mode="recompute"),
         _dense(0.5, "one_expert", topk=1),
         _dense(0.5, "idle_last_rank", topk=4),
+    ],
+    8: [
+        _dense(0.5, "hot_expert0"),
+        _dense(0.5, "hot_expert0", topk=4, activation_mode="recompute"),
     ],
 }
 
@@ -315,18 +320,25 @@ def ep4() -> list[dict]:
     return run_distributed(rw.suite, 4, 4, sections, timeout=TIMEOUT_S)
 
 
+@pytest.fixture(scope="module")
+def ep8() -> list[dict]:
+    sections = {"keep1": KEEP1[8], "dense": DENSE[8]}
+    return run_distributed(rw.suite, 8, 8, sections, timeout=TIMEOUT_S)
+
+
 @pytest.fixture
-def by_ep(request, ep2, ep4):
-    return {2: ep2, 4: ep4}
+def by_ep(request) -> list[dict]:
+    """The results of the parametrized test's EP size (each size runs once per module)."""
+    return request.getfixturevalue(f"ep{request.node.callspec.params['ep']}")
 
 
 def _close(diff: float, scale: float) -> bool:
     return diff <= RTOL * max(scale, 1e-12) + ATOL
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", [2, 4, 8])
 def test_keep1_with_replicas_equals_without_and_stock(ep: int, by_ep) -> None:
-    for rank, result in enumerate(by_ep[ep]):
+    for rank, result in enumerate(by_ep):
         for d in result["keep1"]:
             where = f"EP {ep} rank {rank} {d['case']}"
             assert d["summary"]["replicas"] > 0, f"{where}: no replica placed"
@@ -335,9 +347,9 @@ def test_keep1_with_replicas_equals_without_and_stock(ep: int, by_ep) -> None:
                     assert _close(diff, d["scales"][key]), f"{where} {against} {key}: {diff:.2e}"
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", [2, 4, 8])
 def test_trimmed_with_replicas_matches_dense_reference(ep: int, by_ep) -> None:
-    per_rank = [result["dense"] for result in by_ep[ep]]
+    per_rank = [result["dense"] for result in by_ep]
     _assert_matches_reference(per_rank)
     _check_counts(per_rank)  # kept pairs per expert == quota; exchanged rows == kept rows
     placed = [d["replicas"]["placed"] for d in per_rank[0]]
@@ -347,12 +359,12 @@ def test_trimmed_with_replicas_matches_dense_reference(ep: int, by_ep) -> None:
             assert p > 0, f"EP {ep} {routing}: no replica placed"
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", [2, 4, 8])
 def test_loads_are_what_the_controller_planned(ep: int, by_ep) -> None:
     """Per rank: forward and kept rows per instance == the plan; kept load within the planned
     peak; no replica in backward that was not placed in forward (and, in save mode, none
     beyond the pairs it computed in forward)."""
-    for rank, result in enumerate(by_ep[ep]):
+    for rank, result in enumerate(by_ep):
         for d in result["dense"]:
             f = d["replicas"]
             where = f"EP {ep} rank {rank} {d['case'][0]} {d['case'][2]}"
