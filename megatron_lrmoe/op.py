@@ -769,6 +769,24 @@ def _record_trimmed(
     stats.backward_done = True
 
 
+def _record_replica_grads(call: ExpertCall) -> None:
+    """The all-to-all that returns replica weight gradients to their owners (stock: none)."""
+    layout, weights = call.layout, call.replica_weights
+    if layout is None:
+        return
+    mine = layout.replicas_of[layout.ep_rank]
+    row_bytes = sum(w[0].numel() * w.element_size() for w in weights) if mine else 0
+    rows = len(mine)  # every replica's row goes to another rank (its owner)
+    call.stats.exchanges["replica_grads"] = ExchangeStats(
+        rows=rows,
+        bytes=rows * row_bytes,
+        remote_rows=rows,
+        remote_bytes=rows * row_bytes,
+        stock_rows=0,
+        stock_bytes=0,
+    )
+
+
 def _fill_exchanges(
     call: ExpertCall,
     g: torch.Tensor,
@@ -786,6 +804,7 @@ def _fill_exchanges(
     stats.kept_per_local_expert = per_instance[:owned].tolist()
     stats.kept_per_replica = per_instance[owned:].tolist()
     stats.kept_rows = int(per_instance.sum())
+    _record_replica_grads(call)
     stats.exchanges["grad"] = _exchange_stats(
         send_kept, rank, grad_row_width * elem, int(plan.send_counts.sum()), hidden * elem
     )

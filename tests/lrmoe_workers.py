@@ -288,6 +288,7 @@ def _replica_facts(stats: Any) -> dict[str, Any]:
         "kept_per_replica": stats.kept_per_replica,
         "planned_forward_peak": stats.planned_forward_peak,
         "planned_backward_peak": stats.planned_backward_peak,
+        "replica_grad_rows": getattr(stats.exchanges.get("replica_grads"), "rows", 0),
     }
     if control is not None:
         facts["holds"] = control.holds.clone()

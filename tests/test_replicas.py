@@ -272,6 +272,11 @@ DENSE = {
         _dense(0.5, "hot_expert0", topk=4, selection="topk"),
         _dense(0.5, "hot_expert0", activation_mode="recompute"),
         _dense(0.4, "hot_expert0", topk=4, activation_mode="auto"),
+        # Budgets with replicas: a binding exchange budget at keep 1 (the trimmed path runs), a
+        # binding memory budget, and one under which auto resolves to recompute.
+        _dense(1.0, "hot_expert0", exchange_budget_bytes=2048),
+        _dense(0.5, "hot_expert0", memory_budget_bytes=75_000),
+        _dense(0.5, "hot_expert0", memory_budget_bytes=70_000, activation_mode="auto"),
         # Degenerate loads.
         _dense(0.5, "one_expert", topk=1),
         _dense(0.6, "first_rank_only", selection="topk"),
@@ -378,6 +383,7 @@ def test_loads_are_what_the_controller_planned(ep: int, by_ep) -> None:
             assert f["kept_per_replica"] == [int(bwd[e, rank]) for e in f["experts"]], where
             assert f["kept_per_local_expert"] == [int(bwd[e, rank]) for e in owned], where
             assert not bool(bwd[~holds].any()), f"{where}: backward on a rank without the expert"
+            assert f["replica_grad_rows"] == len(f["experts"]), f"{where}: replica grads sent"
             if f["activation_mode"] == "save":
                 assert bool((bwd <= fwd).all()), f"{where}: kept pairs beyond the saved ones"
 

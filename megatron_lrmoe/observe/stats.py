@@ -77,7 +77,8 @@ class CallStats:
             expert (filled by backward).
         kept_per_local_expert: ``[L]`` surviving pairs of this rank's experts (after backward).
         exchanges: Backward exchanges by name ("grad", "dgrad", "probs_grad", "scores",
-            "weights", "positions").
+            "weights", "positions", and with replicas "replica_grads": replica weight
+            gradients sent to their owners).
         score_total / score_kept: Sum of LRM scores of this rank's pairs and of the kept ones
             (device tensors until read; ``dropped_score_fraction`` reads them).
         kept_mask: ``[S]`` bool in this rank's permuted pair order (``debug_record_selection``).
