@@ -251,6 +251,8 @@ class ExactMoEFunction(torch.autograd.Function):
     | hidden  | [T, H]     | input; gathered into send order, exchanged                   |
     | probs   | [S]        | input; exchanged, scales the activation before fc2           |
     | w1, w2  | [L,F1,H], [L,H,F] | inputs (the experts' parameters themselves)           |
+    | replica | [n,F1,H], [n,H,F] | with replicas: ``call.replica_weights`` (not inputs;  |
+    | weights |            | their gradients are folded into ``dw1``, ``dw2``)            |
     | x       | [R, H]     | received rows, expert order: saved (fc1's weight gradient)   |
     | h       | [R, F1]    | fc1 output: saved (the activation backward)                  |
     | p_e     | [R]        | received routing weights: saved                              |
@@ -354,6 +356,10 @@ class TrimmedMoEFunction(torch.autograd.Function):
     | h       | [R, F1]    | ``save`` mode: fc1 output on the expert side                  |
     | x       | [R, H]     | ``save`` mode at EP > 1: received rows (remote tokens)        |
     | out     | [T, H]     | ``sum_k p * z`` per token (fp32 sum, one rounding)             |
+
+    With replicas, ``z`` is in send order (``call.slot_send`` sums it back), ``h`` and ``x``
+    hold the rows of every local instance (owned experts, then replicas), and the replica
+    weights come with ``call`` (their gradients are folded into ``dw1``, ``dw2``).
 
     Without saved-tensor hooks, ``z``, ``h`` and ``x`` are held on ``ctx`` so that each is
     released as soon as the backward has taken what it needs from it (the backward's peak stays

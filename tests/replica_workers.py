@@ -57,7 +57,9 @@ def keep1_case(pg, ep: int, overrides: dict, routing: Optional[str]) -> dict[str
     runs["stock"] = dict(a, **_stock_grads(stock))
     facts = {}
     for name, replicas in (("plain", 0), ("replicas", REPLICAS)):
-        lrmoe = LRMoEConfig(keep_ratio=1.0, max_replicas_per_rank=replicas, debug_check_invariants=True)
+        lrmoe = LRMoEConfig(
+            keep_ratio=1.0, max_replicas_per_rank=replicas, debug_check_invariants=True
+        )
         layer = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
         w._copy_stock_into_lrmoe(stock, layer)
         w._apply_routing(layer.router, routing, cfg.num_moe_experts, ep_rank, ep)

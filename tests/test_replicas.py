@@ -376,7 +376,8 @@ def test_loads_are_what_the_controller_planned(ep: int, by_ep) -> None:
             holds, fwd, bwd = f["holds"], f["forward_load"], f["backward_load"]
             num_owned = holds.shape[0] // ep
             owned = list(range(rank * num_owned, (rank + 1) * num_owned))
-            assert f["experts"] == [e for e in range(holds.shape[0]) if holds[e, rank] and e not in owned]
+            held = [e for e in range(holds.shape[0]) if holds[e, rank] and e not in owned]
+            assert f["experts"] == held, where
             assert f["forward_per_replica"] == [int(fwd[e, rank]) for e in f["experts"]], where
             assert f["forward_rows"] == int(fwd[:, rank].sum()) <= f["planned_forward_peak"], where
             assert f["kept_rows"] == int(bwd[:, rank].sum()) <= f["planned_backward_peak"], where

@@ -13,24 +13,23 @@ optimizer see one gradient per projection, as without replicas.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Optional
 
 import torch
 
 from megatron_lrmoe.dispatch import comm
+from megatron_lrmoe.dispatch.compaction import host_to_device
 from megatron_lrmoe.dispatch.replicas import ReplicaLayout
 
 __all__ = ["ReplicaWeightCache", "fold_replica_grads"]
-
-logger = logging.getLogger(__name__)
 
 
 def _flat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``[n, F1, H]`` and ``[n, H, F]`` -> ``[n, D]`` (one row per expert)."""
     n = a.shape[0]
-    return torch.cat([a.reshape(n, math.prod(a.shape[1:])), b.reshape(n, math.prod(b.shape[1:]))], 1)
+    flat = [t.reshape(n, math.prod(t.shape[1:])) for t in (a, b)]
+    return torch.cat(flat, dim=1)
 
 
 def _split_rows(
@@ -78,7 +77,7 @@ def exchange_expert_rows(
         for o in range(len(wanted))
     ]
     with torch.no_grad():
-        index = torch.tensor(mine, dtype=torch.int64, device=w1.device)
+        index = host_to_device(torch.tensor(mine, dtype=torch.int64), w1.device)
         rows = _flat_rows(w1.detach().index_select(0, index), w2.detach().index_select(0, index))
         rows = comm.all_to_all_rows(rows, send_splits, recv_splits, group)
     return _split_rows(rows, w1, w2)
@@ -135,7 +134,7 @@ class ReplicaWeightCache:
         usable = step is not None and step == self._step and self._held is not None
         held = self._held if usable else tuple(() for _ in needed)
         wanted = tuple(
-            tuple(e for e in want if e not in set(have)) for want, have in zip(needed, held)
+            tuple(e for e in want if e not in have) for want, have in zip(needed, held)
         )
         self.last_fetched = sum(len(x) for x in wanted)
         fetched = None
@@ -152,8 +151,17 @@ class ReplicaWeightCache:
             self._step, self._held, self._w1, self._w2 = step, needed, rep1, rep2
         return rep1, rep2
 
-    def _assemble(self, mine, have, new, fetched, w1, w2):
-        """Stack this call's replicas from the cached ones and the newly fetched ones."""
+    def _assemble(
+        self,
+        mine: tuple[int, ...],
+        have: tuple[int, ...],
+        new: tuple[int, ...],
+        fetched: Optional[tuple[torch.Tensor, torch.Tensor]],
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stack this call's replicas from the cached ones (``have``) and the newly fetched
+        ones (``new``, rows of ``fetched``); one copy of this call's replicas."""
         parts1, parts2 = [], []
         for e in mine:
             if e in have:
@@ -200,11 +208,15 @@ def fold_replica_grads(
     """
     rank, num_owned, replicas_of = layout.ep_rank, layout.num_owned, layout.replicas_of
     num_ranks = len(replicas_of)
-    owner_of = lambda e: e // num_owned  # noqa: E731
     # This rank's replicas are ascending, hence owner-major: the send blocks are contiguous.
-    send_splits = [sum(1 for e in replicas_of[rank] if owner_of(e) == o) for o in range(num_ranks)]
-    from_holder = [[e - rank * num_owned for e in replicas_of[h] if owner_of(e) == rank]
-                   for h in range(num_ranks)]
+    send_splits = [
+        sum(1 for e in replicas_of[rank] if e // num_owned == o) for o in range(num_ranks)
+    ]
+    # Per holder (by rank), the local ids of this rank's experts it held, ascending.
+    from_holder = [
+        [e - rank * num_owned for e in replicas_of[h] if e // num_owned == rank]
+        for h in range(num_ranks)
+    ]
     recv_splits = [len(ids) for ids in from_holder]
     rows = _flat_rows(dw1_replicas, dw2_replicas)
     rows = comm.all_to_all_rows(rows, send_splits, recv_splits, group)
@@ -212,14 +224,14 @@ def fold_replica_grads(
         return dw1, dw2
     touched = sorted({i for ids in from_holder for i in ids})
     position = {i: k for k, i in enumerate(touched)}
-    index = torch.tensor(touched, dtype=torch.int64, device=dw1.device)
+    index = host_to_device(torch.tensor(touched, dtype=torch.int64), dw1.device)
     wide = torch.promote_types(dw1.dtype, torch.float32)
     acc = _flat_rows(dw1.index_select(0, index), dw2.index_select(0, index)).to(wide)
     start = 0
     for ids in from_holder:  # holders by rank; each holds an expert at most once
         if not ids:
             continue
-        where = torch.tensor([position[i] for i in ids], dtype=torch.int64, device=dw1.device)
+        where = host_to_device(torch.tensor([position[i] for i in ids]), dw1.device)
         acc.index_add_(0, where, rows[start : start + len(ids)].to(wide))
         start += len(ids)
     sum1, sum2 = _split_rows(acc, dw1, dw2)
