@@ -127,10 +127,11 @@ class ReplicaLayout:
         is_replica = (owner[expert] != holder).to(torch.int64)
         order = torch.argsort(holder * 2 * num_experts + is_replica * num_experts + expert)
         chunk_rank, chunk_expert = holder[order], expert[order]
-        replicas_of = tuple(
-            tuple(chunk_expert[(chunk_rank == g) & (owner[chunk_expert] != g)].tolist())
-            for g in range(num_ranks)
-        )
+        replica = is_replica[order].bool()
+        grouped: list[list[int]] = [[] for _ in range(num_ranks)]
+        for g, e in zip(chunk_rank[replica].tolist(), chunk_expert[replica].tolist()):
+            grouped[g].append(e)  # ascending within g: the chunk order
+        replicas_of = tuple(tuple(experts) for experts in grouped)
         instances = chunk_expert[chunk_rank == rank]
 
         forward = control.forward_send_counts(rank)  # [E, P]
