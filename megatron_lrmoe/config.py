@@ -63,8 +63,9 @@ class LRMoEConfig:
         exchange_budget_bytes: Per-GPU bytes sent or received in the backward's gradient
             exchange, every kept row counted. ``None`` (default): unbounded.
         max_replicas_per_rank: Copies of other ranks' experts one rank may host in a call to
-            balance the load (placed per call, refreshed from the owner). 0 (default): fixed
-            ownership, as stock Megatron.
+            balance the load (placed per call by the controller; weights fetched from the owner
+            once per training step, gradients added into the owner's). Needs ``scope="local"``.
+            0 (default): fixed ownership, as stock Megatron.
     """
 
     keep_ratio: float = 1.0

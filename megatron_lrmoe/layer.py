@@ -13,7 +13,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.dispatch.dispatcher import LRAlltoAllTokenDispatcher
+from megatron_lrmoe.dispatch.replicas import ReplicaLayout
 from megatron_lrmoe.experts.module import LRGroupedMLP
+from megatron_lrmoe.experts.replica_weights import ReplicaWeightCache
 from megatron_lrmoe.op import ExpertCall, lrmoe_experts
 from megatron_lrmoe.control.controller import check_budgets, plan_call
 from megatron_lrmoe.control.costs import CostModel
@@ -79,6 +81,11 @@ class LRMoELayer(MoELayer):
         self._backwards_in_step = 0
         self._stats_listeners: dict[int, Callable[[int, CallStats], None]] = {}
         self.last_call_stats: Optional[CallStats] = None
+        # Replica weights of other ranks' experts: a plain attribute, never a parameter or
+        # buffer (not in state_dict, DDP buffers, the optimizer or checkpoints).
+        self._replica_cache = ReplicaWeightCache()
+        # Loaded weights invalidate every replica fetched before (all ranks load together).
+        self.register_load_state_dict_post_hook(_clear_replica_cache)
 
     def set_training_step(self, step: int) -> None:
         """Key the sampling stream by the training step (and the backward call within it).
@@ -86,18 +93,31 @@ class LRMoELayer(MoELayer):
         Without it the stream is keyed by a per-layer backward counter, which restarts at 0 when
         a run is resumed; keyed by the step, a resumed run draws exactly what the uninterrupted
         run would have drawn, so no sampler state needs to be checkpointed.
+
+        The step also keys the replica weight cache: replicas fetched from their owners are
+        reused within a step (weights change only at optimizer steps) and fetched again when
+        the step changes.
         """
         if step != self._step:
             self._step = int(step)
             self._backwards_in_step = 0
 
+    def invalidate_replica_weights(self) -> None:
+        """Drop every cached replica weight, so that the next call fetches from the owners.
+
+        Needed only when the experts' weights change within one training step by other means
+        than ``load_state_dict`` (which already drops them); call it on every EP rank.
+        """
+        self._replica_cache.clear()
+
     def _check_controller(self, lrmoe: LRMoEConfig) -> None:
         """Start-up checks of what the controller plans (budgets that can never be met)."""
-        if lrmoe.max_replicas_per_rank > 0:
+        if lrmoe.max_replicas_per_rank > 0 and lrmoe.scope == "global":
             raise ValueError(
-                f"{self._layer_name}: max_replicas_per_rank={lrmoe.max_replicas_per_rank} is not "
-                "supported yet: the controller plans replicas (megatron_lrmoe.control) but the "
-                "layer does not place them; use --lrmoe-max-replicas-per-rank 0"
+                f"{self._layer_name}: max_replicas_per_rank={lrmoe.max_replicas_per_rank} with "
+                "scope='global' is not supported: with replicas the backward plan assigns each "
+                "holder its kept pairs per source before the owner's global selection could "
+                "run; use --lrmoe-scope local or --lrmoe-max-replicas-per-rank 0"
             )
         if _uses_controller(lrmoe):
             check_budgets(lrmoe, self._cost_model(), None, self._layer_name)
@@ -154,12 +174,23 @@ class LRMoELayer(MoELayer):
             self._call_index += 1
         lrmoe = self.lrmoe_config
         layer_number = int(self.layer_number or 0)
+        layout = replica_weights = None
+        fetched = 0
         if _uses_controller(lrmoe):
-            # Budgets, or the save/recompute choice: the controller plans the call (host only).
+            # Budgets, replicas, or the save/recompute choice: the controller plans the call
+            # (host only).
             if lrmoe.max_replicas_per_rank > 0:
-                self._check_controller(lrmoe)
+                self._check_controller(lrmoe)  # the config may have been swapped since __init__
             control = plan_call(dispatcher.global_counts, dispatcher.ep_rank, lrmoe, self._cost_model())
             plan = CallPlan.from_control(control, layer_number, ())
+            if control.num_replicas > 0:
+                layout = ReplicaLayout.build(control, dispatcher.pair_permutation)
+                # No gradients (evaluation) may run after an optimizer step with the step not yet
+                # announced: fetch afresh then, without touching the cache.
+                step = self._step if torch.is_grad_enabled() else None
+                w1, w2 = self.experts.weights()
+                replica_weights = self._replica_cache.weights(layout, w1, w2, self.ep_group, step)
+                fetched = self._replica_cache.last_fetched
         else:
             plan = CallPlan.build(
                 dispatcher.global_counts,
@@ -180,6 +211,17 @@ class LRMoELayer(MoELayer):
                 tokens_per_expert=plan.global_counts.sum(0).tolist(),
                 control=plan.control,
             )
+            if plan.control is not None:
+                stats.replicas_placed = plan.control.num_replicas
+                stats.planned_forward_peak = plan.control.forward_peak
+                stats.planned_backward_peak = plan.control.backward_peak
+            rows = plan.tokens_per_local_expert
+            if layout is not None:
+                stats.replica_experts = list(layout.replicas_of[layout.ep_rank])
+                stats.replicas_fetched = fetched
+                rows = layout.rows_per_instance
+                stats.forward_per_replica = rows[layout.num_owned :].tolist()
+            stats.forward_rows = int(rows.sum())
         call = ExpertCall(
             plan=plan,
             lrmoe=self.lrmoe_config,
@@ -188,6 +230,8 @@ class LRMoELayer(MoELayer):
             perm=dispatcher.pair_permutation,
             stats=stats,
             sample_stream=self.next_sample_stream,
+            layout=layout,
+            replica_weights=replica_weights,
         )
         w1, w2 = self.experts.weights()
         output = lrmoe_experts(hidden_states, probs, call, w1, w2)
@@ -206,6 +250,10 @@ def _uses_controller(lrmoe: LRMoEConfig) -> bool:
         or lrmoe.activation_mode == "auto"
         or lrmoe.max_replicas_per_rank > 0
     )
+
+
+def _clear_replica_cache(module: "LRMoELayer", incompatible_keys: Any) -> None:
+    module.invalidate_replica_weights()
 
 
 class _ListenerHandle:

@@ -6,11 +6,20 @@ F expert ffn width, F1 fc1 width (2F gated), S pairs this rank sends (= its toke
 R pairs its experts receive, Ks kept pairs this rank sends, Kr kept pairs its experts receive.
 
 Row layouts:
-* token side: ``[T, H]`` tokens; pairs in "send order" (Megatron's permute order: sorted by
-  global expert, tokens ascending), which is also destination-rank-major.
+* token side: ``[T, H]`` tokens; pairs in "pair order" (Megatron's permute order: sorted by
+  global expert, tokens ascending), the order of ``probs``. Without replicas pair order is also
+  the "send order", destination-rank-major.
 * expert side: "recv order" is rank-major ``[source rank][local expert]`` as the all-to-all
   delivers it; "expert order" is ``[local expert][source rank]``, what the grouped GEMM needs.
   Within every (rank, expert) chunk rows keep token order, the canonical tie-break order.
+* with replicas (the controller placed copies of hot experts on other ranks this call, see
+  ``dispatch/replicas.py``): a rank's "instances" are its L experts, then its replicas
+  (ascending id); send order is ``(destination, instance)``-major, each chunk the contiguous
+  sub-chunk of a pair-order expert segment that the plan assigns to that holder. One composed
+  index (``token_of_send``, ``slot_send``) keeps the forward at one gather of token rows and
+  one gather-sum back; the expert side runs two grouped GEMMs per projection (own weights,
+  replica weights) over contiguous row ranges, and replica gradients are added into their
+  owners' gradients before the op returns them.
 
 Two autograd functions share the forward and differ in what they keep and how they go back:
 
@@ -44,10 +53,12 @@ from megatron_lrmoe.dispatch.compaction import (
     row_chunk_ids,
 )
 from megatron_lrmoe.dispatch.permutation import PairPermutation
+from megatron_lrmoe.dispatch.replicas import KeptLayout, ReplicaLayout
 from megatron_lrmoe.dispatch.rows import gather_sum, row_dot, scale_rows
 from megatron_lrmoe.experts.activation import GluSpec
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes
-from megatron_lrmoe.experts.mlp import expert_backward, expert_forward
+from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
+from megatron_lrmoe.experts.replica_weights import fold_replica_grads
 from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
 from megatron_lrmoe.select.scoring import (
     Selection,
@@ -73,6 +84,10 @@ class ExpertCall:
         stats: Per-call statistics to fill, or ``None``.
         sample_stream: Returns the sampling stream's key for this call's backward (the layer
             counts backward calls); ``None`` keys every call alike.
+        layout: The send-order index plans when the controller placed replicas this call, else
+            ``None`` (send order is pair order).
+        replica_weights: ``(w1 [n, F1, H], w2 [n, H, F])`` this rank's replicas (detached, in
+            ``layout.replicas_of[rank]`` order) when ``layout`` is set.
     """
 
     plan: CallPlan
@@ -82,6 +97,8 @@ class ExpertCall:
     perm: PairPermutation
     stats: Optional[CallStats]
     sample_stream: Optional[Callable[[], tuple[int, ...]]] = None
+    layout: Optional[ReplicaLayout] = None
+    replica_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     _indices: dict = field(default_factory=dict)
     _groups: Optional[GroupSizes] = None
 
@@ -113,22 +130,89 @@ class ExpertCall:
 
     @property
     def groups(self) -> GroupSizes:
-        """Rows per local expert in forward (offsets built once per call)."""
+        """Rows per local expert (per instance, with replicas) in forward (offsets built once
+        per call)."""
         if self._groups is None:
-            self._groups = GroupSizes(self.plan.tokens_per_local_expert)
+            rows = self.plan.tokens_per_local_expert
+            if self.layout is not None:
+                rows = self.layout.rows_per_instance
+            self._groups = GroupSizes(rows)
         return self._groups
+
+    # -- send order (pair order unless replicas were placed) ----------------------------------
+
+    @property
+    def token_of_send(self) -> torch.Tensor:
+        """``[S]`` token of each send-order row."""
+        return self.perm.token_of_pair if self.layout is None else self.layout.token_of_send
+
+    @property
+    def slot_send(self) -> torch.Tensor:
+        """``[T, K]`` send-order row of each token slot (``-1`` if empty)."""
+        return self.perm.slot_pair if self.layout is None else self.layout.slot_send
+
+    def to_send_order(self, values: torch.Tensor) -> torch.Tensor:
+        """Pair-order values -> send order."""
+        return values if self.layout is None else values.index_select(0, self.layout.send_perm)
+
+    def to_pair_order(self, values: torch.Tensor) -> torch.Tensor:
+        """Send-order values -> pair order."""
+        if self.layout is None:
+            return values
+        return values.index_select(0, self.layout.pair_to_send)
+
+    @property
+    def recv_counts(self) -> torch.Tensor:
+        """``[P, L]`` (``[P, I]`` with replicas) forward rows per (source, local instance)."""
+        return self.plan.recv_counts if self.layout is None else self.layout.recv_counts
+
+    @property
+    def send_counts(self) -> torch.Tensor:
+        """``[P, *]`` forward rows this rank sends per destination (and its experts)."""
+        return self.plan.send_counts if self.layout is None else self.layout.send_totals
 
     def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
         """Send-order rows of this rank -> expert-order rows of its experts (forward split)."""
-        plan = self.plan
-        rows = comm.all_to_all_rows(rows, plan.send_splits, plan.recv_splits, self.group)
-        return self.reorder(rows, plan.recv_counts)
+        send, recv = self._splits()
+        rows = comm.all_to_all_rows(rows, send, recv, self.group)
+        return self.reorder(rows, self.recv_counts)
 
     def to_sources(self, rows: torch.Tensor) -> torch.Tensor:
         """Expert-order rows of this rank's experts -> send-order rows of their sources."""
-        plan = self.plan
-        rows = self.reorder(rows, plan.recv_counts.t())
-        return comm.all_to_all_rows(rows, plan.recv_splits, plan.send_splits, self.group)
+        send, recv = self._splits()
+        rows = self.reorder(rows, self.recv_counts.t())
+        return comm.all_to_all_rows(rows, recv, send, self.group)
+
+    def _splits(self) -> tuple[list[int], list[int]]:
+        source = self.plan if self.layout is None else self.layout
+        return source.send_splits, source.recv_splits
+
+    # -- experts (own weights, then replica weights) ------------------------------------------
+
+    def weight_stacks(
+        self, w1: torch.Tensor, w2: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The weight stacks of this rank's instances: its parameters, then its replicas."""
+        if self.layout is None:
+            return [(w1, w2)]
+        return [(w1, w2), self.replica_weights]
+
+    def stack_counts(self, rows_per_instance: GroupSizes | torch.Tensor) -> list:
+        """Rows per instance split by weight stack (owned experts, replicas)."""
+        if self.layout is None:
+            return [rows_per_instance]
+        sizes = GroupSizes(rows_per_instance).host_sizes()
+        own = self.layout.num_owned
+        return [sizes[:own], sizes[own:]]
+
+    def fold_grads(
+        self, dw1: list[torch.Tensor], dw2: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parameters' gradients: own, plus (with replicas) every replica's, from its
+        holder, added in a fixed order before autograd sees them."""
+        if self.layout is None:
+            return dw1[0], dw2[0]
+        return fold_replica_grads(dw1[0], dw2[0], dw1[1], dw2[1], self.layout, self.group)
 
 
 def lrmoe_experts(
@@ -167,6 +251,8 @@ class ExactMoEFunction(torch.autograd.Function):
     | hidden  | [T, H]     | input; gathered into send order, exchanged                   |
     | probs   | [S]        | input; exchanged, scales the activation before fc2           |
     | w1, w2  | [L,F1,H], [L,H,F] | inputs (the experts' parameters themselves)           |
+    | replica | [n,F1,H], [n,H,F] | with replicas: ``call.replica_weights`` (not inputs;  |
+    | weights |            | their gradients are folded into ``dw1``, ``dw2``)            |
     | x       | [R, H]     | received rows, expert order: saved (fc1's weight gradient)   |
     | h       | [R, F1]    | fc1 output: saved (the activation backward)                  |
     | p_e     | [R]        | received routing weights: saved                              |
@@ -179,11 +265,12 @@ class ExactMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
-        perm = call.perm
-        x = call.to_experts(hidden.index_select(0, perm.token_of_pair))
-        p_e = call.to_experts(probs)
-        z, h = expert_forward(x, w1, w2, call.groups, call.spec, probs=p_e)
-        out = gather_sum(call.to_sources(z), perm.slot_pair)
+        x = call.to_experts(hidden.index_select(0, call.token_of_send))
+        p_e = call.to_experts(call.to_send_order(probs))
+        z, h = expert_forward_parts(
+            x, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec, probs=p_e
+        )
+        out = gather_sum(call.to_sources(z), call.slot_send)
         ctx.call = call
         ctx.save_for_backward(x, h, p_e, w1, w2)
         return out
@@ -192,19 +279,19 @@ class ExactMoEFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         call: ExpertCall = ctx.call
         x, h, p_e, w1, w2 = ctx.saved_tensors
-        perm = call.perm
         if call.sample_stream is not None:
             call.sample_stream()  # every backward advances the stream, exact or not
         g = grad_out.contiguous()
-        dz = call.to_experts(g.index_select(0, perm.token_of_pair))
-        dx, dw1, dw2, dp_e = expert_backward(
-            dz, x, h, w1, w2, call.groups, call.spec, probs=p_e,
-            need_dx=ctx.needs_input_grad[0],
+        dz = call.to_experts(g.index_select(0, call.token_of_send))
+        dx, dw1, dw2, dp_e = expert_backward_parts(
+            dz, x, h, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec,
+            probs=p_e, need_dx=ctx.needs_input_grad[0],
         )
-        d_probs = call.to_sources(dp_e).to(p_e.dtype)
+        dw1, dw2 = call.fold_grads(dw1, dw2)
+        d_probs = call.to_pair_order(call.to_sources(dp_e).to(p_e.dtype))
         d_hidden = None
         if dx is not None:
-            d_hidden = gather_sum(call.to_sources(dx), perm.slot_pair)
+            d_hidden = gather_sum(call.to_sources(dx), call.slot_send)
         if call.stats is not None:
             _record_exact(call, g)
         return d_hidden, d_probs, None, dw1, dw2
@@ -227,6 +314,12 @@ class KeptPlan:
         kept_positions: ``[Kr]`` int64 row of each received kept pair in the forward's
             expert-order rows (``save`` mode, where the expert side kept them), else ``None``.
         poison: 0-dim fp32, NaN when a score was not finite (added to the gradients).
+        send_pairs: With replicas, ``[Ks]`` kept pairs (pair-order positions) in exchange
+            order, ``(destination, instance)``-major; ``None`` when that is ``kept_index``.
+        send_weight: Their multipliers, in the same order (``None`` likewise).
+
+    With replicas ``send_kept`` is ``[P, 1]`` (rows per destination) and ``recv_kept``
+    ``[P, I]`` (per source and local instance).
     """
 
     kept_index: torch.Tensor
@@ -235,6 +328,18 @@ class KeptPlan:
     recv_kept: torch.Tensor
     kept_positions: Optional[torch.Tensor]
     poison: torch.Tensor
+    send_pairs: Optional[torch.Tensor] = None
+    send_weight: Optional[torch.Tensor] = None
+
+    @property
+    def exchange_pairs(self) -> torch.Tensor:
+        """``[Ks]`` the kept pairs in the order their rows are exchanged."""
+        return self.kept_index if self.send_pairs is None else self.send_pairs
+
+    @property
+    def exchange_weight(self) -> torch.Tensor:
+        """``[Ks]`` their gradient multipliers, in the same order."""
+        return self.weight if self.send_weight is None else self.send_weight
 
 
 class TrimmedMoEFunction(torch.autograd.Function):
@@ -252,6 +357,10 @@ class TrimmedMoEFunction(torch.autograd.Function):
     | x       | [R, H]     | ``save`` mode at EP > 1: received rows (remote tokens)        |
     | out     | [T, H]     | ``sum_k p * z`` per token (fp32 sum, one rounding)             |
 
+    With replicas, ``z`` is in send order (``call.slot_send`` sums it back), ``h`` and ``x``
+    hold the rows of every local instance (owned experts, then replicas), and the replica
+    weights come with ``call`` (their gradients are folded into ``dw1``, ``dw2``).
+
     Without saved-tensor hooks, ``z``, ``h`` and ``x`` are held on ``ctx`` so that each is
     released as soon as the backward has taken what it needs from it (the backward's peak stays
     below keep 1's). Under saved-tensor hooks (non-reentrant activation checkpointing, activation
@@ -261,12 +370,14 @@ class TrimmedMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
-        perm, plan = call.perm, call.plan
+        plan = call.plan
         save = call.activation_mode == "save"
-        x = call.to_experts(hidden.index_select(0, perm.token_of_pair))
-        z, h = expert_forward(x, w1, w2, call.groups, call.spec)
-        z = call.to_sources(z)
-        out = gather_sum(z, perm.slot_pair, scale=probs)
+        x = call.to_experts(hidden.index_select(0, call.token_of_send))
+        z, h = expert_forward_parts(
+            x, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec
+        )
+        z = call.to_sources(z)  # send order
+        out = gather_sum(z, call.slot_send, scale=call.to_send_order(probs))
         ctx.call = call
         h = h if save else None
         # At EP 1 every received row is a local token: read it from ``hidden`` instead.
@@ -287,13 +398,12 @@ class TrimmedMoEFunction(torch.autograd.Function):
             z, ctx.z = ctx.z, None
         else:
             hidden, probs, w1, w2, z, ctx.h, ctx.x = ctx.saved_tensors
-        perm = call.perm
         stats = call.stats
         timer = SpanTimer(grad_out.device) if stats is not None else None
         g = grad_out.contiguous()
 
         # Router gradient, exact for every pair: d probs = <g_token, z_pair>; then z goes.
-        d_probs = row_dot(g, z, probs.dtype, a_index=perm.token_of_pair)
+        d_probs = call.to_pair_order(row_dot(g, z, probs.dtype, a_index=call.token_of_send))
         del z
 
         key = call.sample_stream() if call.sample_stream is not None else ()
@@ -306,10 +416,12 @@ class TrimmedMoEFunction(torch.autograd.Function):
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
         x_k, h_k = _kept_activations(ctx, call, kept, hidden, x_in)
         ctx.h = ctx.x = None
-        dx_k, dw1, dw2, _ = expert_backward(
-            dz, x_k, h_k, w1, w2, GroupSizes(kept.recv_kept.sum(0)), call.spec,
+        kept_groups = GroupSizes(kept.recv_kept.sum(0))
+        dx_k, dw1, dw2, _ = expert_backward_parts(
+            dz, x_k, h_k, call.weight_stacks(w1, w2), call.stack_counts(kept_groups), call.spec,
             need_dx=ctx.needs_input_grad[0],
         )
+        dw1, dw2 = call.fold_grads(dw1, dw2)
         d_hidden = return_dx(call, kept, dx_k) if dx_k is not None else None
 
         # Non-finite scores must reach Megatron's NaN check, never hide in a selection: one
@@ -360,7 +472,9 @@ def select_kept(
     if timer:
         timer.stop("scoring")
         timer.start("selection")
-    if call.lrmoe.scope == "local" or call.plan.ep_size == 1:
+    if call.layout is not None:
+        kept = _select_with_replicas(call, scores, poison, key)
+    elif call.lrmoe.scope == "local" or call.plan.ep_size == 1:
         kept = _select_local(call, scores, poison, key)
     else:
         kept = _select_global(call, scores, poison, key)
@@ -432,6 +546,81 @@ def _select_local(
     return KeptPlan(sel.kept_index, sel.weight, send_kept, recv_kept, kept_positions, poison)
 
 
+# Tag of the sampling stream of the per-holder sub-chunks (save mode with replicas), so that it
+# never coincides with the per-(source, expert) stream of the same call.
+REPLICA_SUBCHUNK_STREAM = -1
+
+
+def _select_with_replicas(
+    call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor, key: tuple[int, ...]
+) -> KeptPlan:
+    """Scope local with replicas placed: the kept pairs go to the holders the plan chose.
+
+    ``save``: a holder can only run backward on pairs whose activations it saved, so this
+    source selects per forward sub-chunk (expert, holder) exactly the plan's
+    ``backward_send_counts`` (at most the sub-chunk's pairs; their sum per expert is its quota
+    share). ``recompute``: the selection per (source, expert) chunk is the one without
+    replicas (same quotas, same uniforms, same pairs); the kept pairs of each expert are then
+    split over its holders by the line rule. Either way the kept pairs, listed in pair order,
+    come per expert in line-order holder sub-chunks, and one chunk gather puts them in
+    ``(destination, instance)`` order for the exchange.
+    """
+    plan, lrmoe, layout = call.plan, call.lrmoe, call.layout
+    control = plan.control
+    rank, num_ranks = plan.ep_rank, plan.ep_size
+    device = scores.device
+    save = call.activation_mode == "save"
+    if save:
+        counts, quota, segment_start = layout.selection_segments(control)
+    else:
+        counts, quota = plan.global_counts[rank], plan.source_quota[rank]
+    uniforms = None
+    if lrmoe.selection == "sample":
+        if save:
+            stream = (*key, REPLICA_SUBCHUNK_STREAM, rank)
+            uniforms = _uniforms(call, stream, counts.numel())
+        else:
+            num_experts = counts.numel()
+            uniforms = _uniforms(call, key, num_ranks * num_experts)
+            uniforms = uniforms[rank * num_experts : (rank + 1) * num_experts]
+        uniforms = host_to_device(uniforms, device)
+    sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms)
+    kept_layout: KeptLayout = layout.kept_layout(
+        control.backward_send_counts(rank), control.backward_recv_counts(rank)
+    )
+    send_index = kept_layout.send_index
+    kept_positions = None
+    if save:
+        # Position of each kept row inside its forward sub-chunk, which is the holder's
+        # (source, instance) chunk of saved rows; it travels with the gradient rows.
+        seg = row_chunk_ids(quota, device)
+        within = sel.kept_index - host_to_device(segment_start, device)[seg]
+        within = comm.all_to_all_rows(
+            within.index_select(0, send_index),
+            kept_layout.send_totals.reshape(-1).tolist(),
+            kept_layout.recv_counts.sum(1).tolist(),
+            call.group,
+        )
+        forward_counts = layout.recv_counts  # [P, I]
+        num_instances = forward_counts.shape[1]
+        chunk_start = (
+            exclusive_cumsum(forward_counts.t().reshape(-1)).reshape(num_instances, num_ranks).t()
+        )
+        chunk_of_row = row_chunk_ids(kept_layout.recv_counts.reshape(-1), device)
+        positions = host_to_device(chunk_start.reshape(-1), device)[chunk_of_row] + within
+        kept_positions = call.reorder(positions, kept_layout.recv_counts)
+    return KeptPlan(
+        kept_index=sel.kept_index,
+        weight=sel.weight,
+        send_kept=kept_layout.send_totals,
+        recv_kept=kept_layout.recv_counts,
+        kept_positions=kept_positions,
+        poison=poison,
+        send_pairs=sel.kept_index.index_select(0, send_index),
+        send_weight=sel.weight.index_select(0, send_index),
+    )
+
+
 def _select_global(
     call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor, key: tuple[int, ...]
 ) -> KeptPlan:
@@ -477,11 +666,13 @@ def pack_kept(
     kept: KeptPlan,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Stage 2: the kept pairs' gradient rows ``p * w * g_t`` (and fc1 input rows ``x_t`` when
-    the expert side must recompute), packed densely in send order, which is already
-    (receiver rank, expert)-major. One fused gather-and-scale kernel; nothing ``[S, H]``.
+    the expert side must recompute), packed densely in exchange order, (receiver rank, expert)-
+    major (with replicas: (receiver rank, instance)-major, ``KeptPlan.send_pairs``). One fused
+    gather-and-scale kernel; nothing ``[S, H]``.
     """
-    tok = call.perm.token_of_pair.index_select(0, kept.kept_index)
-    row_scale = probs.float().index_select(0, kept.kept_index) * kept.weight
+    pairs = kept.exchange_pairs
+    tok = call.perm.token_of_pair.index_select(0, pairs)
+    row_scale = probs.float().index_select(0, pairs) * kept.exchange_weight
     g_kept = scale_rows(g, row_scale, index=tok)
     x_kept = None
     if call.activation_mode == "recompute" and call.plan.ep_size > 1:
@@ -522,7 +713,7 @@ def return_dx(call: ExpertCall, kept: KeptPlan, dx_k: torch.Tensor) -> torch.Ten
     recv = kept.recv_kept.sum(1).tolist()
     dx_k = call.reorder(dx_k, kept.recv_kept.t())
     dx_k = comm.all_to_all_rows(dx_k, recv, send, call.group)
-    return gather_sum(dx_k, call.perm.slot_rows(kept.kept_index))
+    return gather_sum(dx_k, call.perm.slot_rows(kept.exchange_pairs))
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -552,9 +743,9 @@ def _record_exact(call: ExpertCall, g: torch.Tensor) -> None:
     if call.lrmoe.debug_record_selection:
         stats.kept_weight = torch.ones(plan.send_counts.sum().item())
         stats.kept_mask = stats.kept_weight > 0
-    _fill_exchanges(call, g, plan.send_counts, plan.recv_counts, g.shape[-1])
+    _fill_exchanges(call, g, call.send_counts, call.recv_counts, g.shape[-1])
     stats.exchanges["probs_grad"] = _exchange_stats(
-        plan.recv_counts, plan.ep_rank, 4, int(plan.recv_counts.sum()), 4
+        call.recv_counts, plan.ep_rank, 4, int(plan.recv_counts.sum()), 4
     )
     stats.backward_done = True
 
@@ -585,6 +776,24 @@ def _record_trimmed(
     stats.backward_done = True
 
 
+def _record_replica_grads(call: ExpertCall) -> None:
+    """The all-to-all that returns replica weight gradients to their owners (stock: none)."""
+    layout, weights = call.layout, call.replica_weights
+    if layout is None:
+        return
+    mine = layout.replicas_of[layout.ep_rank]
+    row_bytes = sum(w[0].numel() * w.element_size() for w in weights) if mine else 0
+    rows = len(mine)  # every replica's row goes to another rank (its owner)
+    call.stats.exchanges["replica_grads"] = ExchangeStats(
+        rows=rows,
+        bytes=rows * row_bytes,
+        remote_rows=rows,
+        remote_bytes=rows * row_bytes,
+        stock_rows=0,
+        stock_bytes=0,
+    )
+
+
 def _fill_exchanges(
     call: ExpertCall,
     g: torch.Tensor,
@@ -597,7 +806,12 @@ def _fill_exchanges(
     elem = g.element_size()
     hidden = g.shape[-1]
     stats.kept_pairs_sent = int(send_kept.sum())
-    stats.kept_per_local_expert = recv_kept.sum(0).tolist()
+    per_instance = recv_kept.sum(0)
+    owned = plan.num_local_experts
+    stats.kept_per_local_expert = per_instance[:owned].tolist()
+    stats.kept_per_replica = per_instance[owned:].tolist()
+    stats.kept_rows = int(per_instance.sum())
+    _record_replica_grads(call)
     stats.exchanges["grad"] = _exchange_stats(
         send_kept, rank, grad_row_width * elem, int(plan.send_counts.sum()), hidden * elem
     )

@@ -43,10 +43,20 @@ def _forced_routing(name: str, num_experts: int, ep_rank: int, ep: int):
         ):  # only rank 0's experts receive: other ranks receive nothing
             routing_map[:, 0] = True
             routing_map[::3, local - 1] = True
+        elif name == "hot_expert0":  # every token takes expert 0, the router picks the rest
+            raised = torch.full_like(logits[:, :1], float(logits.detach().max()) + 1.0)
+            logits = torch.cat([raised, logits[:, 1:]], dim=1)
+            top = torch.topk(logits, k=self.topk, dim=-1).indices
+            routing_map.scatter_(1, top, True)
+        elif name == "idle_last_rank":  # the last rank routes no token; the others flood expert 0
+            if ep_rank != ep - 1:
+                routing_map[:, 0] = True
+                routing_map[::2, 1] = True
         else:
             raise ValueError(name)
         scores = torch.softmax(logits.float(), dim=-1) * routing_map
-        probs = scores / scores.sum(-1, keepdim=True)
+        # A token routed nowhere has no pairs and routing weights 0 (not 0 / 0).
+        probs = scores / scores.sum(-1, keepdim=True).clamp(min=1e-30)
         return probs, routing_map
 
     return routing
@@ -182,7 +192,8 @@ def _dense_reference(
         flat = x.reshape(-1, x.shape[-1])
         probs, routing_map = router(flat)
         expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)  # the permuted order
-        out = torch.zeros_like(flat)
+        # Tied to x and probs by zero terms, so a rank that routes no pair still has gradients.
+        out = flat * 0.0 + probs.sum() * 0.0
         for i, (e, t) in enumerate(zip(expert_ids.tolist(), token_ids.tolist())):
             h = flat[t] @ w1[e].t()
             z = reference_activation(h.unsqueeze(0), spec) @ w2[e].t()
@@ -259,7 +270,32 @@ def lrmoe_vs_dense_reference(
         "dgrad_rows": stats.exchanges["dgrad"].rows,
         "tokens_per_expert": stats.tokens_per_expert,
         "control": stats.control_summary,
+        "replicas": _replica_facts(stats),
     }
+
+
+def _replica_facts(stats: Any) -> dict[str, Any]:
+    """What the call did with replicas, next to what its controller planned (this rank)."""
+    control = stats.control
+    facts = {
+        "placed": stats.replicas_placed,
+        "experts": stats.replica_experts,
+        "fetched": stats.replicas_fetched,
+        "forward_rows": stats.forward_rows,
+        "forward_per_replica": stats.forward_per_replica,
+        "kept_rows": stats.kept_rows,
+        "kept_per_local_expert": stats.kept_per_local_expert,
+        "kept_per_replica": stats.kept_per_replica,
+        "planned_forward_peak": stats.planned_forward_peak,
+        "planned_backward_peak": stats.planned_backward_peak,
+        "replica_grad_rows": getattr(stats.exchanges.get("replica_grads"), "rows", 0),
+    }
+    if control is not None:
+        facts["holds"] = control.holds.clone()
+        facts["forward_load"] = control.forward_load.clone()
+        facts["backward_load"] = control.backward_load.clone()
+        facts["activation_mode"] = control.activation_mode
+    return facts
 
 
 def _all_gather_list(t: torch.Tensor, group: Optional[Any]) -> list[torch.Tensor]:

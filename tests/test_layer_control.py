@@ -58,8 +58,11 @@ def _build_with_replicas(rank: int, world: int) -> str:
 
     pg = init_megatron_parallel(ep=1)
     cfg = moe_transformer_config(expert_model_parallel_size=1)
+    get_lrmoe_moe_spec(LRMoEConfig(max_replicas_per_rank=2))(
+        config=cfg, pg_collection=pg, layer_number=2
+    )
     try:
-        get_lrmoe_moe_spec(LRMoEConfig(max_replicas_per_rank=2))(
+        get_lrmoe_moe_spec(LRMoEConfig(max_replicas_per_rank=2, scope="global"))(
             config=cfg, pg_collection=pg, layer_number=3
         )
     except ValueError as e:
@@ -67,7 +70,8 @@ def _build_with_replicas(rank: int, world: int) -> str:
     return ""
 
 
-def test_replicas_are_refused_until_the_layer_places_them() -> None:
+def test_replicas_with_scope_global_are_refused() -> None:
+    """Replicas are built (tests/test_replicas.py); with scope global they are refused."""
     (message,) = run_distributed(_build_with_replicas, 1, timeout=240)
     assert "max_replicas_per_rank=2" in message and "layer_number=3" in message
-    assert "--lrmoe-max-replicas-per-rank 0" in message
+    assert "scope='global'" in message and "--lrmoe-scope local" in message

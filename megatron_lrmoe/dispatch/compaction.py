@@ -55,6 +55,33 @@ def chunk_transpose_index(counts: torch.Tensor, device: torch.device | str) -> t
     return torch.arange(total, device=device) + per_row_shift
 
 
+def chunk_gather_index(
+    starts: torch.Tensor, sizes: torch.Tensor, device: torch.device | str
+) -> torch.Tensor:
+    """Gather index that lays chunks of a source layout out one after another.
+
+    Args:
+        starts: ``[C]`` int64 on the host, where each chunk starts in the source layout.
+        sizes: ``[C]`` int64 on the host, rows per chunk; the chunks must not overlap.
+        device: Where the index is needed.
+
+    Returns:
+        ``idx`` of length ``sizes.sum()`` with ``out = src[idx]`` holding chunk 0's rows, then
+        chunk 1's, ...; rows keep their order inside a chunk. When the chunks tile the source,
+        ``idx`` is a permutation. :func:`chunk_transpose_index` is the grid special case.
+    """
+    starts = starts.to(torch.int64).reshape(-1).cpu()
+    sizes = sizes.to(torch.int64).reshape(-1).cpu()
+    total = int(sizes.sum())
+    if total == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    shift_and_count = host_to_device(torch.stack([starts - exclusive_cumsum(sizes), sizes]), device)
+    per_row_shift = torch.repeat_interleave(
+        shift_and_count[0], shift_and_count[1], output_size=total
+    )
+    return torch.arange(total, device=device) + per_row_shift
+
+
 def row_chunk_ids(counts: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``[n] -> [sum]``: chunk id of every row, for chunks laid out in order."""
     counts = counts.to(torch.int64).reshape(-1).cpu()

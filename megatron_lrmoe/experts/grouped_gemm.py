@@ -277,6 +277,15 @@ def _check_rows(n: int, groups: GroupSizes, num_groups: int | None, what: str) -
         raise ValueError(f"{what}: group sizes sum to {total} but there are {n} rows")
 
 
+def _check_out(
+    out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, what: str
+) -> None:
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype):
+        raise ValueError(
+            f"{what}: out is {tuple(out.shape)} {out.dtype}, expected {shape} {dtype}"
+        )
+
+
 def _spans(groups: GroupSizes) -> list[tuple[int, int, int]]:
     """(group, start, end) for every non-empty group, from host sizes."""
     spans = []
@@ -299,16 +308,21 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.copy_(torch.mm(a, b))
 
 
-def grouped_mm_nt(x: torch.Tensor, w: torch.Tensor, counts: Counts) -> torch.Tensor:
+def grouped_mm_nt(
+    x: torch.Tensor, w: torch.Tensor, counts: Counts, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-group ``x_g @ w[g]^T`` (forward of a stacked ``[out, in]`` Linear).
 
     Args:
         x: ``[N, K]`` rows grouped by expert.
         w: ``[G, M, K]`` stacked weights.
         counts: Rows per group, ``G`` entries summing to ``N``.
+        out: Optional ``[N, M]`` tensor to write into (e.g. a row range of a larger buffer when
+            the rows' groups use two weight stacks); the loop writes in place, torch's
+            grouped_mm (which has no ``out=``) is copied in.
 
     Returns:
-        ``[N, M]`` in ``x``'s dtype.
+        ``[N, M]`` in ``x``'s dtype (``out`` when given).
 
     Raises:
         ValueError: On shape, dtype, device or group-size mismatches.
@@ -321,27 +335,32 @@ def grouped_mm_nt(x: torch.Tensor, w: torch.Tensor, counts: Counts) -> torch.Ten
     groups = _as_group_sizes(counts)
     _check_rows(x.shape[0], groups, w.shape[0], "grouped_mm_nt")
     n, m = x.shape[0], w.shape[1]
+    _check_out(out, (n, m), x.dtype, "grouped_mm_nt")
     if n == 0:
         # Kernels may hang or misbehave on zero total rows; the answer is known.
-        return x.new_empty((0, m))
+        return x.new_empty((0, m)) if out is None else out
     if grouped_mm_backend(x, w) == "torch_grouped_mm":
-        return F.grouped_mm(_row_major(x), _weight_t(w), offs=groups.offsets(x.device))
-    out = x.new_empty((n, m))
+        result = F.grouped_mm(_row_major(x), _weight_t(w), offs=groups.offsets(x.device))
+        return result if out is None else out.copy_(result)
+    out = x.new_empty((n, m)) if out is None else out
     for g, s, e in _spans(groups):
         _mm_into(out[s:e], x[s:e], w[g].t())
     return out
 
 
-def grouped_mm_nn(x: torch.Tensor, w: torch.Tensor, counts: Counts) -> torch.Tensor:
+def grouped_mm_nn(
+    x: torch.Tensor, w: torch.Tensor, counts: Counts, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-group ``x_g @ w[g]`` (input gradient of a stacked ``[out, in]`` Linear).
 
     Args:
         x: ``[N, M]`` rows grouped by expert (e.g. the output gradient).
         w: ``[G, M, K]`` stacked weights.
         counts: Rows per group, ``G`` entries summing to ``N``.
+        out: Optional ``[N, K]`` tensor to write into (see :func:`grouped_mm_nt`).
 
     Returns:
-        ``[N, K]`` in ``x``'s dtype.
+        ``[N, K]`` in ``x``'s dtype (``out`` when given).
 
     Raises:
         ValueError: On shape, dtype, device or group-size mismatches.
@@ -354,11 +373,13 @@ def grouped_mm_nn(x: torch.Tensor, w: torch.Tensor, counts: Counts) -> torch.Ten
     groups = _as_group_sizes(counts)
     _check_rows(x.shape[0], groups, w.shape[0], "grouped_mm_nn")
     n, k = x.shape[0], w.shape[2]
+    _check_out(out, (n, k), x.dtype, "grouped_mm_nn")
     if n == 0:
-        return x.new_empty((0, k))
+        return x.new_empty((0, k)) if out is None else out
     if grouped_mm_backend(x, w) == "torch_grouped_mm":
-        return F.grouped_mm(_row_major(x), _row_major(w), offs=groups.offsets(x.device))
-    out = x.new_empty((n, k))
+        result = F.grouped_mm(_row_major(x), _row_major(w), offs=groups.offsets(x.device))
+        return result if out is None else out.copy_(result)
+    out = x.new_empty((n, k)) if out is None else out
     for g, s, e in _spans(groups):
         _mm_into(out[s:e], x[s:e], w[g])
     return out

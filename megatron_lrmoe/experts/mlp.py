@@ -29,12 +29,19 @@ Shape table (per expert ``g``, over its rows; ``p`` the optional routing weight)
     dx         [N, H]       ``dh @ w1[g]``
     =========  ===========  ===============================================================
 
+Rows may also be grouped over several weight stacks (:func:`expert_forward_parts`,
+:func:`expert_backward_parts`): the layer's own experts (its parameters) and the replicas of
+other ranks' experts it holds for one call, each stack over its own contiguous row range, one
+grouped GEMM per stack and projection, no concatenated weights.
+
 Nothing here is autograd: the op in ``megatron_lrmoe/op.py`` calls these from its own
 ``forward`` / ``backward``. ``reference.py`` holds the slow autograd versions they are tested
 against.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -47,7 +54,12 @@ from megatron_lrmoe.experts.grouped_gemm import (
     grouped_mm_tn,
 )
 
-__all__ = ["expert_backward", "expert_forward"]
+__all__ = [
+    "expert_backward",
+    "expert_backward_parts",
+    "expert_forward",
+    "expert_forward_parts",
+]
 
 
 def _check_shapes(
@@ -142,4 +154,107 @@ def expert_backward(
     del a
     dw1 = grouped_mm_tn(dh, x, groups, out_dtype=w1.dtype)
     dx = grouped_mm_nn(dh, w1, groups) if need_dx else None
+    return dx, dw1, dw2, dprobs
+
+
+Weights = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _part_rows(groups: list[GroupSizes], n: int, what: str) -> list[tuple[int, int]]:
+    """``(start, end)`` row range of each weight stack's groups."""
+    spans, start = [], 0
+    for g in groups:
+        end = start + sum(g.host_sizes())
+        spans.append((start, end))
+        start = end
+    if start != n:
+        raise ValueError(f"{what}: group sizes sum to {start} but there are {n} rows")
+    return spans
+
+
+def _parts_mm(
+    fn, rows: torch.Tensor, stacks: list[torch.Tensor], groups, spans, width: int
+) -> torch.Tensor:
+    """One grouped product per weight stack, each into its row range of one output."""
+    out = rows.new_empty((rows.shape[0], width))
+    for w, g, (lo, hi) in zip(stacks, groups, spans):
+        fn(rows[lo:hi], w, g, out=out[lo:hi])
+    return out
+
+
+def expert_forward_parts(
+    x: torch.Tensor,
+    weights: Weights,
+    counts: Sequence[Counts],
+    spec: GluSpec,
+    probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`expert_forward` over rows whose groups use several weight stacks.
+
+    Args:
+        x: ``[N, H]`` rows grouped by expert; stack ``i``'s groups follow stack ``i-1``'s.
+        weights: ``(w1 [G_i, F1, H], w2 [G_i, H, F])`` per stack.
+        counts: Rows per group of each stack.
+        spec: Activation description.
+        probs: Optional ``[N]`` routing weight of each row.
+
+    Returns:
+        ``(z [N, H], h [N, F1])``; one stack is exactly :func:`expert_forward`.
+    """
+    if len(weights) == 1:
+        return expert_forward(x, weights[0][0], weights[0][1], counts[0], spec, probs)
+    for w1, w2 in weights:
+        _check_shapes(x, w1, w2, spec, "expert_forward_parts")
+    groups = [GroupSizes(c) for c in counts]
+    spans = _part_rows(groups, x.shape[0], "expert_forward_parts")
+    w1s, w2s = [w[0] for w in weights], [w[1] for w in weights]
+    h = _parts_mm(grouped_mm_nt, x, w1s, groups, spans, w1s[0].shape[1])
+    a = act_forward(h, spec, probs)
+    z = _parts_mm(grouped_mm_nt, a, w2s, groups, spans, x.shape[1])
+    return z, h
+
+
+def expert_backward_parts(
+    dz: torch.Tensor,
+    x: torch.Tensor,
+    h: torch.Tensor | None,
+    weights: Weights,
+    counts: Sequence[Counts],
+    spec: GluSpec,
+    probs: torch.Tensor | None = None,
+    need_dx: bool = True,
+) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+    """:func:`expert_backward` over rows whose groups use several weight stacks.
+
+    Returns:
+        ``(dx [N, H] or None, [dw1 per stack], [dw2 per stack], dprobs [N] or None)``; one
+        stack is exactly :func:`expert_backward`.
+    """
+    if len(weights) == 1:
+        dx, dw1, dw2, dprobs = expert_backward(
+            dz, x, h, weights[0][0], weights[0][1], counts[0], spec, probs, need_dx
+        )
+        return dx, [dw1], [dw2], dprobs
+    for w1, w2 in weights:
+        _check_shapes(x, w1, w2, spec, "expert_backward_parts")
+    if dz.shape != x.shape:
+        raise ValueError(f"expert_backward_parts: dz {tuple(dz.shape)} != x {tuple(x.shape)}")
+    groups = [GroupSizes(c) for c in counts]
+    spans = _part_rows(groups, x.shape[0], "expert_backward_parts")
+    w1s, w2s = [w[0] for w in weights], [w[1] for w in weights]
+    if h is None:
+        h = _parts_mm(grouped_mm_nt, x, w1s, groups, spans, w1s[0].shape[1])
+    da = _parts_mm(grouped_mm_nn, dz, w2s, groups, spans, w2s[0].shape[2])
+    dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True)
+    del da
+    dw2 = [
+        grouped_mm_tn(dz[lo:hi], a[lo:hi], g, out_dtype=w.dtype)
+        for w, g, (lo, hi) in zip(w2s, groups, spans)
+    ]
+    del a
+    dw1 = [
+        grouped_mm_tn(dh[lo:hi], x[lo:hi], g, out_dtype=w.dtype)
+        for w, g, (lo, hi) in zip(w1s, groups, spans)
+    ]
+    dx = _parts_mm(grouped_mm_nn, dh, w1s, groups, spans, x.shape[1]) if need_dx else None
     return dx, dw1, dw2, dprobs

@@ -75,15 +75,27 @@ class CallStats:
             expert (filled by backward).
         kept_per_local_expert: ``[L]`` surviving pairs of this rank's experts (after backward).
         exchanges: Backward exchanges by name ("grad", "dgrad", "probs_grad", "scores",
-            "weights", "positions").
+            "weights", "positions", and with replicas "replica_grads": replica weight
+            gradients sent to their owners).
         score_total / score_kept: Sum of LRM scores of this rank's pairs and of the kept ones
             (device tensors until read; ``dropped_score_fraction`` reads them).
         kept_mask: ``[S]`` bool in this rank's permuted pair order (``debug_record_selection``).
         kept_weight: ``[S]`` gradient multiplier of each pair, 0 when dropped (same flag).
         backward_done: Whether backward has filled the rest.
         timer: CUDA-event spans of scoring, selection and packing (read lazily).
-        control: The controller's ``ControlPlan`` when budgets or ``activation_mode="auto"``
-            planned the call (see :attr:`control_summary`), else None.
+        control: The controller's ``ControlPlan`` when budgets, ``activation_mode="auto"`` or
+            replicas planned the call (see :attr:`control_summary`), else None.
+        replicas_placed: Replicas the controller placed this call, over the EP group.
+        replica_experts: Experts this rank held as replicas this call (ascending).
+        replicas_fetched: Replica weights exchanged for this call, over the EP group (0 when
+            every replica came from the layer's per-step cache).
+        planned_forward_peak / planned_backward_peak: The controller's planned peak per-rank
+            loads (pairs computed in forward / kept pairs in backward), None without it.
+        forward_rows: Pairs this rank's experts and replicas computed in forward.
+        forward_per_replica: Pairs each replica on this rank computed in forward.
+        kept_rows: Kept pairs whose expert backward ran on this rank (after backward): the
+            actual per-rank backward load, at most ``planned_backward_peak``.
+        kept_per_replica: Kept pairs of each replica on this rank (after backward).
     """
 
     layer_number: int
@@ -102,6 +114,15 @@ class CallStats:
     backward_done: bool = False
     timer: Optional[SpanTimer] = None
     control: Optional[Any] = None
+    replicas_placed: int = 0
+    replica_experts: list[int] = field(default_factory=list)
+    replicas_fetched: int = 0
+    planned_forward_peak: Optional[int] = None
+    planned_backward_peak: Optional[int] = None
+    forward_rows: Optional[int] = None
+    forward_per_replica: list[int] = field(default_factory=list)
+    kept_rows: Optional[int] = None
+    kept_per_replica: Optional[list[int]] = None
 
     @property
     def control_summary(self) -> Optional[dict[str, Any]]:
