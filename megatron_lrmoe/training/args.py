@@ -99,7 +99,8 @@ _HELP: dict[str, str] = {
     ),
     "max_replicas_per_rank": (
         "Copies of other ranks' hot experts one rank may host per layer call to balance the "
-        "expert load (placed per call; replica gradients go to the owner). Default: %(def)s "
+        "expert load (placed per call by the controller; replica weights fetched once per step, "
+        "their gradients added into the owner's). Needs --lrmoe-scope local. Default: %(def)s "
         "(fixed ownership, as stock Megatron)."
     ),
 }
