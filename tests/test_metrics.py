@@ -326,6 +326,7 @@ def test_controller_calls_report_trimming_and_planner_time() -> None:
     scalars = metrics.report(1)
     assert scalars["lrmoe/budget_trimmed_fraction"] == pytest.approx(control.trimmed_pairs / 120)
     assert scalars["lrmoe/planner_ms"] == pytest.approx(1e3 * control.planner_time_s)
+    assert scalars["lrmoe/replicas_per_call"] == pytest.approx(control.num_replicas)
     plain = LRMoEMetrics(num_layers=2)
     plain.record(2, _exact_call())
     assert "lrmoe/planner_ms" not in plain.report(1)

@@ -18,6 +18,7 @@ layer_number - 1``, Megatron's ``moe/<name>_layer_<i>`` convention, when ``per_l
 ``budget_trimmed_fraction``    only for calls the controller planned (budgets, ``auto``): pairs the
                                budgets took from the keep ratio's quotas / all pairs of those calls
 ``planner_ms``                 same calls: the controller's milliseconds per rank and iteration
+``replicas_per_call``          same calls: expert replicas placed per layer call
 =============================  ==================================================================
 
 Ratios are sums of numerators over sums of denominators (over calls, micro-batches, layers and
@@ -72,6 +73,7 @@ _ROWS = (
     "planned_pairs",
     "trimmed_pairs",
     "planner_ms",
+    "replicas",
 )
 _ROW = {name: i for i, name in enumerate(_ROWS)}
 # Probabilities travel as fp32 in stock Megatron (router dtype); LRMoE's stats count 4 bytes too.
@@ -263,6 +265,7 @@ class LRMoEMetrics:
                 col[_ROW["planned_pairs"]] += float(control.counts.sum())
                 col[_ROW["trimmed_pairs"]] += control.trimmed_pairs
                 col[_ROW["planner_ms"]] += 1e3 * control.planner_time_s
+                col[_ROW["replicas"]] += control.num_replicas
             if stats.timer is not None:
                 self._timers.append((i, stats.timer))
             if stats.score_total is not None and stats.score_kept is not None:
@@ -378,6 +381,7 @@ def _summary(sums: dict[str, float], per: float) -> dict[str, float]:
             sums["planned_pairs"], 1.0
         )
         out[PREFIX + "planner_ms"] = sums["planner_ms"] / per
+        out[PREFIX + "replicas_per_call"] = sums["replicas"] / sums["planned_calls"]
     return out
 
 
