@@ -96,6 +96,24 @@ def _training_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     _, out["lrmoe_full_uninterrupted"] = uninterrupted(keep_half, init, dirs["lrmoe_full"], True)
     out["lrmoe_full_to_stock"] = resumed(None, dirs["lrmoe_full"], optimizer=True)
     out["lrmoe_full_resumed"] = resumed(keep_half, dirs["lrmoe_full"], optimizer=True)
+    # Replicas of hot experts (keep 1.0: exact, so every curve must be stock's): checkpoints with
+    # optimizer state from a run with replicas resume with and without them, and back.
+    with_replicas = LRMoEConfig(keep_ratio=1.0, max_replicas_per_rank=1)
+    trainer = Trainer(shape, settings, corpus, lrmoe=with_replicas, init_from=init)
+    first = trainer.run(steps=SAVE_AT)
+    trainer.save(str(Path(root) / "replicas_full"), optimizer=True)
+    rest = trainer.run()
+    out["replicas_placed"] = sum(
+        getattr(m.last_call_stats, "replicas_placed", 0)
+        for m in trainer.model.modules()
+        if getattr(m, "last_call_stats", None) is not None
+    )
+    trainer.close()
+    out["replicas_full_uninterrupted"] = _losses(first + rest)
+    replicas_dir = str(Path(root) / "replicas_full")
+    out["replicas_full_resumed"] = resumed(with_replicas, replicas_dir, optimizer=True)
+    out["replicas_full_to_stock"] = resumed(None, replicas_dir, optimizer=True)
+    out["stock_full_to_replicas"] = resumed(with_replicas, dirs["stock_full"], optimizer=True)
     return out
 
 
@@ -317,3 +335,20 @@ def test_corpus_split_is_by_file_and_skips_site_packages(tmp_path: Path) -> None
         assert (f"# {name}\n" in valid) == (name in want_valid), name
         assert (f"# {name}\n" in train) == (name not in want_valid), name
     assert "third_party" not in train + valid
+
+
+def test_replicas_train_and_checkpoint_like_stock(curves: dict[str, Any]) -> None:
+    """Keep 1.0 with replicas of hot experts: the stock curve, and checkpoints (model + Megatron
+    optimizer state) that resume with replicas, without LRMoE, and from stock into replicas."""
+    assert curves["replicas_placed"] > 0, "the controller placed no replica: the test is void"
+    _assert_close(
+        curves["replicas_full_uninterrupted"], curves["stock_full_uninterrupted"], RTOL_EXACT,
+        "replicas keep 1.0 vs stock",
+    )
+    tail = curves["replicas_full_uninterrupted"][SAVE_AT:]
+    for name in ("replicas_full_resumed", "replicas_full_to_stock"):
+        _assert_close(curves[name], tail, RTOL_EXACT, name)
+    _assert_close(
+        curves["stock_full_to_replicas"], curves["stock_full_resumed"], RTOL_EXACT,
+        "stock checkpoint resumed with replicas",
+    )
