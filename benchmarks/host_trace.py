@@ -1,0 +1,198 @@
+"""Where the host time of one LRMoE layer call goes, from a torch.profiler trace (GPU).
+
+    torchrun --nproc_per_node=1 benchmarks/host_trace.py --tokens 16384 --keep 1.0 0.5 --out DIR
+
+Unlike cProfile (``host_profile.py``), the profiler's Python tracer attributes time to the real
+nesting of Python functions, aten ops and CUDA runtime calls on the calling thread, so the table
+says how much *self* host time each Python function, aten op and runtime call costs per call,
+inside the forward and inside the backward. The profiler itself slows Python down (its numbers
+are upper bounds); ``host ms`` without the profiler is printed beside them.
+
+Per keep ratio it writes ``trace_keep<k>.json`` (Chrome trace) and prints:
+    host ms per forward and backward without the profiler (median of ``--iters``);
+    per phase: the top self-time entries (Python functions, aten ops, runtime calls), the
+        number of kernels launched, the GPU busy time (sum of kernel durations, overlaps merged)
+        and the phase's wall time, so "GPU idle" = wall - busy is what the host costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import init_distributed, moe_config, write_json  # noqa: E402
+
+PHASES = ("lrmoe_bench::forward", "lrmoe_bench::backward")
+
+
+def _self_times(events: list[dict], start: float, end: float) -> dict[str, list[float]]:
+    """Self time (us) per name of the host events of one thread inside ``[start, end)``."""
+    host = [e for e in events if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime",
+                                                  "cuda_driver", "user_annotation")]
+    host = [e for e in host if start <= e["ts"] < end and e.get("ph") == "X"]
+    by_tid: dict[Any, list[dict]] = collections.defaultdict(list)
+    for e in host:
+        by_tid[e["tid"]].append(e)
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [event, child time]
+        def pop() -> None:
+            ev, child = stack.pop()
+            key = f"{ev['cat'][:3]} {ev['name']}"
+            out[key][0] += ev["dur"] - child
+            out[key][1] += 1
+            if stack:
+                stack[-1][1] += ev["dur"]
+        for e in evs:
+            while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
+                pop()
+            stack.append([e, 0.0])
+        while stack:
+            pop()
+    return out
+
+
+def _gpu_busy(events: list[dict], start: float, end: float) -> tuple[float, int]:
+    """Union of kernel / memcpy / memset intervals (us) overlapping ``[start, end)``, count."""
+    spans = sorted(
+        (max(e["ts"], start), min(e["ts"] + e["dur"], end))
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"
+        and e["ts"] < end and e["ts"] + e["dur"] > start
+    )
+    busy, cur_a, cur_b = 0.0, None, None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                busy += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        busy += cur_b - cur_a
+    return busy, len(spans)
+
+
+def _phase_window(events: list[dict], name: str) -> list[tuple[float, float]]:
+    """Host windows of the user annotation ``name`` and the GPU window of its work."""
+    return [(e["ts"], e["ts"] + e["dur"]) for e in events
+            if e.get("cat") == "user_annotation" and e.get("name") == name]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.5])
+    parser.add_argument("--selection", default="sample")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profiled", type=int, default=3, help="calls inside the profiler")
+    parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--trace-dir", default=None, help="where the Chrome traces go (default --out)")
+    args = parser.parse_args()
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+
+    ep = int(os.environ.get("WORLD_SIZE", "1"))
+    pg = init_distributed(ep)
+    rank = torch.distributed.get_rank()
+    cfg = moe_config(ep)
+    layer = get_lrmoe_moe_spec(LRMoEConfig())(config=cfg, pg_collection=pg, layer_number=1).cuda()
+    x = torch.randn(args.tokens, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn_like(x)
+    summary: dict[str, Any] = dict(tokens=args.tokens, ep=ep, torch=torch.__version__, calls={})
+
+    def step(annotate: bool) -> tuple[float, float]:
+        inp = x.detach().requires_grad_(True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with record_function(PHASES[0]) if annotate else _null():
+            out, _ = layer(inp)
+        t1 = time.perf_counter()
+        with record_function(PHASES[1]) if annotate else _null():
+            out.backward(up)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    for keep in args.keep:
+        layer.lrmoe_config = LRMoEConfig(keep_ratio=keep, selection=args.selection)
+        for _ in range(5):
+            step(False)
+        host = [step(False) for _ in range(args.iters)]
+        fwd_ms = statistics.median(h[0] for h in host)
+        bwd_ms = statistics.median(h[1] for h in host)
+        tag = f"keep{keep:g}"
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     with_stack=True) as prof:
+            for _ in range(args.profiled):
+                step(True)
+        path = os.path.join(args.trace_dir or args.out, f"trace_{tag}_rank{rank}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        if rank != 0:
+            continue
+        rec: dict[str, Any] = dict(host_fwd_ms=fwd_ms, host_bwd_ms=bwd_ms, phases={})
+        print(f"===== {tag} {args.selection}: host fwd {fwd_ms:.2f} ms, bwd {bwd_ms:.2f} ms per call "
+              f"(no profiler)", flush=True)
+        for phase in PHASES:
+            windows = _phase_window(events, phase)
+            totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+            busy = wall = kernels = 0.0
+            for a, b in windows:
+                for k, (t, n) in _self_times(events, a, b).items():
+                    totals[k][0] += t
+                    totals[k][1] += n
+                # GPU work of this phase: from its start until the next phase's start (the
+                # queue drains after the host returns).
+                nxt = min([w[0] for p in PHASES for w in _phase_window(events, p) if w[0] > a]
+                          + [float("inf")])
+                gpu_end = max([e["ts"] + e["dur"] for e in events
+                               if e.get("cat") == "kernel" and a <= e["ts"] < nxt] + [b])
+                bz, nk = _gpu_busy(events, a, gpu_end)
+                busy += bz
+                wall += gpu_end - a
+                kernels += nk
+            n = max(len(windows), 1)
+            host_total = sum(w[1] - w[0] for w in windows) / n / 1e3
+            top = sorted(totals.items(), key=lambda kv: -kv[1][0])[: args.rows]
+            rec["phases"][phase] = dict(
+                host_ms=host_total, gpu_busy_ms=busy / n / 1e3, gpu_wall_ms=wall / n / 1e3,
+                kernels=kernels / n,
+                top=[dict(name=k, self_us=t / n, calls=c / n) for k, (t, c) in top],
+            )
+            print(f"--- {phase}: host {host_total:.2f} ms (profiled), GPU busy {busy / n / 1e3:.2f} "
+                  f"ms of {wall / n / 1e3:.2f} ms wall, {kernels / n:.0f} kernels/memcpys per call",
+                  flush=True)
+            for k, (t, c) in top:
+                print(f"  {t / n:9.1f} us  {c / n:6.1f}x  {k[:110]}", flush=True)
+        summary["calls"][tag] = rec
+    if rank == 0:
+        write_json(os.path.join(args.out, "host_trace.json"), summary)
+    torch.distributed.destroy_process_group()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    main()
