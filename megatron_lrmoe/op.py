@@ -54,18 +54,19 @@ from megatron_lrmoe.dispatch.compaction import (
 )
 from megatron_lrmoe.dispatch.permutation import PairPermutation
 from megatron_lrmoe.dispatch.replicas import KeptLayout, ReplicaLayout
-from megatron_lrmoe.dispatch.rows import gather_sum, row_dot, scale_rows
+from megatron_lrmoe.dispatch.rows import gather_sum, pack_pairs, row_dot
 from megatron_lrmoe.experts.activation import GluSpec
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes
 from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
 from megatron_lrmoe.experts.replica_weights import fold_replica_grads
 from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
 from megatron_lrmoe.select.scoring import (
+    PairScores,
     Selection,
     draw_uniforms,
-    lrm_scores,
-    nonfinite_poison,
+    pair_scores,
     select,
+    token_norms,
 )
 
 __all__ = ["ExactMoEFunction", "ExpertCall", "TrimmedMoEFunction", "lrmoe_experts"]
@@ -414,7 +415,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
         if timer:
             timer.stop("packing")
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
-        x_k, h_k = _kept_activations(ctx, call, kept, hidden, x_in)
+        x_k, h_k = _kept_activations(ctx, kept, x_in)
         ctx.h = ctx.x = None
         kept_groups = GroupSizes(kept.recv_kept.sum(0))
         dx_k, dw1, dw2, _ = expert_backward_parts(
@@ -424,10 +425,9 @@ class TrimmedMoEFunction(torch.autograd.Function):
         dw1, dw2 = call.fold_grads(dw1, dw2)
         d_hidden = return_dx(call, kept, dx_k) if dx_k is not None else None
 
-        # Non-finite scores must reach Megatron's NaN check, never hide in a selection: one
-        # element of each expert weight gradient is enough for the norm (not a full-size add).
-        for grad in (dw1, dw2):
-            grad.view(-1)[:1].add_(kept.poison.to(grad.dtype))
+        # Non-finite scores must reach Megatron's NaN check, never hide in a selection: the
+        # poison (0 or NaN) went into every packed gradient row's scale, so into the expert
+        # weight gradients of every rank that kept a row; the router gradient gets it here.
         d_probs.add_(kept.poison.to(d_probs.dtype))
         if stats is not None:
             _record_trimmed(call, g, kept, timer)
@@ -456,19 +456,19 @@ def select_kept(
 ) -> KeptPlan:
     """Stage 1: score every pair of this rank and select the survivors.
 
-    Score ``p^2 ||g_t||^2 ||x_t||^2``: both norms are token properties, taken once per token.
-    Selection depends only on score ratios within a segment, so each norm is divided by its
-    largest value in the call first (no sync): the fp32 score then cannot overflow however large
-    finite gradients get, and a non-finite value still turns the scores NaN (the poison).
+    Score ``p^2 ||g_t||^2 ||x_t||^2``: both norms are token properties, taken once per token
+    (:func:`token_norms`), each relative to its largest value in the call (in the EP group for
+    scope global, where sources compete), so the fp32 scores cannot overflow and need no sync
+    (:func:`pair_scores`).
     """
     if timer:
         timer.start("scoring")
-    tok = call.perm.token_of_pair
-    # Scope global compares sources' scores at the owner: one scale for the whole EP group.
-    group = call.group if call.lrmoe.scope == "global" else None
-    g_norms, x_norms = _unit_norms(g, hidden, group)
-    scores = lrm_scores(probs, g_norms.square()[tok], x_norms.square()[tok])
-    poison = nonfinite_poison(scores)
+    norms = token_norms(g, hidden)  # [2, T]
+    top = norms.amax(dim=1) if norms.shape[1] else norms.new_zeros(2)
+    if call.lrmoe.scope == "global":
+        top = comm.all_reduce_max(top, call.group)
+    scored: PairScores = pair_scores(probs, call.perm.token_of_pair, norms, top)
+    scores, poison = scored.scores, scored.poison
     if timer:
         timer.stop("scoring")
         timer.start("selection")
@@ -482,28 +482,14 @@ def select_kept(
         timer.stop("selection")
     stats = call.stats
     if stats is not None:
-        clean = torch.nan_to_num(scores, nan=0.0, posinf=0.0, neginf=0.0)
-        stats.score_total = clean.sum()
-        stats.score_kept = clean[kept.kept_index].sum()
+        stats.score_total = scored.total
+        kept_scores = scores.index_select(0, kept.kept_index)
+        stats.score_kept = torch.nan_to_num(kept_scores, nan=0.0, posinf=0.0, neginf=0.0).sum()
         if call.lrmoe.debug_record_selection:
             dense = torch.zeros(scores.numel(), dtype=torch.float32, device=scores.device)
             stats.kept_weight = dense.index_copy_(0, kept.kept_index, kept.weight).cpu()
             stats.kept_mask = stats.kept_weight > 0
     return kept
-
-
-def _unit_norms(
-    g: torch.Tensor, x: torch.Tensor, group: Optional[torch.distributed.ProcessGroup]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T]`` row norms of ``g`` and ``x``, each relative to its largest (over ``group``)."""
-    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
-    norms = torch.stack(
-        [torch.linalg.vector_norm(t, ord=2, dim=-1, dtype=acc) for t in (g, x)]
-    )  # [2, T]
-    top = norms.amax(dim=1) if norms.shape[1] else norms.new_zeros(2)
-    top = comm.all_reduce_max(top, group)
-    norms = norms / torch.where(top > 0, top, torch.ones_like(top)).unsqueeze(1)
-    return norms[0].to(torch.float32), norms[1].to(torch.float32)
 
 
 def _select_local(
@@ -665,19 +651,22 @@ def pack_kept(
     probs: torch.Tensor,
     kept: KeptPlan,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Stage 2: the kept pairs' gradient rows ``p * w * g_t`` (and fc1 input rows ``x_t`` when
-    the expert side must recompute), packed densely in exchange order, (receiver rank, expert)-
-    major (with replicas: (receiver rank, instance)-major, ``KeptPlan.send_pairs``). One fused
-    gather-and-scale kernel; nothing ``[S, H]``.
+    """Stage 2: the kept pairs' gradient rows ``p * w * g_t`` (and their fc1 input rows ``x_t``
+    when the expert side does not hold them: at EP 1, where the expert side is this rank, and in
+    ``recompute`` mode), packed densely in exchange order, (receiver rank, expert)-major (with
+    replicas: (receiver rank, instance)-major, ``KeptPlan.send_pairs``). One fused kernel
+    (:func:`pack_pairs`); nothing ``[S, H]``. The poison rides in the rows' scale.
     """
-    pairs = kept.exchange_pairs
-    tok = call.perm.token_of_pair.index_select(0, pairs)
-    row_scale = probs.float().index_select(0, pairs) * kept.exchange_weight
-    g_kept = scale_rows(g, row_scale, index=tok)
-    x_kept = None
-    if call.activation_mode == "recompute" and call.plan.ep_size > 1:
-        x_kept = hidden.index_select(0, tok)
-    return g_kept, x_kept
+    need_x = call.plan.ep_size == 1 or call.activation_mode == "recompute"
+    return pack_pairs(
+        g,
+        call.perm.token_of_pair,
+        kept.exchange_pairs,
+        probs,
+        kept.exchange_weight,
+        x=hidden if need_x else None,
+        poison=kept.poison,
+    )
 
 
 def exchange_kept(
@@ -694,15 +683,14 @@ def exchange_kept(
 
 
 def _kept_activations(
-    ctx, call: ExpertCall, kept: KeptPlan, hidden: torch.Tensor, x_in: Optional[torch.Tensor]
+    ctx, kept: KeptPlan, x_in: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The kept rows' fc1 input and (``save`` mode) fc1 output, in expert order."""
-    if x_in is not None:  # recompute mode at EP > 1: the rows came with the gradients
-        return x_in, None
-    if call.plan.ep_size == 1:  # every row is a local token
-        x_k = hidden.index_select(0, call.perm.token_of_pair.index_select(0, kept.kept_index))
-    else:
-        x_k = ctx.x.index_select(0, kept.kept_positions)
+    """The kept rows' fc1 input and (``save`` mode) fc1 output, in expert order.
+
+    The input rows came packed with the gradients (``x_in``) at EP 1 and in ``recompute`` mode;
+    otherwise (``save`` at EP > 1) the expert side gathers them from the rows it saved.
+    """
+    x_k = x_in if x_in is not None else ctx.x.index_select(0, kept.kept_positions)
     h_k = None if ctx.h is None else ctx.h.index_select(0, kept.kept_positions)
     return x_k, h_k
 

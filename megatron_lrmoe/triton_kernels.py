@@ -43,7 +43,10 @@ __all__ = [
     "act_backward_triton",
     "act_forward_triton",
     "gather_sum_triton",
+    "pack_pairs_triton",
+    "pair_scores_triton",
     "row_dot_triton",
+    "row_norms_triton",
     "scale_rows_triton",
     "triton_available",
     "use_triton",
@@ -202,6 +205,120 @@ def _gather_sum_kernel(
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_h[None, :])
 
 
+def _row_norms_kernel(
+    out_ptr,
+    g_ptr,
+    x_ptr,
+    n_rows,
+    width,
+    g_stride,
+    x_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[0, t] = ||g[t]||``, ``out[1, t] = ||x[t]||`` (fp32 sums of squares) for ``BLOCK_M``
+    rows of both matrices in one pass."""
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_rows
+    rows = offs_m.to(tl.int64)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    acc_x = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, width, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = mask_m[:, None] & (offs_h < width)[None, :]
+        g = tl.load(g_ptr + rows[:, None] * g_stride + offs_h[None, :], mask=mask, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * x_stride + offs_h[None, :], mask=mask, other=0.0)
+        g = g.to(tl.float32)
+        x = x.to(tl.float32)
+        acc_g = acc_g + g * g
+        acc_x = acc_x + x * x
+    tl.store(out_ptr + offs_m, tl.sqrt(tl.sum(acc_g, axis=1)), mask=mask_m)
+    tl.store(out_ptr + n_rows + offs_m, tl.sqrt(tl.sum(acc_x, axis=1)), mask=mask_m)
+
+
+def _pair_scores_kernel(
+    scores_ptr,
+    partial_ptr,
+    probs_ptr,
+    token_ptr,
+    norms_ptr,
+    top_ptr,
+    n_pairs,
+    n_tokens,
+    n_blocks,
+    BLOCK: tl.constexpr,
+):
+    """``score[i] = p[i]^2 * (|g_t| / max|g|)^2 * (|x_t| / max|x|)^2`` for pair ``i`` of token
+    ``t``; per block ``partial[0] = sum(score * 0)`` (NaN iff a score is not finite) and
+    ``partial[1] = sum`` of the finite scores."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_pairs
+    g_top = tl.load(top_ptr).to(tl.float32)
+    x_top = tl.load(top_ptr + 1).to(tl.float32)
+    g_top = tl.where(g_top > 0.0, g_top, 1.0)
+    x_top = tl.where(x_top > 0.0, x_top, 1.0)
+    tok = tl.load(token_ptr + offs, mask=mask, other=0).to(tl.int64)
+    # div_rn: IEEE round-to-nearest like torch's division (Triton's fp32 ``/`` is approximate).
+    gn = tl.div_rn(tl.load(norms_ptr + tok, mask=mask, other=0.0), g_top)
+    xn = tl.div_rn(tl.load(norms_ptr + n_tokens + tok, mask=mask, other=0.0), x_top)
+    p = tl.load(probs_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    score = (p * p) * (gn * gn) * (xn * xn)
+    tl.store(scores_ptr + offs, score, mask=mask)
+    finite = (score == score) & (tl.abs(score) < float("inf"))
+    poison = tl.sum(tl.where(mask, score * 0.0, 0.0), axis=0)
+    clean = tl.sum(tl.where(mask & finite, score, 0.0), axis=0)
+    tl.store(partial_ptr + pid, poison)
+    tl.store(partial_ptr + n_blocks + pid, clean)
+
+
+def _pack_pairs_kernel(
+    g_out_ptr,
+    x_out_ptr,
+    g_ptr,
+    x_ptr,
+    token_ptr,
+    pairs_ptr,
+    probs_ptr,
+    weight_ptr,
+    poison_ptr,
+    n_out,
+    width,
+    g_stride,
+    x_stride,
+    g_out_stride,
+    x_out_stride,
+    HAS_X: tl.constexpr,
+    HAS_POISON: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Row ``i`` of pair ``j = pairs[i]`` of token ``t = token[j]``: ``g_out[i] = g[t] *
+    (p[j] * w[i] (+ poison))`` in fp32, rounded once; ``x_out[i] = x[t]`` (a copy)."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_m = offs_m < n_out
+    mask = mask_m[:, None] & (offs_h < width)[None, :]
+    pair = tl.load(pairs_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    tok = tl.load(token_ptr + pair, mask=mask_m, other=0).to(tl.int64)
+    scale = tl.load(probs_ptr + pair, mask=mask_m, other=0.0).to(tl.float32) * tl.load(
+        weight_ptr + offs_m, mask=mask_m, other=0.0
+    ).to(tl.float32)
+    if HAS_POISON:
+        scale = scale + tl.load(poison_ptr).to(tl.float32)
+    dst = offs_m.to(tl.int64)[:, None]
+    g = tl.load(g_ptr + tok[:, None] * g_stride + offs_h[None, :], mask=mask, other=0.0)
+    y = g.to(tl.float32) * scale[:, None]
+    tl.store(g_out_ptr + dst * g_out_stride + offs_h[None, :], y.to(g_out_ptr.dtype.element_ty), mask=mask)
+    if HAS_X:
+        x = tl.load(x_ptr + tok[:, None] * x_stride + offs_h[None, :], mask=mask, other=0.0)
+        tl.store(x_out_ptr + dst * x_out_stride + offs_h[None, :], x, mask=mask)
+
+
+
 def _act_fwd_kernel(
     out_ptr,
     h_ptr,
@@ -333,6 +450,9 @@ def _kernels() -> SimpleNamespace:
         gather_sum=triton.jit(_gather_sum_kernel),
         act_fwd=triton.jit(_act_fwd_kernel),
         act_bwd=triton.jit(_act_bwd_kernel),
+        row_norms=triton.jit(_row_norms_kernel),
+        pair_scores=triton.jit(_pair_scores_kernel),
+        pack_pairs=triton.jit(_pack_pairs_kernel),
     )
     kernels.interpreted = not isinstance(kernels.scale_rows, JITFunction)
     return kernels
@@ -358,6 +478,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@functools.lru_cache(maxsize=256)
 def _col_block(width: int, override: int | None) -> int:
     """Power-of-two column block with the least padding, the larger one on ties.
 
@@ -384,9 +505,19 @@ def _unit_cols(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
+_NULL_CTX = contextlib.nullcontext()
+
+
 def _device_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    # Triton launches on the current CUDA device; pin it to the tensors' device.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: pin it to the tensors' device when it differs.
+
+    Entering ``torch.cuda.device`` costs about 10 us of host time per launch, the price of a
+    whole kernel launch, so it is skipped in the usual case (the tensors are on the current
+    device).
+    """
+    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+        return _NULL_CTX
+    return torch.cuda.device(t.device)
 
 
 def _check_dtype(name: str, t: torch.Tensor) -> None:
@@ -510,6 +641,150 @@ def row_dot_triton(
             num_warps=_NUM_WARPS,
         )
     return out
+
+
+# Pairs per program of the pair-scoring kernel.
+_PAIR_BLOCK = 1024
+
+
+def row_norms_triton(g: torch.Tensor, x: torch.Tensor, *, block_h: int | None = None) -> torch.Tensor:
+    """``[2, T]`` fp32: the L2 norm of every row of ``g`` (row 0) and of ``x`` (row 1), one pass.
+
+    Args:
+        g: ``[T, H]`` bf16/fp16/fp32.
+        x: ``[T, H]`` bf16/fp16/fp32.
+        block_h: Column block override (a power of two), for tests and tuning.
+    """
+    if g.dim() != 2 or g.shape != x.shape:
+        raise ValueError(f"row_norms_triton: g {tuple(g.shape)} and x {tuple(x.shape)}")
+    _check_dtype("g", g)
+    _check_dtype("x", x)
+    n_rows, width = g.shape
+    out = torch.empty((2, n_rows), dtype=torch.float32, device=g.device)
+    if n_rows == 0:
+        return out
+    g, x = _unit_cols(g), _unit_cols(x)
+    block_h = (
+        _col_block(width, block_h) if block_h is not None else min(_col_block(width, None), 256)
+    )
+    block_m = max(1, (_TILE // 4) // block_h)
+    with _device_ctx(g):
+        _kernels_for(g).row_norms[(_cdiv(n_rows, block_m),)](
+            out, g, x, n_rows, width, g.stride(0), x.stride(0),
+            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+        )
+    return out
+
+
+def pair_scores_triton(
+    probs: torch.Tensor, token: torch.Tensor, norms: torch.Tensor, top: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LRM scores of all pairs from per-token norms, with per-block poison and score sums.
+
+    Args:
+        probs: ``[N]`` routing weight of each pair (any float dtype).
+        token: ``[N]`` int32/int64 token of each pair.
+        norms: ``[2, T]`` fp32 token norms (``row_norms_triton``).
+        top: ``[2]`` fp32 largest norm of ``g`` and of ``x`` (a value <= 0 counts as 1).
+
+    Returns:
+        ``scores [N]`` fp32 and ``partial [2, B]`` fp32: per block of pairs, ``sum(score * 0)``
+        (NaN iff one is not finite) and the sum of its finite scores.
+    """
+    if probs.dim() != 1 or token.shape != probs.shape or norms.dim() != 2 or norms.shape[0] != 2:
+        raise ValueError(
+            f"pair_scores_triton: probs {tuple(probs.shape)}, token {tuple(token.shape)}, "
+            f"norms {tuple(norms.shape)}"
+        )
+    if norms.dtype != torch.float32 or top.dtype != torch.float32 or top.numel() != 2:
+        raise ValueError("pair_scores_triton: norms and top must be fp32, top of 2 values")
+    n = probs.shape[0]
+    blocks = max(1, _cdiv(n, _PAIR_BLOCK))
+    scores = torch.empty(n, dtype=torch.float32, device=probs.device)
+    if n == 0:
+        return scores, torch.zeros((2, blocks), dtype=torch.float32, device=probs.device)
+    partial = torch.empty((2, blocks), dtype=torch.float32, device=probs.device)
+    with _device_ctx(probs):
+        _kernels_for(probs).pair_scores[(blocks,)](
+            scores, partial, probs.contiguous(), token.contiguous(), norms.contiguous(),
+            top.contiguous(), n, norms.shape[1], blocks, BLOCK=_PAIR_BLOCK, num_warps=4,
+        )
+    return scores, partial
+
+
+def pack_pairs_triton(
+    g: torch.Tensor,
+    token_of_pair: torch.Tensor,
+    pairs: torch.Tensor,
+    probs: torch.Tensor,
+    weight: torch.Tensor,
+    x: torch.Tensor | None = None,
+    poison: torch.Tensor | None = None,
+    *,
+    block_h: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradient rows of the pairs ``pairs`` and optionally their input rows, packed.
+
+    ``g_out[i] = g[t] * (probs[j] * weight[i] (+ poison))`` and ``x_out[i] = x[t]`` for pair
+    ``j = pairs[i]`` of token ``t = token_of_pair[j]``: the gathers, the fp32 scale and the
+    packing in one kernel (``dispatch/rows.pack_pairs`` is the torch reference).
+
+    Args:
+        g: ``[T, H]`` token gradient rows, bf16/fp16/fp32.
+        token_of_pair: ``[S]`` int32/int64 token of each pair.
+        pairs: ``[K]`` int32/int64 pairs to pack, in output order (not range-checked).
+        probs: ``[S]`` routing weight of each pair.
+        weight: ``[K]`` fp32 multiplier of each packed row.
+        x: Optional ``[T, H]`` token input rows to pack alongside (same dtype as ``g`` not
+            required).
+        poison: Optional 0-dim fp32 added to every row's scale (0, or NaN to poison).
+        block_h: Column block override (a power of two), for tests and tuning.
+
+    Returns:
+        ``(g_out [K, H] in g's dtype, x_out [K, H] in x's dtype or None)``.
+    """
+    if g.dim() != 2 or pairs.dim() != 1 or weight.shape != pairs.shape:
+        raise ValueError(
+            f"pack_pairs_triton: g {tuple(g.shape)}, pairs {tuple(pairs.shape)}, weight "
+            f"{tuple(weight.shape)}"
+        )
+    if x is not None and x.shape != g.shape:
+        raise ValueError(f"pack_pairs_triton: x {tuple(x.shape)} differs from g {tuple(g.shape)}")
+    _check_dtype("g", g)
+    n_out, width = pairs.shape[0], g.shape[1]
+    g_out = torch.empty((n_out, width), dtype=g.dtype, device=g.device)
+    x_out = None if x is None else torch.empty((n_out, width), dtype=x.dtype, device=g.device)
+    if g_out.numel() == 0:
+        return g_out, x_out
+    g = _unit_cols(g)
+    x = None if x is None else _unit_cols(x)
+    block_h = _col_block(width, block_h)
+    block_m = max(1, _TILE // block_h)
+    grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
+    with _device_ctx(g):
+        _kernels_for(g).pack_pairs[grid](
+            g_out,
+            x_out if x_out is not None else g_out,  # placeholders when HAS_X is off
+            g,
+            x if x is not None else g,
+            token_of_pair.contiguous(),
+            pairs.contiguous(),
+            probs.contiguous(),
+            weight.contiguous(),
+            poison if poison is not None else weight,
+            n_out,
+            width,
+            g.stride(0),
+            x.stride(0) if x is not None else g.stride(0),
+            g_out.stride(0),
+            x_out.stride(0) if x_out is not None else g_out.stride(0),
+            HAS_X=x is not None,
+            HAS_POISON=poison is not None,
+            BLOCK_M=block_m,
+            BLOCK_H=block_h,
+            num_warps=_NUM_WARPS,
+        )
+    return g_out, x_out
 
 
 def gather_sum_triton(

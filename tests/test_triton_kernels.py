@@ -26,6 +26,7 @@ Tolerances (against the torch path of the same op, same dtype):
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -38,6 +39,7 @@ import torch
 from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.dispatch import rows as rowwise
 from megatron_lrmoe.experts import GluSpec, act_backward, act_forward
+from megatron_lrmoe.select import scoring
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -375,6 +377,79 @@ def test_interp_gather_sum(small_tiles, dtype, slots: int, scaled: bool) -> None
 
 
 @interp
+@pytest.mark.parametrize("n, block_h, layout", ROW_CASES, ids=ROW_CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_row_norms(small_tiles, dtype, n: int, block_h, layout: str) -> None:
+    g = _gen(700 + n)
+    a = _rows_layout(torch.randn(n, 200, generator=g).to(dtype), layout)
+    b = _rows_layout((3 * torch.randn(n, 200, generator=g)).to(dtype), "row_strided")
+    got = triton_kernels.row_norms_triton(a, b, block_h=block_h)
+    ref = scoring.token_norms(a, b)  # host tensors: the torch reference
+    assert got.shape == (2, n) and got.dtype == torch.float32
+    # fp32 sums of the same squares in another order.
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=0.0)
+
+
+@interp
+@pytest.mark.parametrize("n", [0, 1, 37, 100])
+@pytest.mark.parametrize("probs_dtype", [torch.float32, torch.bfloat16], ids=["p32", "p16"])
+def test_interp_pair_scores(monkeypatch: pytest.MonkeyPatch, n: int, probs_dtype) -> None:
+    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 16)  # several blocks, a ragged last one
+    g = _gen(800 + n)
+    t = 11
+    norms = torch.rand(2, t, generator=g) * 50
+    token = torch.randint(0, t, (n,), generator=g)
+    probs = torch.rand(n, generator=g).to(probs_dtype)
+    for top in (norms.amax(1), torch.tensor([0.0, 7.0])):  # a zero scale counts as 1
+        scores, partial = triton_kernels.pair_scores_triton(probs, token, norms, top)
+        ref = scoring.pair_scores(probs, token, norms, top)
+        assert torch.equal(scores, ref.scores)  # same fp32 operations in the same order
+        assert partial.shape == (2, max(1, -(-n // 16)))
+        assert float(partial[0].sum()) == 0.0
+        torch.testing.assert_close(partial[1].sum(), ref.total, rtol=1e-6, atol=0.0)
+    if n:
+        bad = norms.clone()
+        bad[1, token[n // 2]] = float("inf")
+        scores, partial = triton_kernels.pair_scores_triton(probs, token, bad, bad.amax(1))
+        ref = scoring.pair_scores(probs, token, bad, bad.amax(1))
+        assert torch.equal(scores.isfinite(), ref.scores.isfinite())
+        assert math.isnan(float(partial[0].sum())) and math.isnan(float(ref.poison))
+        finite = ref.scores.isfinite()
+        torch.testing.assert_close(partial[1].sum(), ref.scores[finite].sum(), rtol=1e-6, atol=0.0)
+
+
+@interp
+@pytest.mark.parametrize("k", [0, 1, 19, 53])
+@pytest.mark.parametrize("with_x", [False, True], ids=["g", "g+x"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_pack_pairs(small_tiles, dtype, k: int, with_x: bool) -> None:
+    g = _gen(900 + k)
+    t, s, h = 13, 40, 200
+    grad = _rows_layout(torch.randn(t, h, generator=g).to(dtype), "row_strided")
+    x = _rows_layout(torch.randn(t, h, generator=g).to(dtype), "transposed") if with_x else None
+    token_of_pair = torch.randint(0, t, (s,), generator=g)
+    pairs = torch.randint(0, s, (k,), generator=g)  # repeats, any order
+    probs = torch.rand(s, generator=g)
+    weight = 1.0 + 3 * torch.rand(k, generator=g)
+    for poison in (None, torch.tensor(0.0), torch.tensor(float("nan"))):
+        got_g, got_x = triton_kernels.pack_pairs_triton(
+            grad, token_of_pair, pairs, probs, weight, x=x, poison=poison, block_h=64
+        )
+        ref_g, ref_x = rowwise.pack_pairs(grad, token_of_pair, pairs, probs, weight, x, poison)
+        assert got_g.shape == (k, h)
+        if poison is not None and math.isnan(float(poison)):
+            assert bool(got_g.isnan().all()) and bool(ref_g.isnan().all())
+        elif dtype == torch.float32:
+            assert torch.equal(got_g, ref_g)
+        else:
+            assert_within(got_g, ref_g, ulps=1, what="pack_pairs")
+        if with_x:
+            assert torch.equal(got_x, ref_x)
+        else:
+            assert got_x is None and ref_x is None
+
+
+@interp
 def test_interp_launchers_reject_bad_inputs() -> None:
     with pytest.raises(ValueError, match="scale has"):
         triton_kernels.scale_rows_triton(torch.randn(4, 8), torch.rand(3))
@@ -392,6 +467,17 @@ def test_interp_launchers_reject_bad_inputs() -> None:
         triton_kernels.gather_sum_triton(torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="power of two"):
         triton_kernels.act_forward_triton(torch.randn(3, 8), False, "silu", block_f=24)
+    with pytest.raises(ValueError, match="row_norms_triton"):
+        triton_kernels.row_norms_triton(torch.randn(4, 8), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="pair_scores_triton"):
+        triton_kernels.pair_scores_triton(
+            torch.rand(4), torch.zeros(3, dtype=torch.int64), torch.rand(2, 5), torch.ones(2)
+        )
+    with pytest.raises(ValueError, match="pack_pairs_triton"):
+        triton_kernels.pack_pairs_triton(
+            torch.randn(4, 8), torch.zeros(6, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
+            torch.rand(6), torch.ones(2),
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,6 +530,29 @@ def test_cuda_realistic_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
 
         got = rowwise.row_dot(x, y, torch.float32)
         _check_row_dot(got, x, y, _torch_path(monkeypatch, rowwise.row_dot, x, y, torch.float32))
+
+        # The backward's scoring and packing at 16384 tokens x top-8.
+        tokens = n // 8
+        gt, xt = x[:tokens], y[:tokens]
+        token_of_pair = torch.randint(0, tokens, (n,), device=dev)
+        norms = scoring.token_norms(gt, xt)
+        torch.testing.assert_close(
+            norms, _torch_path(monkeypatch, scoring.token_norms, gt, xt), rtol=1e-5, atol=0.0
+        )
+        top = norms.amax(1)
+        got = scoring.pair_scores(probs, token_of_pair, norms, top)
+        ref = _torch_path(monkeypatch, scoring.pair_scores, probs, token_of_pair, norms, top)
+        assert torch.equal(got.scores, ref.scores)
+        torch.testing.assert_close(got.total, ref.total, rtol=1e-5, atol=0.0)
+        weight = torch.rand(index.numel(), device=dev) + 1
+        args = (gt, token_of_pair, index, probs, weight, xt, torch.zeros((), device=dev))
+        got_g, got_x = rowwise.pack_pairs(*args)
+        ref_g, ref_x = _torch_path(monkeypatch, rowwise.pack_pairs, *args)
+        assert torch.equal(got_g, ref_g) and torch.equal(got_x, ref_x)
+        timings["pack_pairs"] = (
+            _ms(rowwise.pack_pairs, *args),
+            _ms(lambda *a: _torch_path(monkeypatch, rowwise.pack_pairs, *a), *args),
+        )
 
         for spec in SPECS:
             h = torch.randn(n, f * spec.fc1_multiplier, device=dev, dtype=bf16) * 4

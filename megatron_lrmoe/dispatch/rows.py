@@ -66,6 +66,12 @@ def scale_rows(
     """
     if _scale_rows_triton_ok(rows, scale, index):
         return triton_kernels.scale_rows_triton(rows, scale, index)
+    return _scale_rows_torch(rows, scale, index)
+
+
+def _scale_rows_torch(
+    rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor | None
+) -> torch.Tensor:
     wide = torch.promote_types(rows.dtype, scale.dtype)
     if index is None:
         out = torch.empty_like(rows)
@@ -79,6 +85,61 @@ def scale_rows(
         src = rows.index_select(0, index[lo:hi])
         out[lo:hi] = (src.to(wide) * scale[lo:hi].to(wide).unsqueeze(-1)).to(rows.dtype)
     return out
+
+
+def pack_pairs(
+    g: torch.Tensor,
+    token_of_pair: torch.Tensor,
+    pairs: torch.Tensor,
+    probs: torch.Tensor,
+    weight: torch.Tensor,
+    x: torch.Tensor | None = None,
+    poison: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pack the gradient rows (and optionally the input rows) of the pairs ``pairs``.
+
+    Row ``i`` belongs to pair ``j = pairs[i]`` of token ``t = token_of_pair[j]``: ``g_out[i] =
+    g[t] * (probs[j] * weight[i] (+ poison))`` with the scale in fp32 and one rounding into
+    ``g``'s dtype (:func:`scale_rows`'s rounding), and ``x_out[i] = x[t]``. On CUDA this is one
+    Triton kernel (``triton_kernels.pack_pairs_triton``): the pair -> token lookup, both
+    gathers and the scale never materialise an index or an ``[S, H]`` tensor. The torch code
+    below is the reference.
+
+    Args:
+        g: ``[T, H]`` token gradient rows.
+        token_of_pair: ``[S]`` int64 token of each pair.
+        pairs: ``[K]`` int64 pairs to pack, in output order.
+        probs: ``[S]`` routing weight of each pair.
+        weight: ``[K]`` fp32 gradient multiplier of each packed row.
+        x: Optional ``[T, H]`` input rows to pack alongside.
+        poison: Optional 0-dim fp32 added to every scale (0, or NaN so that a non-finite score
+            reaches the weight gradients).
+
+    Returns:
+        ``(g_out [K, H], x_out [K, H] or None)``.
+    """
+    extra = tuple(t for t in (x, poison) if t is not None)
+    if (
+        triton_kernels.use_triton(g, token_of_pair, pairs, probs, weight, *extra)
+        and g.dim() == 2
+        and g.dtype in triton_kernels.KERNEL_DTYPES
+        and (x is None or (x.shape == g.shape and x.dtype in triton_kernels.KERNEL_DTYPES))
+        and weight.dtype == torch.float32
+        and probs.dtype.is_floating_point
+        and pairs.dtype in _INDEX_DTYPES
+        and token_of_pair.dtype in _INDEX_DTYPES
+        and not _needs_autograd(g, probs, *(() if x is None else (x,)))
+    ):
+        return triton_kernels.pack_pairs_triton(
+            g, token_of_pair, pairs, probs, weight, x=x, poison=poison
+        )
+    tok = token_of_pair.index_select(0, pairs)
+    scale = probs.float().index_select(0, pairs) * weight
+    if poison is not None:
+        scale = scale + poison
+    g_out = _scale_rows_torch(g, scale, tok)
+    x_out = None if x is None else x.index_select(0, tok)
+    return g_out, x_out
 
 
 def row_dot(

@@ -41,20 +41,24 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.triton_kernels import use_triton
 
 __all__ = [
     "PROB_BITS",
+    "PairScores",
     "Selection",
     "draw_uniforms",
     "inclusion_probabilities",
     "lrm_scores",
     "nonfinite_poison",
+    "pair_scores",
     "row_sq_norms",
     "sanitize",
     "select",
     "select_sample",
     "select_topk",
+    "token_norms",
 ]
 
 # Inclusion probabilities are integers in units of 2**-PROB_BITS (a probability of 1 is 2**32).
@@ -119,6 +123,74 @@ def lrm_scores(
         )
     p = probs.to(torch.float32)
     return (p * p) * grad_sq_norm.to(torch.float32) * input_sq_norm.to(torch.float32)
+
+
+def token_norms(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``[2, T]``: the L2 norm of every token's gradient row (row 0) and input row (row 1).
+
+    Both are token properties: a pair only adds its routing weight, so the backward takes them
+    once per token, never per pair. fp32 accumulation (fp64 for fp64 input). On CUDA one fused
+    Triton kernel reads both matrices once (``triton_kernels.row_norms_triton``); the torch
+    code below is the reference it is tested against.
+
+    Args:
+        g: ``[T, H]`` gradient rows.
+        x: ``[T, H]`` input rows.
+    """
+    if g.dim() != 2 or g.shape != x.shape:
+        raise ValueError(f"token_norms: g {tuple(g.shape)} and x {tuple(x.shape)} must be one [T, H]")
+    if (
+        use_triton(g, x)
+        and g.dtype in triton_kernels.KERNEL_DTYPES
+        and x.dtype in triton_kernels.KERNEL_DTYPES
+    ):
+        return triton_kernels.row_norms_triton(g, x)
+    acc = torch.float64 if torch.float64 in (g.dtype, x.dtype) else torch.float32
+    return torch.stack([torch.linalg.vector_norm(t, ord=2, dim=-1, dtype=acc) for t in (g, x)])
+
+
+class PairScores(NamedTuple):
+    """Scores of one call's pairs (:func:`pair_scores`)."""
+
+    scores: torch.Tensor  # [N] fp32
+    poison: torch.Tensor  # 0-dim fp32: 0, or NaN when a score is not finite
+    total: torch.Tensor  # 0-dim fp32: sum of the finite scores (statistics)
+
+
+def pair_scores(
+    probs: torch.Tensor, token: torch.Tensor, norms: torch.Tensor, top: torch.Tensor
+) -> PairScores:
+    """LRM score ``p^2 ||g_t||^2 ||x_t||^2`` of every pair, from per-token norms.
+
+    Each norm is first divided by ``top`` (the largest norm of its kind over the call, or over
+    the EP group when sources compete): selection depends only on score ratios within a segment,
+    and the fp32 score then cannot overflow however large finite gradients get, while a
+    non-finite value still turns the scores non-finite (the poison). On CUDA one Triton kernel
+    writes the scores and per-block poison and score sums (``triton_kernels.pair_scores_triton``),
+    plus one reduction; the torch code below is the reference.
+
+    Args:
+        probs: ``[N]`` routing weight of each pair.
+        token: ``[N]`` int64 token of each pair.
+        norms: ``[2, T]`` token norms (:func:`token_norms`).
+        top: ``[2]`` the scale of each kind; a value <= 0 counts as 1.
+    """
+    if (
+        use_triton(probs, token, norms, top)
+        and norms.dtype == torch.float32
+        and top.dtype == torch.float32
+        and probs.dtype.is_floating_point
+        and probs.dim() == 1
+    ):
+        scores, partial = triton_kernels.pair_scores_triton(probs, token, norms, top)
+        sums = partial.sum(1)
+        return PairScores(scores, sums[0], sums[1])
+    top = torch.where(top > 0, top, torch.ones_like(top))
+    unit = (norms / top.to(norms.dtype).unsqueeze(1)).to(torch.float32)
+    g_unit, x_unit = unit[0][token], unit[1][token]
+    scores = lrm_scores(probs, g_unit.square(), x_unit.square())
+    total = torch.nan_to_num(scores, nan=0.0, posinf=0.0, neginf=0.0).sum()
+    return PairScores(scores, nonfinite_poison(scores), total)
 
 
 def nonfinite_poison(scores: torch.Tensor) -> torch.Tensor:
