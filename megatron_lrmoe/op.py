@@ -505,8 +505,8 @@ def _select_local(
     if lrmoe.selection == "sample":
         num_experts = counts.numel()
         uniforms = _uniforms(call, key, plan.ep_size * num_experts)
+        # Host uniforms: the fused selection puts them into its one host-to-device copy.
         uniforms = uniforms[plan.ep_rank * num_experts : (plan.ep_rank + 1) * num_experts]
-        uniforms = host_to_device(uniforms, device)
     sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms)
     p, nle = plan.ep_size, plan.num_local_experts
     send_kept = quota.reshape(p, nle)
@@ -569,7 +569,6 @@ def _select_with_replicas(
             num_experts = counts.numel()
             uniforms = _uniforms(call, key, num_ranks * num_experts)
             uniforms = uniforms[rank * num_experts : (rank + 1) * num_experts]
-        uniforms = host_to_device(uniforms, device)
     sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms)
     kept_layout: KeptLayout = layout.kept_layout(
         control.backward_send_counts(rank), control.backward_recv_counts(rank)
@@ -618,7 +617,6 @@ def _select_global(
     uniforms = None
     if lrmoe.selection == "sample":
         uniforms = _uniforms(call, key, plan.quota.numel())[plan.local_experts]
-        uniforms = host_to_device(uniforms, device)
     owner_sel = select(
         lrmoe.selection, recv_scores, plan.tokens_per_local_expert, plan.local_quota, uniforms
     )

@@ -101,7 +101,7 @@ class GroupSizes:
                 raise ValueError(f"counts must be an integer tensor, got {counts.dtype}")
             self.num_groups = counts.numel()
             if counts.device.type == "cpu":
-                self.sizes = [int(c) for c in counts.tolist()]
+                self.sizes = counts.tolist()
             else:
                 # Keep device counts on the device: the grouped_mm path builds offsets there
                 # without a sync; only the loop needs host sizes (see ``host_sizes``).
@@ -110,7 +110,7 @@ class GroupSizes:
         else:
             self.sizes = [int(c) for c in counts]
             self.num_groups = len(self.sizes)
-        if self.sizes is not None and any(c < 0 for c in self.sizes):
+        if self.sizes is not None and self.sizes and min(self.sizes) < 0:
             raise ValueError(f"counts must be non-negative, got {self.sizes}")
 
     def host_sizes(self) -> list[int]:

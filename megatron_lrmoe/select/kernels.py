@@ -69,6 +69,7 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_lrmoe.select import scoring
@@ -575,14 +576,18 @@ def _segment_table(
     # Pinned: the copy returns at once, and the caching host allocator keeps the block alive
     # until the copy has run.
     pin = device.type == "cuda"
-    host = torch.zeros((_HOST_ROWS, num_segments), dtype=torch.int64, pin_memory=pin)
-    torch.cumsum(counts_h, 0, out=host[_END])
-    torch.sub(host[_END], counts_h, out=host[_START])
-    host[_QUOTA] = quota_h
-    torch.cumsum(quota_h, 0, out=host[_SLOT])
-    host[_SLOT] -= quota_h
+    host = torch.empty((_HOST_ROWS, num_segments), dtype=torch.int64, pin_memory=pin)
+    # Filled through numpy: ~1 us per row where a torch CPU op costs ~5 us.
+    rows = host.numpy()
+    rows[:] = 0
+    counts_np, quota_np = counts_h.numpy(), quota_h.numpy()
+    np.cumsum(counts_np, out=rows[_END])
+    np.subtract(rows[_END], counts_np, out=rows[_START])
+    rows[_QUOTA] = quota_np
+    np.cumsum(quota_np, out=rows[_SLOT])
+    rows[_SLOT] -= quota_np
     if uniforms is not None:
-        host[_UNIFORM].view(torch.float64).copy_(uniforms.to(torch.float64))
+        rows[_UNIFORM].view(np.float64)[:] = uniforms.to(torch.float64).numpy()
     table = torch.empty((_ROWS, num_segments), dtype=torch.int64, device=device)
     table[:_HOST_ROWS].copy_(host, non_blocking=True)
     return table

@@ -309,7 +309,21 @@ def _host_segments(
     if n >= _MAX_ROWS:
         raise ValueError(f"at most {_MAX_ROWS - 1} rows are supported, got {n}")
     if counts.device.type == "cpu" and quota.device.type == "cpu":
-        host = torch.stack([counts.to(torch.int64), quota.to(torch.int64)])
+        # The usual case (the planner's host tensors): numpy checks cost ~1 us each where
+        # torch CPU ops cost ~5 us, and this runs in the backward before the first GEMM.
+        counts_h, quota_h = counts.to(torch.int64), quota.to(torch.int64)
+        c, q = counts_h.numpy(), quota_h.numpy()
+        if c.size and c.min() < 0:
+            g = int((c < 0).argmax())
+            raise ValueError(f"segment {g}: count {int(c[g])} is negative")
+        bad = (q < 0) | (q > c)
+        if bad.any():
+            g = int(bad.argmax())
+            raise ValueError(f"segment {g}: quota {int(q[g])} is outside [0, count={int(c[g])}]")
+        total = int(c.sum())
+        if total != n:
+            raise ValueError(f"segment counts add up to {total}, but there are {n} rows")
+        return counts_h, quota_h
     else:
         # NOTE: device-to-host sync: validating the segments and sizing the kept-row outputs need
         # the values on the host; pass CPU counts/quota (as the planner produces them) to avoid it.
@@ -697,6 +711,9 @@ def select(
         from megatron_lrmoe.select.kernels import select_triton
 
         return select_triton(policy, scores, counts, quota, uniforms)
+    if policy == "sample" and uniforms.device != scores.device and scores.is_cuda:
+        # Pinned, so the copy is queued instead of waiting for the stream to drain.
+        uniforms = uniforms.pin_memory().to(scores.device, non_blocking=True)
     if policy == "topk":
         return select_topk(scores, counts, quota)
     return select_sample(scores, counts, quota, uniforms)
