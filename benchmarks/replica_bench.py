@@ -4,8 +4,11 @@ Run (one process per GPU; EP = number of processes, at least 2):
 
     torchrun --nproc_per_node=2 benchmarks/replica_bench.py                 # H200: NCCL, bf16
     torchrun --nproc_per_node=2 benchmarks/replica_bench.py --device cpu \\
-        --hidden 64 --ffn 32 --experts 16 --topk 2 --tokens 256 --iters 2 --warmup 1
-                                                        # smoke run: gloo + CPU shim, fp32
+        --hidden 64 --ffn 32 --experts 16 --topk 2 --tokens 256 --iters 2 --warmup 1 \
+        --hot-experts 2                                 # smoke run: gloo + CPU shim, fp32
+
+The defaults (16384 tokens per GPU, 3 scenarios x 5 variants x (3 warm-up + 10) steps) are sized
+to take a few minutes on two H200 (not yet measured there; the CPU run above takes ~10 s).
 
 Layer: one Qwen3-30B-A3B MoE layer (benchmarks/common.py; ``--hidden/--ffn/--experts/--topk``
 shrink it). Every variant runs on the same weights and the same per-rank inputs, round-robin
