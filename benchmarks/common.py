@@ -19,15 +19,26 @@ QWEN3_30B_A3B_MOE = dict(
 )
 
 
-def init_distributed(ep: int) -> Any:
-    """NCCL process group from torchrun's environment and Megatron's parallel state (EP=ep)."""
+def init_distributed(ep: int, device: str = "cuda") -> Any:
+    """Process group from torchrun's environment and Megatron's parallel state (EP=ep).
+
+    ``device="cuda"``: NCCL, one GPU per process. ``device="cpu"`` (smoke runs without a GPU):
+    the test-only CPU shim (megatron_lrmoe.testing.install_cpu_shim) and gloo.
+    """
+    if device == "cpu":
+        from megatron_lrmoe.testing import install_cpu_shim
+
+        install_cpu_shim()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if device == "cpu":
+        torch.distributed.init_process_group("gloo")
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)

@@ -1,0 +1,123 @@
+"""CPU smoke tests of the GPU benchmark scripts (benchmarks/replica_bench.py).
+
+Cheapest first: the benchmark's pure helpers (routing targets, the EP 2 closed-form optimum
+against the repo's brute force), then one real run of the script under torchrun at EP 2 (gloo,
+CPU shim, tiny shapes) whose JSON must show what the GPU run is meant to show: the requested
+skew was reached, replicas were placed, the layer kept its plan, and replicas lowered the
+measured per-rank forward rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.replica_bench import (
+    cap_shares,
+    hot_rank_shares,
+    lower_bound_peak,
+    optimal_peak_two_ranks,
+    zipf_shares,
+)
+from megatron_lrmoe.control.placement import reference_optimal_peak
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE_TIMEOUT_S = 300  # start-up of two ranks on a loaded 2-core machine dominates
+
+
+def test_cap_shares_water_fills() -> None:
+    shares = cap_shares(np.array([8.0, 4.0, 2.0, 1.0, 1.0]), cap=0.3)
+    assert shares.sum() == pytest.approx(1.0)
+    assert shares.max() <= 0.3 + 1e-12
+    # 8/16 is over the cap; scaling the rest up then pushes 4 over it too (a second round).
+    # Capped experts sit at the cap, the others keep their proportions (2:1:1).
+    assert shares[:2] == pytest.approx([0.3, 0.3])
+    assert shares[2:] == pytest.approx([0.2, 0.1, 0.1])
+    with pytest.raises(ValueError):
+        cap_shares(np.ones(3), cap=0.2)
+
+
+def test_zipf_and_hot_rank_shares() -> None:
+    zipf = zipf_shares(16, 1.0, topk=2, seed=3)
+    ranked = np.sort(zipf)[::-1]
+    assert zipf.sum() == pytest.approx(1.0)
+    assert ranked[1] / ranked[3] == pytest.approx(2.0)  # (1/2) / (1/4), below the cap
+    hot = hot_rank_shares(16, ep=2, share=0.7, hot_experts=2, topk=2)
+    assert hot.sum() == pytest.approx(1.0)
+    assert hot[:8].sum() == pytest.approx(0.7)
+    assert hot[2:].min() == pytest.approx(hot[2:].max())  # every cold expert alike
+    with pytest.raises(ValueError):
+        hot_rank_shares(16, ep=2, share=0.2, hot_experts=1, topk=2)
+
+
+def test_two_rank_optimum_matches_brute_force() -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(60):
+        local = int(rng.integers(1, 4))
+        load = rng.integers(0, 50, size=2 * local) * rng.integers(0, 2, size=2 * local)
+        load[int(rng.integers(0, 2 * local))] += int(rng.integers(0, 200))
+        slots = int(rng.integers(0, 3))
+        expected = reference_optimal_peak(load.tolist(), 2, slots)
+        assert optimal_peak_two_ranks(load, slots) == expected, (load, slots)
+        assert lower_bound_peak(load, 2) <= expected
+
+
+def _loopback() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
+)
+def test_replica_bench_runs_at_ep2(tmp_path: Path) -> None:
+    out = tmp_path / "replica_bench.json"
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    ifname = _loopback()
+    if ifname is not None:  # as run_distributed does: gloo must not pick a hostname interface
+        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "benchmarks/replica_bench.py", "--device", "cpu", "--hidden", "32", "--ffn", "16",
+        "--experts", "16", "--topk", "2", "--tokens", "128", "--iters", "1", "--warmup", "1",
+        "--zipf", "1.5", "--hot-experts", "2", "--calib-iters", "100", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["ep"] == 2 and "hot-rank" in proc.stdout
+    blocks = {b["scenario"]: b for b in result["scenarios"]}
+    assert set(blocks) == {"zipf-1.5", "hot-rank"}
+    for block in blocks.values():
+        rows = {r["variant"]: r for r in block["rows"]}
+        assert len(rows) == 5 and "stock MoELayer" in rows
+        assert block["fixed_peak"] >= block["optimum_peak"] >= block["lower_bound_peak"]
+        for row in rows.values():
+            assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0
+            # The layer computed exactly the rows its plan assigned to each rank.
+            assert row["fwd_rows_vs_plan"] == 0 and row["kept_rows_vs_plan"] == 0
+            assert row["peak_mib"] is None  # no allocator statistics on CPU
+        # Same weights and tokens: keep 1.0 (with or without replicas) is the stock forward.
+        assert rows["LRMoE keep 1.0"]["fwd_rel_diff_vs_stock"] < 1e-5
+        assert rows["LRMoE keep 1.0 R=2"]["fwd_rel_diff_vs_stock"] < 1e-5
+    hot = blocks["hot-rank"]
+    assert hot["rank_share"][0] == pytest.approx(0.7, abs=0.02)
+    rows = {r["variant"]: r for r in hot["rows"]}
+    plain, replicated = rows["LRMoE keep 0.5 sample save"], rows["LRMoE keep 0.5 sample save R=2"]
+    assert replicated["replicas"] > 0 and plain["replicas"] == 0
+    # Replicas move rank 0's hot pairs to rank 1: fewer forward rows on the busiest rank.
+    assert replicated["fwd_rows_max"] < plain["fwd_rows_max"]
+    assert plain["fwd_rows_max"] == rows["stock MoELayer"]["fwd_rows_max"]
+    assert replicated["fwd_rows_max"] == replicated["plan_forward_peak"]
+    assert replicated["goals"]["peak"] in ("PASS", "MISS")
