@@ -499,6 +499,20 @@ def _col_block(width: int, override: int | None) -> int:
     return best
 
 
+def _reduction_tile(
+    width: int, override: int | None, max_block_h: int, accumulators: int
+) -> tuple[int, int]:
+    """``(BLOCK_H, BLOCK_M)`` of a kernel that loops over the columns and reduces each row: a
+    column block of at most ``max_block_h`` (unless overridden) and rows so that its fp32
+    accumulators (``accumulators`` tiles' worth of ``_TILE``) stay in registers."""
+    block_h = (
+        _col_block(width, override)
+        if override is not None
+        else min(_col_block(width, None), max_block_h)
+    )
+    return block_h, max(1, (_TILE // accumulators) // block_h)
+
+
 def _unit_cols(x: torch.Tensor) -> torch.Tensor:
     """``x`` (2-D) with unit column stride: the kernels take any row stride, but coalesced
     loads need contiguous rows, so only a column-strided input is copied."""
@@ -620,11 +634,7 @@ def row_dot_triton(
     if n_rows == 0:
         return out
     a, b = _unit_cols(a), _unit_cols(b)
-    # The loop covers H; a narrower tile keeps the fp32 accumulator in registers.
-    block_h = (
-        _col_block(width, block_h) if block_h is not None else min(_col_block(width, None), 512)
-    )
-    block_m = max(1, (_TILE // 2) // block_h)
+    block_h, block_m = _reduction_tile(width, block_h, max_block_h=512, accumulators=2)
     with _device_ctx(b):
         _kernels_for(b).row_dot[(_cdiv(n_rows, block_m),)](
             out,
@@ -664,14 +674,19 @@ def row_norms_triton(g: torch.Tensor, x: torch.Tensor, *, block_h: int | None = 
     if n_rows == 0:
         return out
     g, x = _unit_cols(g), _unit_cols(x)
-    block_h = (
-        _col_block(width, block_h) if block_h is not None else min(_col_block(width, None), 256)
-    )
-    block_m = max(1, (_TILE // 4) // block_h)
+    block_h, block_m = _reduction_tile(width, block_h, max_block_h=256, accumulators=4)
     with _device_ctx(g):
         _kernels_for(g).row_norms[(_cdiv(n_rows, block_m),)](
-            out, g, x, n_rows, width, g.stride(0), x.stride(0),
-            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+            out,
+            g,
+            x,
+            n_rows,
+            width,
+            g.stride(0),
+            x.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_H=block_h,
+            num_warps=_NUM_WARPS,
         )
     return out
 
