@@ -39,6 +39,7 @@ integer of the forward plan); scope ``global`` needs one (the owners' kept count
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Optional
 
 import torch
@@ -332,6 +333,21 @@ class KeptPlan:
     send_pairs: Optional[torch.Tensor] = None
     send_weight: Optional[torch.Tensor] = None
 
+    @cached_property
+    def send_splits(self) -> list[int]:
+        """Kept rows this rank sends to each rank (host ints, computed once)."""
+        return self.send_kept.numpy().sum(1).tolist()
+
+    @cached_property
+    def recv_splits(self) -> list[int]:
+        """Kept rows this rank's experts receive from each rank."""
+        return self.recv_kept.numpy().sum(1).tolist()
+
+    @cached_property
+    def rows_per_instance(self) -> torch.Tensor:
+        """``[L]`` (``[I]`` with replicas) kept rows each local expert (instance) runs."""
+        return self.recv_kept.sum(0)
+
     @property
     def exchange_pairs(self) -> torch.Tensor:
         """``[Ks]`` the kept pairs in the order their rows are exchanged."""
@@ -417,7 +433,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
         x_k, h_k = _kept_activations(ctx, kept, x_in)
         ctx.h = ctx.x = None
-        kept_groups = GroupSizes(kept.recv_kept.sum(0))
+        kept_groups = GroupSizes(kept.rows_per_instance)
         dx_k, dw1, dw2, _ = expert_backward_parts(
             dz, x_k, h_k, call.weight_stacks(w1, w2), call.stack_counts(kept_groups), call.spec,
             need_dx=ctx.needs_input_grad[0],
@@ -671,8 +687,7 @@ def exchange_kept(
     call: ExpertCall, kept: KeptPlan, g_kept: torch.Tensor, x_kept: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Stage 3: all-to-all of the kept rows only, into expert order on the receiver."""
-    send = kept.send_kept.sum(1).tolist()
-    recv = kept.recv_kept.sum(1).tolist()
+    send, recv = kept.send_splits, kept.recv_splits
     dz = call.reorder(comm.all_to_all_rows(g_kept, send, recv, call.group), kept.recv_kept)
     x_in = None
     if x_kept is not None:
@@ -695,8 +710,7 @@ def _kept_activations(
 
 def return_dx(call: ExpertCall, kept: KeptPlan, dx_k: torch.Tensor) -> torch.Tensor:
     """Stage 5: kept rows' ``dx`` go home; each token adds up its kept pairs' rows."""
-    send = kept.send_kept.sum(1).tolist()
-    recv = kept.recv_kept.sum(1).tolist()
+    send, recv = kept.send_splits, kept.recv_splits
     dx_k = call.reorder(dx_k, kept.recv_kept.t())
     dx_k = comm.all_to_all_rows(dx_k, recv, send, call.group)
     return gather_sum(dx_k, call.perm.slot_rows(kept.exchange_pairs))
@@ -792,7 +806,7 @@ def _fill_exchanges(
     elem = g.element_size()
     hidden = g.shape[-1]
     stats.kept_pairs_sent = int(send_kept.sum())
-    per_instance = recv_kept.sum(0)
+    per_instance = recv_kept.sum(0)  # host [L] / [I]
     owned = plan.num_local_experts
     stats.kept_per_local_expert = per_instance[:owned].tolist()
     stats.kept_per_replica = per_instance[owned:].tolist()

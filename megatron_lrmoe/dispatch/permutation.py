@@ -29,6 +29,8 @@ class PairPermutation:
             token routed to fewer than K experts). Slots follow expert order within a token.
         num_tokens: T.
         topk: K.
+        full: Every slot holds a pair (every token routed to K experts, the usual case), so
+            ``slot_pair`` has no ``-1``.
     """
 
     token_of_pair: torch.Tensor
@@ -36,6 +38,7 @@ class PairPermutation:
     slot_pair: torch.Tensor
     num_tokens: int
     topk: int
+    full: bool = False
 
     @property
     def num_pairs(self) -> int:
@@ -67,6 +70,7 @@ class PairPermutation:
                 slot_pair=order.view(num_tokens, topk),
                 num_tokens=num_tokens,
                 topk=topk,
+                full=True,
             )
         return cls(
             token_of_pair=token_of_pair,
@@ -88,7 +92,9 @@ class PairPermutation:
         device = kept_index.device
         row_of_pair = torch.full((self.num_pairs + 1,), -1, dtype=torch.int64, device=device)
         row_of_pair[kept_index] = torch.arange(kept_index.numel(), device=device)
-        slots = self.slot_pair.masked_fill(self.slot_pair < 0, self.num_pairs)
+        slots = self.slot_pair
+        if not self.full:  # empty slots read the trailing -1
+            slots = slots.masked_fill(slots < 0, self.num_pairs)
         return row_of_pair[slots]
 
 
