@@ -905,7 +905,7 @@ def _memory_plan(call: _Call, plan: _Backward) -> MemoryPlan:
     arrays = [
         replicas,
         saved,
-        cost.backward_bytes(mode) * plan.rank_load,
+        cost.backward_bytes(mode, call.keeps_all(plan.quota)) * plan.rank_load,
         cost.forward_buffer_bytes * call.forward_rank_load,
         exchange * call.sent_rows(plan),
         exchange * plan.rank_load,

@@ -10,14 +10,22 @@ and sends (megatron_lrmoe/op.py) at the granularity of rows; per-pair scalars (r
 |---|---|---|---|
 | replica | replica on a rank | fc1 + fc2 weights + their gradient buffer | same |
 | expert-side saved activations | pair computed in forward | x (H) + fc1 output h (F1) | 0 |
-| source-side saved rows | pair sent by the rank | z (H) unless every pair is kept; | + the token row (H), |
-|  |  |  | re-sent for kept pairs |
-| backward working rows | kept pair at its backward holder | gradient row (H) + gathered x, h (H + F1) + dh (F1) + dx (H) | gradient + token rows (2H) + recomputed h (F1) + dh (F1) + dx (H) |
+| source-side saved rows | pair sent by the rank | z (H) unless every pair is kept | same |
+| backward working rows | kept pair at its backward holder | gradient row (H) + gathered x, h (H + F1) + d act, act (2F) + dh (F1) + dx (H) | gradient + token rows (2H) + recomputed h (F1) + 2F + dh (F1) + dx (H) |
+| ... every pair kept (exact path) | pair | gradient row (H) + 2F + dh (F1) + dx (H): nothing gathered | (not used) |
 | backward exchange | kept pair | gradient row (H) | gradient + token row (2H) |
 | forward token buffers (reported only) | pair computed in forward | x in (H) + z out (H) | same |
 
-Stock Megatron with fixed ownership (the reference) saves x and h for every pair, holds the
-gradient row, dh and dx in backward (2H + F1 per pair, no gathered copies) and no replicas.
+At EP 1 the trimmed ``save`` path reads x from the layer input instead of saving it, so the
+plan counts H per pair more than it holds there (on the safe side).
+
+Stock Megatron with fixed ownership (the reference, ``SequentialMLP`` as Megatron-Core builds it
+without Transformer Engine) saves, per pair, x (H), h (F1), the activation's intermediates and
+the routing-weighted activation that fc2 reads (3F gated: silu(a), silu(a) * b and its product
+with the routing weight; 2F otherwise), and holds the gradient row, the activation gradients, dh
+and dx in backward (2H + F1 + 2F), with no replicas. ``tests/test_costs.py`` measures both
+layers' saved bytes against these terms. Transformer Engine's fused grouped MLP saves less than
+``SequentialMLP``; with it the reference is an upper bound.
 """
 
 from __future__ import annotations
@@ -113,22 +121,25 @@ class CostModel:
         return 0
 
     def source_saved_bytes(self, mode: str, keeps_all: bool) -> int:
-        """Bytes the source keeps from forward to backward per pair it sent.
+        """Bytes the source keeps from forward to backward per pair it sent: ``z`` (for the
+        exact router gradient of dropped pairs) unless every pair is kept. In recompute mode the
+        token row re-sent with a kept pair's gradient is the layer input (held anyway); its copy
+        is a backward working row (:meth:`backward_bytes`)."""
+        del mode  # the same in both modes
+        return 0 if keeps_all else self.row_bytes
 
-        ``z`` (for the exact router gradient of dropped pairs) unless every pair is kept, and in
-        recompute mode the token row that is re-sent with the gradient of a kept pair.
-        """
-        z_row = 0 if keeps_all else self.row_bytes
-        return z_row + (self.row_bytes if mode == "recompute" else 0)
-
-    def backward_bytes(self, mode: str) -> int:
+    def backward_bytes(self, mode: str, keeps_all: bool = False) -> int:
         """Working bytes per kept pair at the rank that runs its expert backward.
 
-        Both modes hold 3H + 2F1 elements: save gathers x and h of the kept rows, recompute
-        receives x with the gradient and recomputes h.
+        Trimmed, both modes hold 3H + 2F1 + 2F elements: ``save`` gathers x and h of the kept
+        rows, ``recompute`` receives x with the gradient and recomputes h; the activation
+        gradient and the activation for fc2's weight gradient add 2F. The exact path (every
+        pair kept) gathers nothing: 2H + F1 + 2F.
         """
         del mode  # the same row count in both modes (see the module table)
-        return (3 * self.hidden_size + 2 * self.fc1_width) * self.activation_bytes
+        h, f, f1 = self.hidden_size, self.ffn_hidden_size, self.fc1_width
+        elements = 2 * h + f1 + 2 * f if keeps_all else 3 * h + 2 * f1 + 2 * f
+        return elements * self.activation_bytes
 
     def exchange_bytes(self, mode: str) -> int:
         """Bytes per kept pair in the backward's gradient exchange (the largest one)."""
@@ -141,10 +152,14 @@ class CostModel:
 
     @property
     def stock_saved_bytes(self) -> int:
-        """Stock Megatron's saved activations per pair (x and h at the expert)."""
-        return (self.hidden_size + self.fc1_width) * self.activation_bytes
+        """Stock Megatron's saved activations per pair: x, h, the activation's intermediates
+        and the routing-weighted activation (see the module docstring)."""
+        act = (3 if self.gated else 2) * self.ffn_hidden_size
+        return (self.hidden_size + self.fc1_width + act) * self.activation_bytes
 
     @property
     def stock_backward_bytes(self) -> int:
-        """Stock Megatron's backward working bytes per pair (gradient row, dh, dx)."""
-        return (2 * self.hidden_size + self.fc1_width) * self.activation_bytes
+        """Stock Megatron's backward working bytes per pair (gradient row, activation
+        gradients, dh, dx)."""
+        h, f, f1 = self.hidden_size, self.ffn_hidden_size, self.fc1_width
+        return (2 * h + f1 + 2 * f) * self.activation_bytes

@@ -1,0 +1,103 @@
+"""The controller's cost model (control/costs.py) against what the layers really save.
+
+The memory plan and the memory budget rest on bytes per pair that ``CostModel`` states from the
+shapes alone. Here both layers run a forward under a saved-tensor hook that records every tensor
+autograd keeps for backward (unique storages, parameters and the layer input excluded), and the
+bytes per pair are compared with the model: stock ``MoELayer`` (``SequentialMLP``), LRMoE at keep
+1.0 and keep 0.5 in ``save`` and ``recompute`` mode, at EP 1 and EP 2.
+
+Shapes: T tokens per rank, H hidden, F expert FFN (F1 = 2F gated), E experts, K top-k. H is large
+next to E so that the router's per-token tensors (logits, probs: E values per token) stay a few
+percent of the per-pair rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lrmoe.testing import run_distributed
+
+H, F, E, K, T = 256, 128, 8, 2, 96
+TIMEOUT_S = 300
+
+
+def _saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the unique storages autograd saves in one forward of ``layer`` on ``x``."""
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    skip.add(x.untyped_storage().data_ptr())
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = layer(x)
+    out.sum().backward()  # the graph must be complete and usable
+    return sum(seen.values())
+
+
+def costs_worker(rank: int, world: int) -> dict:
+    from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+    from megatron_lrmoe.control.costs import CostModel
+    from megatron_lrmoe.testing import init_megatron_parallel
+    from megatron_lrmoe.testing.models import moe_transformer_config, stock_moe_layer
+
+    pg = init_megatron_parallel(ep=world)
+    cfg = moe_transformer_config(
+        hidden_size=H, moe_ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=K,
+        num_attention_heads=4,
+    )
+    stock = stock_moe_layer(cfg, pg)
+    lrmoe = get_lrmoe_moe_spec(LRMoEConfig())(config=cfg, pg_collection=pg, layer_number=1)
+    lrmoe.load_state_dict(stock.state_dict(), strict=False)
+    x = torch.randn(T, 1, H, generator=torch.Generator().manual_seed(rank + 7), requires_grad=True)
+    pairs = T * K  # every token routes to K experts; each rank computes about as many
+    result = {"stock": _saved_bytes(stock, x) / pairs}
+    variants = {
+        "keep1": LRMoEConfig(),
+        "save": LRMoEConfig(keep_ratio=0.5),
+        "recompute": LRMoEConfig(keep_ratio=0.5, activation_mode="recompute"),
+    }
+    for name, config in variants.items():
+        lrmoe.lrmoe_config = config
+        stats = []
+        handle = lrmoe.add_stats_listener(lambda _n, s: stats.append(s))
+        saved = _saved_bytes(lrmoe, x)
+        handle.remove()
+        computed = stats[-1].forward_rows  # pairs this rank's experts computed
+        result[name] = (saved, computed)
+    cost = CostModel.from_config(cfg)
+    result["model"] = {
+        "stock": cost.stock_saved_bytes,
+        "expert_save": cost.expert_saved_bytes("save"),
+        "source_trim": cost.source_saved_bytes("save", keeps_all=False),
+        "source_recompute": cost.source_saved_bytes("recompute", keeps_all=False),
+        "row": cost.row_bytes,
+    }
+    result["pairs"] = pairs
+    return result
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_cost_model_matches_saved_bytes(ep: int) -> None:
+    for rank, res in enumerate(run_distributed(costs_worker, ep, timeout=TIMEOUT_S)):
+        model, pairs, row = res["model"], res["pairs"], res["model"]["row"]
+        where = f"EP {ep} rank {rank}"
+        # Stock: the model's rows per pair, plus the router's per-token tensors (logits, probs,
+        # indices; E values per token), which the model leaves out.
+        assert model["stock"] <= res["stock"] <= 1.2 * model["stock"], (where, res)
+        saved, computed = res["keep1"]
+        assert 1.0 <= saved / (model["expert_save"] * computed) <= 1.05, (where, "keep1", res)
+        saved, computed = res["save"]
+        planned = model["expert_save"] * computed + model["source_trim"] * pairs
+        if ep == 1:  # x is read from the layer input: the plan counts one row per pair more
+            planned -= row * computed
+        assert 1.0 <= saved / planned <= 1.05, (where, "save", res)
+        saved, _ = res["recompute"]
+        assert 1.0 <= saved / (model["source_recompute"] * pairs) <= 1.05, (where, "recompute", res)
+        # The reference the memory goal is measured against is stock's larger footprint.
+        assert res["stock"] > res["keep1"][0] / pairs
