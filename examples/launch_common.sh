@@ -51,4 +51,4 @@ cd "$ROOT"
 exec "$PYTHON" -m torch.distributed.run \
     --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    pretrain_lrmoe.py "${ARGS[@]}"
+    "${ENTRY:-pretrain_lrmoe.py}" "${ARGS[@]}"
