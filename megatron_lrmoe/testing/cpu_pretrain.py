@@ -33,10 +33,21 @@ Patch table (on top of the shim's):
       eval-iteration counts, train/valid/test flags, rerun reductions, TP batch broadcast).
     4 ``torch.nn.Module.cuda`` and ``torch.Tensor.cuda`` -> identity (the model placement in
       ``get_model`` and the entry point's batch copies).
+    5 megatron.training.training.train -> the same call, followed by one log line (stderr,
+      logger ``megatron_lrmoe.testing.cpu_pretrain``) that says what was trained, for tests to
+      check the feature set of a launch script::
+
+          cpu_pretrain model: moe_layers=LRMoELayer:2 shared_experts=2 mtp_layers=1
+          recompute=full expert_bias_routers=2 expert_bias_max_change=3.0e-03
+
+Environment: ``LRMOE_CPU_FP32=1`` drops ``--bf16`` / ``--fp16`` (CPU bf16 GEMMs round
+differently from one implementation to the next, and "keep 1.0 equals stock" is a statement
+about the math, checked in fp32); ``LRMOE_CPU_THREADS`` (1) sets torch's intra-op threads.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -44,16 +55,25 @@ import runpy
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from megatron_lrmoe.testing.harness import _loopback_ifname
+if __name__ == "__main__":
+    # Run by path (torchrun .../cpu_pretrain.py): import megatron_lrmoe and pretrain_lrmoe from
+    # this checkout, not from the script's folder or another installed copy.
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-logger = logging.getLogger(__name__)
+from megatron_lrmoe.testing.harness import _loopback_ifname  # noqa: E402
+from megatron_lrmoe.training import compat  # noqa: E402
+
+# A fixed name: the module also runs as __main__; pretrain_lrmoe routes megatron_lrmoe.* to stderr.
+logger = logging.getLogger("megatron_lrmoe.testing.cpu_pretrain")
 
 # Repository root (pretrain_lrmoe.py lives there; a source checkout is assumed).
 ROOT = Path(__file__).resolve().parents[2]
+
+_INSTALLED = False
 
 # Flags a CPU run needs; appended after the caller's, so they win. No TE, no apex, no CUDA
 # fusions; weights created on the host; gloo instead of NCCL.
@@ -118,15 +138,71 @@ def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return self
 
 
+def model_report(model: list[torch.nn.Module], bias_before: dict[str, torch.Tensor]) -> str:
+    """One line on what a run trained (patch 5): MoE layer classes, shared experts, MTP layers,
+    recomputation and how far the routers' expert biases moved (aux-loss-free balancing)."""
+    moe: dict[str, int] = {}
+    shared = mtp = 0
+    recompute = None
+    for chunk in model:
+        for module in chunk.modules():
+            name = type(module).__name__
+            if name.endswith("MoELayer"):
+                moe[name] = moe.get(name, 0) + 1
+            shared += name == "SharedExpertMLP"
+            mtp += name == "MultiTokenPredictionLayer"
+            config = getattr(module, "config", None)
+            recompute = recompute or getattr(config, "recompute_granularity", None)
+    moved = [
+        float((buffer.float() - bias_before[name].float()).abs().max())
+        for name, buffer in _expert_biases(model).items()
+    ]
+    layers = ",".join(f"{k}:{v}" for k, v in sorted(moe.items())) or "none"
+    return (
+        f"cpu_pretrain model: moe_layers={layers} shared_experts={shared} mtp_layers={mtp} "
+        f"recompute={recompute} expert_bias_routers={len(moved)} "
+        f"expert_bias_max_change={max(moved, default=0.0):.1e}"
+    )
+
+
+def _expert_biases(model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    return {
+        f"{i}.{name}": buffer
+        for i, chunk in enumerate(model)
+        for name, buffer in chunk.named_buffers()
+        if name.endswith("expert_bias")
+    }
+
+
+def _reporting_train(train: Callable[..., Any]) -> Callable[..., Any]:
+    # functools.wraps keeps train's signature visible: the LRMoE training-log hooks check it.
+    @functools.wraps(train)
+    def wrapper(forward_step_func: Any, model: list[torch.nn.Module], *args: Any, **kwargs: Any):
+        before = {name: b.detach().clone() for name, b in _expert_biases(model).items()}
+        result = train(forward_step_func, model, *args, **kwargs)
+        if torch.distributed.get_rank() == 0:
+            logger.info(model_report(model, before))
+        return result
+
+    return wrapper
+
+
 def install_cpu_training() -> None:
     """Install the shim and the ``megatron.training`` patches above (process-global, not undone).
 
+    Idempotent: a second call is a no-op.
+
     Raises:
-        RuntimeError: if CUDA is available (from the shim).
+        RuntimeError: if CUDA is available (from the shim), or megatron-core is not 0.19.x (the
+            patched names are 0.19.2's).
     """
+    global _INSTALLED
     from megatron_lrmoe.testing.cpu_shim import _CpuTorchProxy, install_cpu_shim
 
     install_cpu_shim()
+    if _INSTALLED:
+        return
+    compat.check_megatron_core_version()
     from megatron.training import initialize, training
 
     initialize.torch = _InitializeTorch()  # 1
@@ -138,11 +214,13 @@ def install_cpu_training() -> None:
 
     training.initialize_megatron = initialize_megatron
     training.set_jit_fusion_options = _no_jit_fusion_options
+    training.train = _reporting_train(training.train)  # 5
     proxy = _CpuTorchProxy()
     for name in _CUDA_LITERAL_MODULES:  # 3
         importlib.import_module(name).torch = proxy
     torch.nn.Module.cuda = _module_cuda  # 4
     torch.Tensor.cuda = _tensor_cuda
+    _INSTALLED = True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,9 +233,9 @@ def main(argv: list[str] | None = None) -> None:
         # gloo would otherwise pick the interface of the hostname, which may not route locally.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     install_cpu_training()
+    if os.environ.get("LRMOE_CPU_FP32") == "1":
+        argv = [flag for flag in argv if flag not in ("--bf16", "--fp16")]
     sys.argv = [str(ROOT / "pretrain_lrmoe.py"), *argv, *CPU_FLAGS]
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     runpy.run_path(str(ROOT / "pretrain_lrmoe.py"), run_name="__main__")
 
 
