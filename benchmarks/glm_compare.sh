@@ -18,7 +18,7 @@
 # Environment (default): GPUS (torch.cuda.device_count()), TRAIN_ITERS (100; 1 GPU: 50),
 #   GBS (4), WARMUP_ITERS (20), EVAL_INTERVAL (TRAIN_ITERS / 2), EVAL_ITERS (4),
 #   KEEP_RATIO (0.5), SELECTION (sample), SKIP_ITERS (10: iterations left out of the medians),
-#   TIMEOUT_S (per run; 540 side by side, 270 one after the other), MASTER_PORT (29621; the
+#   TIMEOUT_S (per run; 500 side by side, 250 one after the other), MASTER_PORT (29621; the
 #   LRMoE run uses the next port), DATA_PREFIX
 #   (.data/pystdlib_bytes, written if missing), DATA_MAX_BYTES (12000000), EXTRA_ARGS (flags
 #   appended to both runs), PYTHON (python3), ENTRY (passed on to the launch script: the CPU
@@ -45,9 +45,11 @@
 # (foreach AdamW over 6.2 B parameters, ~90 B of traffic each: ~0.15 s) -> LRMoE ~1.2 s/iter,
 # stock ~2.5 s/iter. 100 iterations side by side: stock 250 s + ~45 s start-up (imports,
 # 6.2 B-parameter init, first iteration with Triton compilation) + 3 evaluations of 16
-# forward micro-batches (~10 s) = ~5 min, LRMoE ~3 min alongside: ~5 min wall in all (7 min
-# with stock 50 % slower than estimated; TIMEOUT_S stops a run at 9 min and the summary still
-# reports what it logged). 1 GPU, 50 iterations each: ~3 + ~1.7 min.
+# forward micro-batches (~10 s) = ~5 min, LRMoE ~3 min alongside: ~5 min wall in all, + ~0.5 min
+# for the wheel install, the dataset and the GPU count (~6.5 min with stock 50 % slower than
+# estimated). TIMEOUT_S stops a run after 500 s (stock at 4.4 s/iter would still make 100
+# iterations) so that the command ends within 10 min, and the summary still reports what was
+# logged. 1 GPU, 50 iterations each: ~3 + ~1.7 min.
 #
 # Memory (one 141 GB H200: 143,771 MiB = 140.4 GiB visible), counted from the flags (the same
 # count for this script's tiny CPU version, 272,576, is what Megatron prints):
@@ -85,9 +87,9 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 py="${PYTHON:-python3}"
 gpus="${GPUS:-$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)}"
 if [ "$gpus" -ge 2 ]; then
-  side=1 iters="${TRAIN_ITERS:-100}" limit="${TIMEOUT_S:-540}"
+  side=1 iters="${TRAIN_ITERS:-100}" limit="${TIMEOUT_S:-500}"
 elif [ "$gpus" -eq 1 ]; then
-  side=0 iters="${TRAIN_ITERS:-50}" limit="${TIMEOUT_S:-270}"
+  side=0 iters="${TRAIN_ITERS:-50}" limit="${TIMEOUT_S:-250}"
 else
   echo "glm_compare.sh: no GPU visible (set GPUS=1 or 2 to run anyway, e.g. with ENTRY=...)" >&2
   exit 1
@@ -112,7 +114,7 @@ run() {  # run NAME DEVICE PORT LRMOE
     WARMUP_ITERS="${WARMUP_ITERS:-20}" EVAL_INTERVAL="${EVAL_INTERVAL:-$((iters / 2))}" \
     EVAL_ITERS="${EVAL_ITERS:-4}" LOG_INTERVAL=1 DATA_PREFIX="$data" \
     DATA_CACHE="/tmp/lrmoe_glm_cache_$1" PYTHON="$py" \
-    timeout -k 30 "$limit" bash examples/glm45_air/proxy_1xh200.sh --moe-layer-timing \
+    timeout -k 15 "$limit" bash examples/glm45_air/proxy_1xh200.sh --moe-layer-timing \
     ${EXTRA_ARGS:-} >"$log" 2>&1
   rc=$?
   echo "exit $rc ($1) wall $((SECONDS - start)) s" >>"$log"

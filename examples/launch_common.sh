@@ -1,6 +1,8 @@
 # Shared tail of the example launch scripts: training, data and LRMoE arguments, then torchrun.
 # Sourced (not run) by examples/*/pretrain.sh after they set MODEL_ARGS, MOE_ARGS,
 # PARALLEL_ARGS, VOCAB_SIZE and the environment defaults documented in those scripts.
+# ENTRY (pretrain_lrmoe.py) is the script torchrun runs: megatron_lrmoe/testing/cpu_pretrain.py
+# runs the same entry point on CPU/gloo (tests/test_glm_proxy_cpu.py).
 TRAIN_ARGS=(
     --seq-length "$SEQ_LENGTH"
     --micro-batch-size "$MBS" --global-batch-size "$GBS"
