@@ -51,8 +51,9 @@
 # iterations) so that the command ends within 10 min, and the summary still reports what was
 # logged. 1 GPU, 50 iterations each: ~3 + ~1.7 min.
 #
-# Memory (one 141 GB H200: 143,771 MiB = 140.4 GiB visible), counted from the flags (the same
-# count for this script's tiny CPU version, 272,576, is what Megatron prints):
+# Memory (one 141 GB H200: 143,771 MiB = 140.4 GiB visible). Parameters counted from the flags
+# (the same count at the tiny sizes of tests/test_glm_proxy_cpu.py, 272,576, is exactly what
+# Megatron prints there):
 #   attention per layer: QKV (96 + 2 x 8) x 128 x 4096 + bias 14,336 + proj 4096 x 12,288
 #     = 109.07 M
 #   dense layer: 109.07 M + SwiGLU 3 x 4096 x 10,944 = 243.55 M
