@@ -1,6 +1,8 @@
 # Shared tail of the example launch scripts: training, data and LRMoE arguments, then torchrun.
 # Sourced (not run) by examples/*/pretrain.sh after they set MODEL_ARGS, MOE_ARGS,
 # PARALLEL_ARGS, VOCAB_SIZE and the environment defaults documented in those scripts.
+# ENTRY (pretrain_lrmoe.py) is the script torchrun runs: megatron_lrmoe/testing/cpu_pretrain.py
+# runs the same entry point on CPU/gloo (tests/test_glm_proxy_cpu.py).
 TRAIN_ARGS=(
     --seq-length "$SEQ_LENGTH"
     --micro-batch-size "$MBS" --global-batch-size "$GBS"
@@ -51,4 +53,4 @@ cd "$ROOT"
 exec "$PYTHON" -m torch.distributed.run \
     --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    pretrain_lrmoe.py "${ARGS[@]}"
+    "${ENTRY:-pretrain_lrmoe.py}" "${ARGS[@]}"

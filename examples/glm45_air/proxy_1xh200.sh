@@ -4,14 +4,12 @@
 # QKV bias) in 2 layers (1 dense + 1 MoE) plus the MTP layer (an MoE layer too), full activation
 # recomputation. EP1, sequence 4096, micro-batch 1, global batch 4, bf16, --transformer-impl local.
 #
-# Sized from the parameter count (about 6 B parameters, 18 bytes each with Adam and fp32 main
-# weights and grads: ~110 GB, plus recomputed activations) to fit 141 GB. NOT RUN yet: the
-# session that wrote it had no device time left (docs/benchmarks.md). Two of these, one per GPU,
-# compare stock and LRMoE side by side on a 2 x H200 host (as benchmarks/train_compare.sh does
-# for Qwen3):
-#   CUDA_VISIBLE_DEVICES=0 LRMOE=0 bash examples/glm45_air/proxy_1xh200.sh --moe-layer-timing &
-#   CUDA_VISIBLE_DEVICES=1 MASTER_PORT=29514 KEEP_RATIO=0.5 \
-#     bash examples/glm45_air/proxy_1xh200.sh --moe-layer-timing
+# Sized to fit 141 GB: 6.20 B parameters at 18 bytes each (bf16 weight, fp32 grad and main
+# weight, Adam) = 104 GiB, + at most ~17 GiB of transients (benchmarks/glm_compare.sh's header
+# has the arithmetic). NOT RUN on a GPU yet; it runs tiny on CPU in tests/test_glm_proxy_cpu.py.
+# benchmarks/glm_compare.sh runs two of these side by side on a 2 x H200 host (stock on GPU 0,
+# LRMoE keep 0.5 on GPU 1) and summarises them:
+#   bash benchmarks/glm_compare.sh OUT_DIR
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
