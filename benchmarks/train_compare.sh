@@ -5,7 +5,10 @@
 # --moe-layer-timing on, so each log has Megatron's iteration lines, the LRMoE line and the
 # cumulative MoE-layer time.
 #
-#   bash benchmarks/train_compare.sh OUT_DIR            (TRAIN_ITERS, GBS, TIMEOUT_S override)
+#   bash benchmarks/train_compare.sh OUT_DIR       (TRAIN_ITERS, GBS, MBS, TIMEOUT_S override)
+#
+# MBS=4 (with GBS=4) gives 16384 tokens per micro-batch, where the trimmed backward pays in the
+# layer benchmark; the default MBS=1 is 4096 tokens per micro-batch.
 #
 # Needs two visible GPUs (runs A and B concurrently on GPU 0 and 1), megatron-core 0.19.2
 # importable, this checkout on PYTHONPATH. Logs: OUT_DIR/train_keep1.0.log, _keep0.5.log.
@@ -20,7 +23,7 @@ if [ ! -f .data/pystdlib_bytes.bin ]; then
   python3 examples/make_indexed_dataset.py --output-prefix .data/pystdlib_bytes \
     --max-bytes 12000000 >"$out/dataset.log" 2>&1 || { cat "$out/dataset.log"; exit 1; }
 fi
-common=(GPUS_PER_NODE=1 NNODES=1 NUM_LAYERS=4 TP=1 PP=1 EP=1 SEQ_LENGTH=4096 MBS=1
+common=(GPUS_PER_NODE=1 NNODES=1 NUM_LAYERS=4 TP=1 PP=1 EP=1 SEQ_LENGTH=4096 MBS="${MBS:-1}"
         GBS="${GBS:-4}" TRANSFORMER_IMPL=local TRAIN_ITERS="$iters" LR=5e-4 MIN_LR=5e-5
         WARMUP_ITERS=20 EVAL_INTERVAL=50 EVAL_ITERS=8 LOG_INTERVAL=1
         DATA_PREFIX="$PWD/.data/pystdlib_bytes")
