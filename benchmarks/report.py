@@ -4,7 +4,7 @@
     python benchmarks/report.py benchmarks/results/gpu_run1 --no-train
 
 Layer tables come from ``layer_ep*.json`` (``benchmarks/layer_bench.py``); the training summary
-from ``train_keep*.log`` (``benchmarks/train_compare.sh``): median time per iteration after
+from ``train_*.log`` (``benchmarks/train_compare.sh``): median time per iteration after
 warm-up, validation losses, the MoE layers' cumulative time (``--moe-layer-timing``) and the
 time to a target validation loss (linear interpolation between evaluations).
 """
@@ -81,7 +81,7 @@ def train_summary(run: Path, target: float) -> str:
         f"(median), cumulative s | iterations, wall s, MoE s to val loss {target} |",
         "|---|---|---|---|---|",
     ]
-    for log in sorted(run.glob("train_keep*.log")):
+    for log in sorted(run.glob("train_*.log")):
         text = log.read_text()
         iters = {int(i): float(ms) / 1e3 for i, ms in _ITER.findall(text)}
         moe = {int(i): (float(ms) / 1e3, float(c)) for i, ms, c in _MOE.findall(text)}
@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     for path in sorted(args.run.glob("layer_ep*.json")):
         print(layer_table(path))
-    if not args.no_train and list(args.run.glob("train_keep*.log")):
+    if not args.no_train and list(args.run.glob("train_*.log")):
         print(train_summary(args.run, args.target))
 
 

@@ -10,8 +10,14 @@
 # MBS=4 (with GBS=4) gives 16384 tokens per micro-batch, where the trimmed backward pays in the
 # layer benchmark; the default MBS=1 is 4096 tokens per micro-batch.
 #
+# Runs A and B default to keep 1.0 and keep 0.5; A_KEEP / B_KEEP change the keep ratios and
+# A_FLAGS / B_FLAGS add flags to one run (logs: train_<name>.log with NAME_A / NAME_B, default
+# keep<ratio>). The cost of LRMoE's statistics and metrics at log interval 1:
+#   A_KEEP=0.5 B_KEEP=0.5 B_FLAGS=--no-lrmoe-record-stats NAME_A=stats NAME_B=nostats \
+#     bash benchmarks/train_compare.sh OUT
+#
 # Needs two visible GPUs (runs A and B concurrently on GPU 0 and 1), megatron-core 0.19.2
-# importable, this checkout on PYTHONPATH. Logs: OUT_DIR/train_keep1.0.log, _keep0.5.log.
+# importable, this checkout on PYTHONPATH. Logs: OUT_DIR/train_keep1.0.log, _keep0.5.log (default names).
 set -u
 out="${1:?usage: train_compare.sh OUT_DIR}"
 mkdir -p "$out"
@@ -27,18 +33,24 @@ common=(GPUS_PER_NODE=1 NNODES=1 NUM_LAYERS=4 TP=1 PP=1 EP=1 SEQ_LENGTH=4096 MBS
         GBS="${GBS:-4}" TRANSFORMER_IMPL=local TRAIN_ITERS="$iters" LR=5e-4 MIN_LR=5e-5
         WARMUP_ITERS=20 EVAL_INTERVAL=50 EVAL_ITERS=8 LOG_INTERVAL=1
         DATA_PREFIX="$PWD/.data/pystdlib_bytes")
-run() {  # run GPU PORT KEEP LOG
-  env "${common[@]}" CUDA_VISIBLE_DEVICES="$1" MASTER_PORT="$2" KEEP_RATIO="$3" \
-    DATA_CACHE="/tmp/lrmoe_data_cache_$3" \
-    timeout "$limit" bash examples/qwen3_30b_a3b/pretrain.sh --moe-layer-timing \
-    >"$4" 2>&1
-  echo "exit $? ($3)" >>"$4"
+run() {  # run GPU PORT KEEP LOG [FLAGS...]
+  local gpu=$1 port=$2 keep=$3 log=$4
+  shift 4
+  env "${common[@]}" CUDA_VISIBLE_DEVICES="$gpu" MASTER_PORT="$port" KEEP_RATIO="$keep" \
+    DATA_CACHE="/tmp/lrmoe_data_cache_$gpu" \
+    timeout "$limit" bash examples/qwen3_30b_a3b/pretrain.sh --moe-layer-timing "$@" \
+    >"$log" 2>&1
+  echo "exit $? ($keep)" >>"$log"
 }
-run 0 29611 1.0 "$out/train_keep1.0.log" &
+a_keep=${A_KEEP:-1.0}
+b_keep=${B_KEEP:-0.5}
+# shellcheck disable=SC2086  # the flags are meant to split
+run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" ${A_FLAGS:-} &
 a=$!
-run 1 29612 0.5 "$out/train_keep0.5.log" &
+# shellcheck disable=SC2086
+run 1 29612 "$b_keep" "$out/train_${NAME_B:-keep$b_keep}.log" ${B_FLAGS:-} &
 b=$!
 wait $a $b
-for f in "$out"/train_keep*.log; do
+for f in "$out"/train_*.log; do
   echo "== $f"; grep -E "iteration +(1|50|100|150|200|250|300)/|validation loss at|moe layers:|exit" "$f" | tail -n 30
 done
