@@ -347,7 +347,11 @@ def _rebalance(
                         h = ranks[k]
                         space = part if room is None else min(part, room[k] - row[k])
                         if rank_level[h] == item_next + 1 and space > 0:
-                            moved = push(h, space)
+                            if load[h] < limit[h]:  # a target: what push(h) would do, inline
+                                moved = min(space, limit[h] - load[h])
+                                load[h] += moved
+                            else:
+                                moved = push(h, space)
                             if moved:
                                 row[k] += moved
                                 row[j] -= moved

@@ -765,6 +765,23 @@ class _Call:
             share += holders.position < left
         return base, holders.lists(share)
 
+    def reference_start(self, quota: np.ndarray) -> tuple[list[int], list[list[int]]]:
+        """The slow, obvious :meth:`start`: one replicated expert at a time."""
+        base = self.per_owner(quota * self.rigid).tolist()
+        initial = []
+        for e, forward in zip(self.holders.experts.tolist(), self.holders.forward_lists):
+            q, total = int(quota[e]), int(self.w[e])
+            share = [q * a // total for a in forward] if total else [0] * len(forward)
+            left = q - sum(share)
+            for j, a in enumerate(forward):
+                if left == 0:
+                    break
+                if self.mode != "save" or share[j] < a:
+                    share[j] += 1
+                    left -= 1
+            initial.append(share)
+        return base, initial
+
     def backward(self, quota: np.ndarray, with_caps: bool) -> Optional[_Backward]:
         """Exact min-max backward assignment of ``quota`` (rank caps from the budgets if asked).
 

@@ -126,9 +126,10 @@ def _greedy(
         for x, g in zip(order.ascending_load[:under], order.ascending[:under])
         if free[g] > 0
     ]
-    usable = -sum([s for s, _ in heap])  # slack on ranks that still have a free slot
-    to_move = sum([rank_load[g] for g in over]) - threshold * len(over)
-    if to_move > usable:
+    # Slack on ranks with a free slot minus the pairs still to move: each move lowers both
+    # alike, except that a rank's last slot strands the slack it leaves.
+    margin = threshold * len(over) - sum([rank_load[g] for g in over]) - sum([s for s, _ in heap])
+    if margin < 0:
         return None
     pop, push = heapq.heappop, heapq.heappush
     moves: list[tuple[int, int, int]] = []
@@ -148,15 +149,12 @@ def _greedy(
                 free[g] -= 1
                 need -= amount
                 left -= amount
-                to_move -= amount
-                if free[g]:
-                    usable -= amount
-                    if room:
-                        used.append((-room, g))  # eligible again after this expert
-                else:
-                    usable -= amount + room  # stranded: no slot left to use it
-                if to_move > usable:
-                    return None
+                if not free[g]:
+                    margin -= room
+                    if margin < 0:
+                        return None
+                elif room:
+                    used.append((-room, g))  # eligible again after this expert
                 if not need:
                     break
             for entry in used:
