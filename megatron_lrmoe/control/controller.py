@@ -917,8 +917,8 @@ class _Call:
             if int(np.maximum(quota - outside, 0).sum()) > int(caps[inside].sum()):
                 return outside, inside
         holders = self.holders
-        if not len(holders):
-            return None  # no expert can move: the single-rank checks decided
+        if not len(holders) or not quota.any():
+            return None  # nothing can move, or nothing to place: the checks above decided
         base, initial = self.start(quota)
         edges = holders.forward_lists if self.mode == "save" else None
         ranks = caps_cut(base, holders.ranks, initial, caps.tolist(), edges)
