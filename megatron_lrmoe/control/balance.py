@@ -17,6 +17,9 @@ Two exact solvers and one heuristic live here:
   tested against the reference and against brute force.
 * :func:`greedy_balance_over_replicas`: largest-first water-filling; never better than exact.
 
+:func:`caps_cut` answers the feasibility question alone (do the rank capacities admit any
+assignment?) with the first phase of :func:`min_max_lists`, and names a cut of ranks when not.
+
 Everything is host integers and deterministic (fixed visiting orders: lower expert, lower rank).
 """
 

@@ -16,7 +16,10 @@ Pipeline of :func:`plan_call` (host integers only, before any expert compute):
    largest common per-expert cap ``c`` with ``Q = min(Q0, c)`` that fits is found by bisection
    (hot experts lose pairs first); the holders' budgets enter the assignment as per-rank caps. If
    even quota 0 does not fit, the plan keeps no pair and names the budget in ``unmet_budgets``;
-   it never raises at run time.
+   it never raises at run time. Trials of the search only ask whether the caps admit an
+   assignment (augmenting paths, cuts of ranks that prove they do not); under the memory budget
+   alone the answer is monotone in ``c``, and a cut-guided search finds the same ``c`` in a few
+   trials.
 5. ``activation_mode="auto"``: save unless recompute keeps more pairs under the memory budget.
 
 Per-source splits (what the op exchanges) follow one rule everywhere: an expert's pairs are laid
@@ -693,7 +696,9 @@ class _Call:
         holders = _holders_from(expert[order], rank[order], forward[order])
         if not exact:
             return holders
-        base = self.per_owner(np.where(np.isin(np.arange(self.num_experts), experts), 0, w))
+        rigid = np.ones(self.num_experts, dtype=bool)
+        rigid[experts] = False
+        base = self.per_owner(w * rigid)
         result = min_max_lists(
             base.tolist(), w[experts].tolist(), holders.ranks, holders.forward_lists
         )
@@ -739,9 +744,9 @@ class _Call:
     def _rules_out(self, quota: np.ndarray, caps: np.ndarray) -> bool:
         """Cheap necessary conditions for ``caps`` (most failing steps of the cap search stop
         here): pairs of experts with one holder cannot move, and all pairs must fit somewhere."""
-        return bool((self.per_owner(quota * self.rigid) > caps).any()) or int(quota.sum()) > int(
-            caps.sum()
-        )
+        if bool((self.per_owner(quota * self.rigid) > caps).any()):
+            return True
+        return int(quota.sum()) > int(caps.sum())
 
     def start(self, quota: np.ndarray) -> tuple[list[int], list[list[int]]]:
         """Rigid load per rank and the replicated experts' starting split of ``quota``.
@@ -753,6 +758,7 @@ class _Call:
         holders = self.holders
         base = self.per_owner(quota * self.rigid).tolist()
         quota_item = quota[holders.experts]
+        # Q A < W**2 fits int64 below 3e9 pairs per expert (split_np has the same bound).
         share = quota_item[holders.item] * holders.forward // self.share_denominator
         left = (quota_item - np.add.reduceat(share, holders.heads))[holders.item]
         if self.mode == "save":
@@ -938,7 +944,12 @@ class _Call:
         return self.cuts[key]
 
     def solve(self) -> tuple[_Backward, Optional[int], tuple[str, ...], tuple[str, ...]]:
-        """Quotas under the budgets: ``(plan, cap, binding budgets, unmet budgets)``."""
+        """Quotas under the budgets: ``(plan, cap, binding budgets, unmet budgets)``.
+
+        The cap is the bisection's (:meth:`bisect_cap`): the largest common cap whose capped
+        plan meets the budgets, between 0 (known to fit) and the largest quota (known not to).
+        Trials ask :meth:`fits`; only the answer gets the whole plan.
+        """
         q0 = self.q0
         # A plan within the budgets meets the rank caps, so caps that no assignment meets prove
         # that both plans below break a budget: skip them (the source side of the exchange
@@ -955,11 +966,9 @@ class _Call:
             # Quota 0 sends nothing, so only the memory budget can stay broken: the saved
             # activations and replicas alone exceed it. Keep no pair, report, never raise.
             return self.backward(np.zeros_like(q0), with_caps=False), 0, ("memory",), ("memory",)
-        if self.exchange_budget is None:
-            cap = self.memory_cap()
-        else:
-            cap = self.bisect_cap()
-        return self.backward(water_fill_np(q0, cap), with_caps=True), cap, self.binding(cap + 1), ()
+        cap = self.memory_cap() if self.exchange_budget is None else self.bisect_cap()
+        plan = self.backward(water_fill_np(q0, cap), with_caps=True)
+        return plan, cap, self.binding(cap + 1), ()
 
     def bisect_cap(self) -> int:
         """The largest common cap that fits, by bisection: lo always fits, hi never."""

@@ -11,7 +11,9 @@ threshold T, ranks above T are overloaded by ``load - T``, ranks below have slac
 :func:`threshold_greedy` walks the overloaded ranks (largest excess first) and, for each, its
 experts hottest first, moving pairs to the rank with the most slack that has a free slot and does
 not hold that expert yet, as much as the excess, the expert and the slack allow; one replica per
-move. T is feasible when every excess is moved. :func:`place_replicas` searches the smallest
+move. T is feasible when every excess is moved; a run gives up as soon as the excess left exceeds
+the slack left on ranks with a free slot (:func:`reference_threshold_greedy` is the same greedy
+without that shortcut). :func:`place_replicas` searches the smallest
 feasible T: it starts at the lower bound ``max(ceil(total / P), max_e ceil(W[e] / P))``, gallops up
 in doubling steps and bisects back (every T it returns was verified, so the search is correct even
 where the greedy is not monotone in T). The greedy's own split of pairs is only a starting point:
