@@ -1,7 +1,7 @@
 """The controller's fast paths against their slow, obvious references, bit for bit, on many
-random loads: the placement greedy (early exit), the replicated experts' starting split, the flat
-holders, the budget search (feasibility without the min-max part, cuts, the cut-guided search
-under a memory budget) and the whole plan.
+random loads: the placement greedy (early exit), the flat holders, the budget search
+(feasibility without the min-max part, cuts, the cut-guided search under a memory budget) and
+the whole plan.
 
 Shapes: P ranks, E experts, N[r, e] pairs from source r to expert e.
 """
@@ -133,7 +133,7 @@ def test_largest_cap_matches_reference() -> None:
 
 
 @pytest.mark.parametrize("mode", ["save", "recompute"])
-def test_start_and_holders_match_reference(mode: str) -> None:
+def test_holders_match_the_placement(mode: str) -> None:
     rng = random.Random(8)
     checked = 0
     for case in range(120):
@@ -155,9 +155,6 @@ def test_start_and_holders_match_reference(mode: str) -> None:
         replicas = sorted(map(tuple, held[held[:, 1] != owner[held[:, 0]]].tolist()))
         flat = zip(holders.expert.tolist(), holders.rank.tolist())
         assert replicas == sorted((e, g) for e, g in flat if g != owner[e])
-        for cap in (0, 1, 7, None):
-            quota = water_fill_np(call.q0, cap)
-            assert call.start(quota) == call.reference_start(quota)
     assert checked > 40
 
 
@@ -237,7 +234,6 @@ def test_plans_match_the_reference_paths(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(
         placement, "_greedy", lambda *a: placement.reference_threshold_greedy(*a[:5])
     )
-    monkeypatch.setattr(controller._Call, "start", controller._Call.reference_start)
     monkeypatch.setattr(controller._Call, "fits", controller._Call.reference_fits)
     monkeypatch.setattr(controller._Call, "memory_cap", controller._Call.bisect_cap)
     trimmed = 0

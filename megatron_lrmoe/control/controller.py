@@ -543,9 +543,6 @@ class _Holders:
         self.expert, self.rank, self.forward, self.bounds = expert, rank, forward, bounds
         self.heads = bounds[:-1]  # [M] first entry of each item
         self.experts = expert[self.heads]
-        sizes = bounds[1:] - self.heads
-        self.item = np.repeat(np.arange(sizes.size), sizes)  # [K] item of each entry
-        self.position = np.arange(expert.size) - self.heads[self.item]  # [K] within its item
 
     @staticmethod
     @functools.cache
@@ -672,7 +669,6 @@ class _Call:
             self.forward_rank_load = self.fixed_rank_load
             self.replicas_per_rank = np.zeros(self.num_sources, dtype=np.int64)
         self.forward_load = forward
-        self.share_denominator = np.maximum(w[holders.expert], 1)  # [K] (see ``start``)
 
     def per_owner(self, values: np.ndarray) -> np.ndarray:
         """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
@@ -706,7 +702,7 @@ class _Call:
         amounts = np.fromiter(itertools.chain.from_iterable(result[0]), np.int64, rank.size)
         keep = (amounts > 0) | (holders.rank == owner[holders.expert])
         alone = np.add.reduceat(keep.astype(np.int64), holders.bounds[:-1]) == 1  # owner only
-        keep &= ~alone[holders.item]
+        keep &= ~np.repeat(alone, holders.bounds[1:] - holders.heads)
         return _holders_from(holders.expert[keep], holders.rank[keep], amounts[keep])
 
     # -- backward, budgets -------------------------------------------------------------------
@@ -753,36 +749,23 @@ class _Call:
 
         Each holder starts with its proportional share ``floor(Q A / W)`` of the forward pairs;
         the units left go one each to the first holders (ascending rank) that can take one (save
-        mode: ``B <= A``). The exact solver then only corrects a near-optimal start.
+        mode: ``B <= A``). The exact solver then only corrects a near-optimal start. (A numpy
+        version is no faster: a few dozen items at most, a handful of holders each.)
         """
-        holders = self.holders
         base = self.per_owner(quota * self.rigid).tolist()
-        quota_item = quota[holders.experts]
-        # Q A < W**2 fits int64 below 3e9 pairs per expert (split_np has the same bound).
-        share = quota_item[holders.item] * holders.forward // self.share_denominator
-        left = (quota_item - np.add.reduceat(share, holders.heads))[holders.item]
-        if self.mode == "save":
-            can = share < holders.forward
-            ahead = np.cumsum(can)  # takers up to each entry, over all items
-            ahead -= can
-            ahead -= ahead[holders.heads][holders.item]
-            share += can & (ahead < left)
-        else:
-            share += holders.position < left
-        return base, holders.lists(share)
-
-    def reference_start(self, quota: np.ndarray) -> tuple[list[int], list[list[int]]]:
-        """The slow, obvious :meth:`start`: one replicated expert at a time."""
-        base = self.per_owner(quota * self.rigid).tolist()
+        save = self.mode == "save"
         initial = []
-        for e, forward in zip(self.holders.experts.tolist(), self.holders.forward_lists):
-            q, total = int(quota[e]), int(self.w[e])
+        for q, total, forward in zip(
+            quota[self.holders.experts].tolist(),
+            self.w[self.holders.experts].tolist(),
+            self.holders.forward_lists,
+        ):
             share = [q * a // total for a in forward] if total else [0] * len(forward)
             left = q - sum(share)
             for j, a in enumerate(forward):
                 if left == 0:
                     break
-                if self.mode != "save" or share[j] < a:
+                if not save or share[j] < a:
                     share[j] += 1
                     left -= 1
             initial.append(share)
