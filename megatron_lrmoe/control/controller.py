@@ -972,12 +972,24 @@ class _Call:
         the caps that fit are exactly those below some threshold: the bisection's answer is the
         largest cap that fits, whatever the order of trials. Each trial takes the largest cap
         that no cut found so far rules out (:func:`largest_cap`); a cap that fits is then the
-        answer, one that does not yields a new cut. After four trials the rest bisects (each
-        trial at most halves the bracket), so a run of weak cuts cannot take long.
+        answer, one that does not yields a new cut. The first cuts are the cheap ones the top cap
+        broke and the single rank it overloads most (every single-rank cut measured at once).
+        After eight trials the rest bisects (each trial at most halves the bracket), so a run of
+        weak cuts cannot take long.
         """
         q0 = self.q0
         lo, hi = 0, int(q0.max(initial=0))
         caps = self.rank_caps(np.zeros_like(q0))
+        # What each single rank R = {g} must hold at the top cap (the ``outside`` of ``_cut``
+        # for every g at once, ``[E, P]``): the most overloaded rank often binds.
+        if self.mode == "save":
+            outside = self.w[:, None] - self.forward_load
+        else:  # only a rank that holds an expert alone must keep its pairs
+            alone = self.holds & (self.holds.sum(1) == 1)[:, None]
+            outside = np.where(alone, 0, self.w[:, None])
+        excess = np.maximum(q0[:, None] - outside, 0).sum(0) - caps
+        if int(excess.max(initial=0)) > 0:
+            self._cut([int(excess.argmax())])
         bounds: dict[bytes, int] = {}
         trials = 0
         while True:
@@ -988,7 +1000,7 @@ class _Call:
             top = min(hi - 1, *bounds.values())
             if top <= lo:
                 return lo
-            cap = top if trials < 4 else min(top, (lo + hi) // 2)
+            cap = top if trials < 8 else min(top, (lo + hi) // 2)
             trials += 1
             if self.cut_of(water_fill_np(q0, cap)) is None:
                 lo = cap
