@@ -13,10 +13,10 @@ experts hottest first, moving pairs to the rank with the most slack that has a f
 not hold that expert yet, as much as the excess, the expert and the slack allow; one replica per
 move. T is feasible when every excess is moved; a run gives up as soon as the excess left exceeds
 the slack left on ranks with a free slot (:func:`reference_threshold_greedy` is the same greedy
-without that shortcut). :func:`place_replicas` searches the smallest
-feasible T: it starts at the lower bound ``max(ceil(total / P), max_e ceil(W[e] / P))``, gallops up
-in doubling steps and bisects back (every T it returns was verified, so the search is correct even
-where the greedy is not monotone in T). The greedy's own split of pairs is only a starting point:
+without that shortcut). :func:`place_replicas` searches the smallest feasible T: it starts at the
+lower bound ``max(ceil(total / P), max_e ceil(W[e] / P))``, gallops up in doubling steps and
+bisects back (every T it returns was verified, so the search is correct even where the greedy is
+not monotone in T). The greedy's own split of pairs is only a starting point:
 the controller then computes the exact min-max assignment over the chosen replicas.
 
 Deterministic: ties go to the lower rank, then the lower expert id. Everything is host integers.
@@ -72,10 +72,10 @@ def threshold_greedy(
 ) -> Optional[list[tuple[int, int, int]]]:
     """Moves pairs off the ranks above ``threshold`` into replicas on ranks below it.
 
-    The same moves as :func:`reference_threshold_greedy`, sooner: the search runs this four to
-    six times per call and most failing runs used to fail only at their last over rank. Here a
-    run stops as soon as the pairs still to move exceed the slack left on ranks with a free slot
-    (slack on a rank without slots is stranded: no later move can use it).
+    The same moves as :func:`reference_threshold_greedy`, sooner when it fails: the search runs
+    the greedy four to six times per call, and a failing run rarely fails before its last over
+    rank. This one stops as soon as the pairs still to move exceed the slack left on ranks with a
+    free slot (slack on a rank without slots is stranded: no later move can use it).
 
     Args:
         expert_load: ``[E]`` pairs per expert.
