@@ -17,6 +17,9 @@ Two exact solvers and one heuristic live here:
   tested against the reference and against brute force.
 * :func:`greedy_balance_over_replicas`: largest-first water-filling; never better than exact.
 
+:func:`caps_cut` answers the feasibility question alone (do the rank capacities admit any
+assignment?) with the first phase of :func:`min_max_lists`, and names a cut of ranks when not.
+
 Everything is host integers and deterministic (fixed visiting orders: lower expert, lower rank).
 """
 
@@ -32,6 +35,7 @@ from megatron_lrmoe.control._checks import long_tensor
 
 __all__ = [
     "balance_over_replicas",
+    "caps_cut",
     "greedy_balance_over_replicas",
     "interval_split_np",
     "min_max_balance",
@@ -279,9 +283,8 @@ def _rebalance(
     holders: list[list[int]],
     at_rank: list[list[tuple[int, int]]],
     limit: list[int],
-    caps: list[Optional[int]],
     edge_cap: Optional[list[list[int]]],
-) -> tuple[bool, Optional[int]]:
+) -> Optional[list[int]]:
     """Moves load from ranks over ``limit`` to ranks under it (in place), Dinic style.
 
     The residual graph is implicit in the assignment: rank g -> item i while i has pairs on g
@@ -290,14 +293,16 @@ def _rebalance(
     flow by depth-first searches that stop at ranks under their limit; ranks on a path keep their
     load (pairs of one item in, of another out).
 
-    Returns ``(True, None)`` on success, else ``(False, bound)`` where ``bound`` is a proven lower
-    bound on the optimum peak above the current limits (None: the rank caps cannot be met).
+    Returns None on success, else the ranks R the search reached: none of them is under its
+    limit, some are over, and no pair on R can leave R in any assignment (every item with pairs
+    on R has its other holders in R or its edges to them full), so every assignment puts at
+    least ``sum(load[R])`` on R.
     """
     num_ranks, num_items = len(load), len(holders)
     while True:
         over = [g for g in range(num_ranks) if load[g] > limit[g]]
         if not over:
-            return True, None
+            return None
         rank_level = [-1] * num_ranks
         item_level = [-1] * num_items
         for g in over:
@@ -321,47 +326,46 @@ def _rebalance(
                     else:
                         queue.append(h)
         if not reached:
-            # No pairs can leave the reached ranks R: any assignment needs
-            # sum_R min(T, cap) >= load(R).
-            cut = [g for g in range(num_ranks) if rank_level[g] >= 0]
-            return False, _level([caps[g] for g in cut], sum(load[g] for g in cut))
+            return [g for g in range(num_ranks) if rank_level[g] >= 0]
         rank_arc = [0] * num_ranks
         item_arc = [0] * num_items
 
-        def push_rank(g: int, amount: int) -> int:
+        def push(g: int, amount: int) -> int:
+            """Pushes up to ``amount`` from rank g along the level graph; returns what moved."""
             if rank_level[g] > 0 and load[g] < limit[g]:
                 moved = min(amount, limit[g] - load[g])
                 load[g] += moved
                 return moved
-            arcs = at_rank[g]
+            arcs, item_next = at_rank[g], rank_level[g] + 1
             while rank_arc[g] < len(arcs):
                 i, j = arcs[rank_arc[g]]
-                if item_level[i] == rank_level[g] + 1 and x[i][j] > 0:
-                    moved = push_item(i, min(amount, x[i][j]))
-                    if moved:
-                        x[i][j] -= moved
-                        return moved
+                row = x[i]
+                if item_level[i] == item_next and row[j] > 0:
+                    # Through item i: to its holders one level further, within edge room.
+                    part = min(amount, row[j])
+                    ranks = holders[i]
+                    room = edge_cap[i] if edge_cap is not None else None
+                    while item_arc[i] < len(ranks):
+                        k = item_arc[i]
+                        h = ranks[k]
+                        space = part if room is None else min(part, room[k] - row[k])
+                        if rank_level[h] == item_next + 1 and space > 0:
+                            if load[h] < limit[h]:  # a target: what push(h) would do, inline
+                                moved = min(space, limit[h] - load[h])
+                                load[h] += moved
+                            else:
+                                moved = push(h, space)
+                            if moved:
+                                row[k] += moved
+                                row[j] -= moved
+                                return moved
+                        item_arc[i] += 1
                 rank_arc[g] += 1
-            return 0
-
-        def push_item(i: int, amount: int) -> int:
-            ranks, row = holders[i], x[i]
-            room = edge_cap[i] if edge_cap is not None else None
-            while item_arc[i] < len(ranks):
-                k = item_arc[i]
-                h = ranks[k]
-                space = amount if room is None else min(amount, room[k] - row[k])
-                if rank_level[h] == item_level[i] + 1 and space > 0:
-                    moved = push_rank(h, space)
-                    if moved:
-                        row[k] += moved
-                        return moved
-                item_arc[i] += 1
             return 0
 
         for g in over:
             while load[g] > limit[g]:
-                moved = push_rank(g, load[g] - limit[g])
+                moved = push(g, load[g] - limit[g])
                 if not moved:
                     break
                 load[g] -= moved
@@ -385,9 +389,17 @@ def _component_bound(
         first = root(ranks[0])
         for g in ranks[1:]:
             parent[root(g)] = first
+    roots = [root(g) for g in range(len(load))]
+    if all(c is None for c in caps):
+        # Without caps each component needs ceil(load / size) (what _level gives, sooner).
+        total, size = [0] * len(load), [0] * len(load)
+        for g, r in enumerate(roots):
+            total[r] += load[g]
+            size[r] += 1
+        return max((-(-t // n) for t, n in zip(total, size) if n), default=0)
     members: dict[int, list[int]] = {}
-    for g in range(len(load)):
-        members.setdefault(root(g), []).append(g)
+    for g, r in enumerate(roots):
+        members.setdefault(r, []).append(g)
     bound = 0
     for group in members.values():
         level = _level([caps[g] for g in group], sum(load[g] for g in group))
@@ -395,6 +407,43 @@ def _component_bound(
             return None
         bound = max(bound, level)
     return bound
+
+
+def _start(
+    base: list[int], holders: list[list[int]], initial: list[list[int]]
+) -> tuple[list[int], list[list[int]], list[list[tuple[int, int]]]]:
+    """Per-rank load, a copy of the assignment and each rank's (item, position) entries."""
+    load = list(base)
+    x = [list(row) for row in initial]
+    at_rank: list[list[tuple[int, int]]] = [[] for _ in base]
+    for i, (ranks, row) in enumerate(zip(holders, x)):
+        for j, (g, amount) in enumerate(zip(ranks, row)):
+            load[g] += amount
+            at_rank[g].append((i, j))
+    return load, x, at_rank
+
+
+def caps_cut(
+    base: list[int],
+    holders: list[list[int]],
+    initial: list[list[int]],
+    rank_cap: list[int],
+    edge_cap: Optional[list[list[int]]] = None,
+) -> Optional[list[int]]:
+    """Whether some assignment meets the rank caps (the first phase of :func:`min_max_lists`).
+
+    Same inputs as :func:`min_max_lists`, with a cap on every rank. Feasibility does not depend
+    on the starting assignment (the augmenting paths decide it exactly), only the time does.
+
+    Returns:
+        None when the caps admit an assignment (exactly when ``min_max_lists`` returns one),
+        else ranks R that every assignment loads beyond ``sum(rank_cap[R])``: a violated cut.
+    """
+    for g, (b, c) in enumerate(zip(base, rank_cap)):
+        if b > c:
+            return [g]
+    load, x, at_rank = _start(base, holders, initial)
+    return _rebalance(load, x, holders, at_rank, list(rank_cap), edge_cap)
 
 
 def min_max_lists(
@@ -428,21 +477,15 @@ def min_max_lists(
         cannot be met.
     """
     num_ranks = len(base)
-    load = list(base)
-    x = [list(row) for row in initial]
-    at_rank: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
-    for i, ranks in enumerate(holders):
-        for j, g in enumerate(ranks):
-            load[g] += x[i][j]
-            at_rank[g].append((i, j))
     caps: list[Optional[int]] = list(rank_cap) if rank_cap is not None else [None] * num_ranks
     if any(c is not None and b > c for b, c in zip(base, caps)):
         return None
+    load, x, at_rank = _start(base, holders, initial)
     if num_ranks == 0:
         return x, load
     if rank_cap is not None:
         unbounded = [c if c is not None else max(load) for c in caps]
-        if not _rebalance(load, x, holders, at_rank, unbounded, caps, edge_cap)[0]:
+        if _rebalance(load, x, holders, at_rank, unbounded, edge_cap) is not None:
             return None
     low = _component_bound(load, holders, caps)
     if low is None:
@@ -450,10 +493,12 @@ def min_max_lists(
     high = max(load)
     while low < high:
         limit = [low if c is None else min(low, c) for c in caps]
-        done, bound = _rebalance(load, x, holders, at_rank, limit, caps, edge_cap)
-        if done:
+        cut = _rebalance(load, x, holders, at_rank, limit, edge_cap)
+        if cut is None:
             high = max(load)
         else:
+            # No pairs can leave the cut R: the optimum T* has sum_R min(T*, cap) >= load(R).
+            bound = _level([caps[g] for g in cut], sum(load[g] for g in cut))
             assert bound is not None and bound > low, "a failed probe must prove a bound"
             low = bound
     return x, load

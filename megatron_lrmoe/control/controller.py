@@ -16,7 +16,10 @@ Pipeline of :func:`plan_call` (host integers only, before any expert compute):
    largest common per-expert cap ``c`` with ``Q = min(Q0, c)`` that fits is found by bisection
    (hot experts lose pairs first); the holders' budgets enter the assignment as per-rank caps. If
    even quota 0 does not fit, the plan keeps no pair and names the budget in ``unmet_budgets``;
-   it never raises at run time.
+   it never raises at run time. Trials of the search only ask whether the caps admit an
+   assignment (augmenting paths, cuts of ranks that prove they do not); under the memory budget
+   alone the answer is monotone in ``c``, and a cut-guided search finds the same ``c`` in a few
+   trials.
 5. ``activation_mode="auto"``: save unless recompute keeps more pairs under the memory budget.
 
 Per-source splits (what the op exchanges) follow one rule everywhere: an expert's pairs are laid
@@ -38,6 +41,7 @@ config give the same plan on every rank (ties: lower expert id, lower rank).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -48,10 +52,16 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.control.balance import interval_split_np, min_max_lists
+from megatron_lrmoe.control.balance import caps_cut, interval_split_np, min_max_lists
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.placement import place_replicas
-from megatron_lrmoe.control.quota import SourceSplit, quotas_np, split_np, water_fill_np
+from megatron_lrmoe.control.quota import (
+    SourceSplit,
+    largest_cap,
+    quotas_np,
+    split_np,
+    water_fill_np,
+)
 
 __all__ = [
     "ControlPlan",
@@ -518,13 +528,52 @@ def check_budgets(
 # --------------------------------------------------------------------------------------------- #
 
 
-@dataclass
 class _Holders:
-    """Forward holders of the replicated experts (the flexible items of both assignments)."""
+    """Forward holders of the replicated experts (the flexible items of both assignments).
 
-    experts: list[int]  # replicated experts, ascending
-    ranks: list[list[int]]  # their holders, ascending (owner included)
-    forward: list[list[int]]  # A per holder
+    Item i is expert ``experts[i]``; its holders are the flat entries ``bounds[i]:bounds[i + 1]``
+    (ascending rank, owner included): ``expert[k]`` held on ``rank[k]`` computing ``forward[k]``
+    pairs (A). Flat arrays let the controller fill ``[E, P]`` loads with one indexed write; the
+    per-item lists are what :func:`min_max_lists` walks.
+    """
+
+    def __init__(
+        self, expert: np.ndarray, rank: np.ndarray, forward: np.ndarray, bounds: np.ndarray
+    ) -> None:
+        self.expert, self.rank, self.forward, self.bounds = expert, rank, forward, bounds
+        self.heads = bounds[:-1]  # [M] first entry of each item
+        self.experts = expert[self.heads]
+
+    @staticmethod
+    @functools.cache
+    def empty() -> "_Holders":
+        """No replicated expert (shared: never modified)."""
+        none = np.zeros(0, dtype=np.int64)
+        return _Holders(none, none, none, np.zeros(1, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return int(self.experts.size)
+
+    def lists(self, flat: np.ndarray) -> list[list[int]]:
+        """A flat ``[K]`` array cut into one list per item."""
+        values, bounds = flat.tolist(), self.bounds.tolist()
+        return [values[i:j] for i, j in zip(bounds[:-1], bounds[1:])]
+
+    @cached_property
+    def ranks(self) -> list[list[int]]:
+        return self.lists(self.rank)
+
+    @cached_property
+    def forward_lists(self) -> list[list[int]]:
+        return self.lists(self.forward)
+
+
+def _holders_from(expert: np.ndarray, rank: np.ndarray, forward: np.ndarray) -> _Holders:
+    """Holders from entries sorted by (expert, rank), each expert with two or more."""
+    if not expert.size:
+        return _Holders.empty()
+    starts = np.flatnonzero(expert[1:] != expert[:-1]) + 1
+    return _Holders(expert, rank, forward, np.concatenate(([0], starts, [expert.size])))
 
 
 @dataclass
@@ -542,25 +591,29 @@ class _Call:
     def __init__(
         self,
         n: np.ndarray,
+        w: np.ndarray,
         lrmoe: LRMoEConfig,
         cost: Optional[CostModel],
         mode: str,
         q0: np.ndarray,
         exact_forward: bool = False,
     ) -> None:
-        self.n, self.lrmoe, self.cost, self.mode, self.q0 = n, lrmoe, cost, mode, q0
+        self.n, self.w, self.lrmoe, self.cost, self.mode, self.q0 = n, w, lrmoe, cost, mode, q0
         self.exact_forward = exact_forward
         self.num_sources, self.num_experts = n.shape
         self.local = self.num_experts // self.num_sources
         self.owner = np.arange(self.num_experts) // self.local
         self.diagonal = (np.arange(self.num_experts), self.owner)  # (expert, owner) index
-        self.w = n.sum(0)
         self.sent = n.sum(1)
         self.memory_budget = lrmoe.memory_budget_bytes if cost is not None else None
         self.exchange_budget = (
             lrmoe.exchange_budget_bytes if cost is not None and self.num_sources > 1 else None
         )
         self.local_scope = lrmoe.scope == "local"
+        # Rank sets R proven overloaded by an earlier cap trial, by R's mask: what every expert's
+        # holders outside R can take ([E]) and the mask ([P]) (see ``cut_of``).
+        self.cuts: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._caps: dict[tuple, Optional[np.ndarray]] = {}
 
     # -- placement and forward split ----------------------------------------------------------
 
@@ -589,9 +642,11 @@ class _Call:
         w = self.w
         self.fixed_rank_load = self.per_owner(w)
         self.threshold = int(self.fixed_rank_load.max(initial=0))
-        self.holders = _Holders([], [], [])
+        self.holders = _Holders.empty()
         if self.lrmoe.max_replicas_per_rank > 0 and self.num_sources > 1:
-            placement = place_replicas(w, self.num_sources, self.slots, PLACEMENT_TOLERANCE)
+            # Without a memory budget the slots do not depend on the threshold.
+            slots = self.slots if self.memory_budget is not None else self.slots(0)[0]
+            placement = place_replicas(w, self.num_sources, slots, PLACEMENT_TOLERANCE)
             self.threshold = placement.threshold
             if placement.replica_expert.size:
                 self.holders = self._polish(placement, self.exact_forward)
@@ -599,15 +654,21 @@ class _Call:
         forward[self.diagonal] = w
         self.holds = np.zeros(forward.shape, dtype=bool)
         self.holds[self.diagonal] = True
-        if self.holders.experts:
-            for e, ranks, amounts in zip(*vars(self.holders).values()):
-                forward[e, ranks] = amounts
-            self.holds |= forward > 0
-            self.forward_rank_load = forward.sum(0)
+        holders = self.holders
+        self.rigid = np.ones(self.num_experts, dtype=bool)  # experts with one holder
+        if len(holders):
+            # Replica entries always carry pairs; an owner entry may be empty (still a holder).
+            replica = holders.rank != self.owner[holders.expert]
+            forward[holders.expert, holders.rank] = holders.forward
+            self.holds[holders.expert[replica], holders.rank[replica]] = True
+            self.rigid[holders.experts] = False
+            self.forward_rank_load = self.per_owner(w * self.rigid)
+            np.add.at(self.forward_rank_load, holders.rank, holders.forward)
+            self.replicas_per_rank = np.bincount(holders.rank[replica], minlength=self.num_sources)
         else:
             self.forward_rank_load = self.fixed_rank_load
+            self.replicas_per_rank = np.zeros(self.num_sources, dtype=np.int64)
         self.forward_load = forward
-        self.replicas_per_rank = self.holds.sum(0) - self.local
 
     def per_owner(self, values: np.ndarray) -> np.ndarray:
         """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
@@ -617,36 +678,32 @@ class _Call:
         """The greedy's forward split, or (``exact``) the exact min-max split over its holders
         with the replicas it leaves idle dropped."""
         w, owner = self.w, self.owner
-        moved: dict[int, dict[int, int]] = {}
-        for e, g, amount in zip(
-            placement.replica_expert.tolist(),
-            placement.replica_rank.tolist(),
-            placement.replica_pairs.tolist(),
-        ):
-            moved.setdefault(e, {})[g] = amount
-        experts = sorted(moved)
+        # Replicas come sorted by (expert, rank); each replicated expert gains an owner entry
+        # with the pairs the greedy left there.
+        replica_expert = placement.replica_expert
+        first = np.flatnonzero(replica_expert[1:] != replica_expert[:-1]) + 1
+        first = np.concatenate(([0], first))
+        experts = replica_expert[first]
+        kept_home = w[experts] - np.add.reduceat(placement.replica_pairs, first)
+        expert = np.concatenate([replica_expert, experts])
+        rank = np.concatenate([placement.replica_rank, owner[experts]])
+        forward = np.concatenate([placement.replica_pairs, kept_home])
+        order = np.lexsort((rank, expert))
+        holders = _holders_from(expert[order], rank[order], forward[order])
+        if not exact:
+            return holders
         rigid = np.ones(self.num_experts, dtype=bool)
         rigid[experts] = False
         base = self.per_owner(w * rigid)
-        ranks, initial = [], []
-        for e in experts:
-            held = dict(moved[e])
-            held[int(owner[e])] = int(w[e]) - sum(moved[e].values())
-            order = sorted(held)
-            ranks.append(order)
-            initial.append([held[g] for g in order])
-        if not exact:
-            return _Holders(experts, ranks, initial)
-        result = min_max_lists(base.tolist(), [int(w[e]) for e in experts], ranks, initial)
+        result = min_max_lists(
+            base.tolist(), w[experts].tolist(), holders.ranks, holders.forward_lists
+        )
         assert result is not None  # no capacities: always feasible
-        kept = _Holders([], [], [])
-        for e, order, amounts in zip(experts, ranks, result[0]):
-            pairs = [(g, x) for g, x in zip(order, amounts) if x > 0 or g == owner[e]]
-            if len(pairs) > 1:
-                kept.experts.append(e)
-                kept.ranks.append([g for g, _ in pairs])
-                kept.forward.append([x for _, x in pairs])
-        return kept
+        amounts = np.fromiter(itertools.chain.from_iterable(result[0]), np.int64, rank.size)
+        keep = (amounts > 0) | (holders.rank == owner[holders.expert])
+        alone = np.add.reduceat(keep.astype(np.int64), holders.bounds[:-1]) == 1  # owner only
+        keep &= ~np.repeat(alone, holders.bounds[1:] - holders.heads)
+        return _holders_from(holders.expert[keep], holders.rank[keep], amounts[keep])
 
     # -- backward, budgets -------------------------------------------------------------------
 
@@ -665,47 +722,44 @@ class _Call:
             + cost.source_saved_bytes(mode, keeps_all) * self.sent
         )
 
-    def rank_caps(self, quota: np.ndarray) -> Optional[list[int]]:
+    def rank_caps(self, quota: np.ndarray) -> Optional[np.ndarray]:
         """``[P]`` most kept pairs per rank under the budgets (None: unbounded); may be < 0 (then
-        no quota fits)."""
-        caps = None
-        if self.memory_budget is not None:
-            left = self.memory_budget - self.fixed_memory(self.keeps_all(quota))
-            caps = left // self.cost.backward_bytes(self.mode)
-        if self.exchange_budget is not None:
-            room = self.exchange_budget // self.cost.exchange_bytes(self.mode)
-            caps = np.full(self.num_sources, room) if caps is None else np.minimum(caps, room)
-        return None if caps is None else caps.tolist()
+        no quota fits). The quota only matters through ``keeps_all``: cached per case."""
+        key = (self.memory_budget, self.exchange_budget, self.keeps_all(quota))
+        if key not in self._caps:
+            caps = None
+            if self.memory_budget is not None:
+                left = self.memory_budget - self.fixed_memory(key[2])
+                caps = left // self.cost.backward_bytes(self.mode)
+            if self.exchange_budget is not None:
+                room = self.exchange_budget // self.cost.exchange_bytes(self.mode)
+                caps = np.full(self.num_sources, room) if caps is None else np.minimum(caps, room)
+            self._caps[key] = caps
+        return self._caps[key]
 
-    def backward(self, quota: np.ndarray, with_caps: bool) -> Optional[_Backward]:
-        """Exact min-max backward assignment of ``quota`` (rank caps from the budgets if asked).
+    def _rules_out(self, quota: np.ndarray, caps: np.ndarray) -> bool:
+        """Cheap necessary conditions for ``caps`` (most failing steps of the cap search stop
+        here): pairs of experts with one holder cannot move, and all pairs must fit somewhere."""
+        if bool((self.per_owner(quota * self.rigid) > caps).any()):
+            return True
+        return int(quota.sum()) > int(caps.sum())
 
-        Returns None when the caps admit no assignment, else the plan with ``failed`` naming a
-        budget the result still breaks (only possible without caps or on the source side).
+    def start(self, quota: np.ndarray) -> tuple[list[int], list[list[int]]]:
+        """Rigid load per rank and the replicated experts' starting split of ``quota``.
+
+        Each holder starts with its proportional share ``floor(Q A / W)`` of the forward pairs;
+        the units left go one each to the first holders (ascending rank) that can take one (save
+        mode: ``B <= A``). The exact solver then only corrects a near-optimal start. (A numpy
+        version is no faster: a few dozen items at most, a handful of holders each.)
         """
-        owner, holders = self.owner, self.holders
+        base = self.per_owner(quota * self.rigid).tolist()
         save = self.mode == "save"
-        caps = self.rank_caps(quota) if with_caps else None
-        if caps is not None:
-            # Cheap necessary conditions first (most failing steps of the cap search stop here):
-            # pairs of experts with one holder cannot move, and all pairs must fit somewhere.
-            room = np.asarray(caps)
-            rigid = np.ones(self.num_experts, dtype=bool)
-            rigid[holders.experts] = False
-            if (self.per_owner(quota * rigid) > room).any() or int(quota.sum()) > int(room.sum()):
-                return None
-        load = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
-        if caps is None and not holders.experts:
-            # Fixed ownership, nothing to balance: every kept pair on its owner.
-            load[self.diagonal] = quota
-            plan = _Backward(quota, load, self.per_owner(quota), None, None)
-            return self._finish(plan)
-        rigid = np.ones(self.num_experts, dtype=bool)
-        rigid[holders.experts] = False
-        base = self.per_owner(quota * rigid).tolist()
-        amounts, initial = [], []
-        for e, forward in zip(holders.experts, holders.forward):
-            q, total = int(quota[e]), int(self.w[e])
+        initial = []
+        for q, total, forward in zip(
+            quota[self.holders.experts].tolist(),
+            self.w[self.holders.experts].tolist(),
+            self.holders.forward_lists,
+        ):
             share = [q * a // total for a in forward] if total else [0] * len(forward)
             left = q - sum(share)
             for j, a in enumerate(forward):
@@ -714,17 +768,39 @@ class _Call:
                 if not save or share[j] < a:
                     share[j] += 1
                     left -= 1
-            amounts.append(q)
             initial.append(share)
+        return base, initial
+
+    def backward(self, quota: np.ndarray, with_caps: bool) -> Optional[_Backward]:
+        """Exact min-max backward assignment of ``quota`` (rank caps from the budgets if asked).
+
+        Returns None when the caps admit no assignment, else the plan with ``failed`` naming a
+        budget the result still breaks (only possible without caps or on the source side).
+        """
+        holders = self.holders
+        caps = self.rank_caps(quota) if with_caps else None
+        if caps is not None and self._rules_out(quota, caps):
+            return None
+        load = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
+        load[self.diagonal] = quota
+        if caps is None and not len(holders):
+            # Fixed ownership, nothing to balance: every kept pair on its owner.
+            return self._finish(_Backward(quota, load, self.per_owner(quota), None, None))
+        base, initial = self.start(quota)
         result = min_max_lists(
-            base, amounts, holders.ranks, initial, caps, holders.forward if save else None
+            base,
+            quota[holders.experts].tolist(),
+            holders.ranks,
+            initial,
+            None if caps is None else caps.tolist(),
+            holders.forward_lists if self.mode == "save" else None,
         )
         if result is None:
             return None
         rows, rank_load = result
-        load[rigid, owner[rigid]] = quota[rigid]
-        for e, ranks, row in zip(holders.experts, holders.ranks, rows):
-            load[e, ranks] = row
+        if len(holders):
+            flat = itertools.chain.from_iterable(rows)
+            load[holders.expert, holders.rank] = np.fromiter(flat, np.int64, holders.rank.size)
         plan = _Backward(quota, load, np.asarray(rank_load, dtype=np.int64), None, None)
         return self._finish(plan)
 
@@ -741,10 +817,9 @@ class _Call:
         (``SourceSplit``): a rank's op needs only its own row and columns.
         """
         n, quota = self.n, plan.quota
-        if self.mode == "save" and self.holders.experts:
-            experts = np.asarray(self.holders.experts)
+        if self.mode == "save" and len(self.holders):
             plan.source = _SaveSplit(
-                n, quota, self.forward_load, self.owner, experts, plan.backward_load
+                n, quota, self.forward_load, self.owner, self.holders.experts, plan.backward_load
             )
         else:
             plan.source = SourceSplit(n, quota)
@@ -771,30 +846,166 @@ class _Call:
                 return "exchange"
         return ""
 
+    def reference_fits(self, quota: np.ndarray) -> bool:
+        """The slow, obvious :meth:`fits`: the whole capped plan, then its budget check."""
+        trial = self.backward(quota, with_caps=True)
+        return trial is not None and not trial.failed
+
+    def fits(self, quota: np.ndarray) -> bool:
+        """Whether ``backward(quota, with_caps=True)`` meets the budgets (:meth:`reference_fits`),
+        decided without the min-max part of the assignment where the budgets allow.
+
+        Within the rank caps the memory budget holds by construction, so (unless the exchange
+        budget's source side depends on the assignment: save mode with replicas, scope local)
+        the answer is whether the caps admit an assignment (:meth:`cut_of`) and the source side
+        of the exchange budget, which does not depend on the assignment.
+        """
+        if self.fits_is_reference():
+            return self.reference_fits(quota)
+        if self.cut_of(quota) is not None:
+            return False
+        if self.exchange_budget is not None:
+            sent = (
+                np.ascontiguousarray(split_np(self.n, quota)).sum(1)
+                if self.local_scope
+                else np.minimum(self.n, quota[None, :]).sum(1)
+            )
+            if int(sent.max(initial=0)) * self.cost.exchange_bytes(self.mode) > (
+                self.exchange_budget
+            ):
+                return False
+        return True
+
+    def fits_is_reference(self) -> bool:
+        """True when :meth:`fits` needs the whole plan: the exchange budget's source side
+        depends on the assignment (save mode with replicas, scope local)."""
+        return (
+            self.exchange_budget is not None
+            and self.mode == "save"
+            and len(self.holders) > 0
+            and self.local_scope
+        )
+
+    def cut_of(self, quota: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """None when the rank caps admit an assignment of ``quota``, else a violated cut.
+
+        A cut is a rank set R with what each expert's holders outside R can take,
+        ``(outside_R [E], R's mask [P])`` (save mode: their forward pairs; recompute:
+        unbounded unless every holder is in R): every assignment puts at least
+        ``sum_e max(0, Q[e] - outside_R[e])`` on R, so more than ``sum(caps[R])`` proves that
+        none fits. The cheap checks are single-rank and all-rank cuts; then the cuts found so
+        far; then the augmenting paths (:func:`caps_cut`), whose cut is kept for later trials.
+        """
+        caps = self.rank_caps(quota)
+        excess = self.per_owner(quota * self.rigid) - caps
+        if int(excess.max(initial=0)) > 0:
+            return self._cut([int(excess.argmax())])
+        if int(quota.sum()) > int(caps.sum()):
+            return self._cut(list(range(self.num_sources)))
+        for outside, inside in self.cuts.values():
+            if int(np.maximum(quota - outside, 0).sum()) > int(caps[inside].sum()):
+                return outside, inside
+        holders = self.holders
+        if not len(holders) or not quota.any():
+            return None  # nothing can move, or nothing to place: the checks above decided
+        base, initial = self.start(quota)
+        edges = holders.forward_lists if self.mode == "save" else None
+        ranks = caps_cut(base, holders.ranks, initial, caps.tolist(), edges)
+        return None if ranks is None else self._cut(ranks)
+
+    def _cut(self, ranks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The cut of rank set ``ranks`` (see :meth:`cut_of`), kept for later trials."""
+        inside = np.zeros(self.num_sources, dtype=bool)
+        inside[ranks] = True
+        key = inside.tobytes()
+        if key not in self.cuts:
+            if self.mode == "save":
+                outside = self.w - self.forward_load[:, inside].sum(1)
+            else:
+                outside = np.where((self.holds & ~inside[None, :]).any(1), self.w, 0)
+            self.cuts[key] = (outside, inside)
+        return self.cuts[key]
+
     def solve(self) -> tuple[_Backward, Optional[int], tuple[str, ...], tuple[str, ...]]:
-        """Quotas under the budgets: ``(plan, cap, binding budgets, unmet budgets)``."""
+        """Quotas under the budgets: ``(plan, cap, binding budgets, unmet budgets)``.
+
+        The cap is the bisection's (:meth:`bisect_cap`): the largest common cap whose capped
+        plan meets the budgets, between 0 (known to fit) and the largest quota (known not to).
+        Trials ask :meth:`fits`; only the answer gets the whole plan.
+        """
         q0 = self.q0
-        plan = self.backward(q0, with_caps=False)
-        if not plan.failed:
-            return plan, None, (), ()
-        plan = self.backward(q0, with_caps=True)
-        if plan is not None and not plan.failed:
-            return plan, None, (), ()  # the caps only moved pairs between holders
-        zero = self.backward(np.zeros_like(q0), with_caps=True)
-        if zero is None or zero.failed:
+        # A plan within the budgets meets the rank caps, so caps that no assignment meets prove
+        # that both plans below break a budget: skip them (the source side of the exchange
+        # budget does not depend on the assignment unless ``fits`` asks the full plan).
+        budgets = self.memory_budget is not None or self.exchange_budget is not None
+        if not budgets or self.fits_is_reference() or self.fits(q0):
+            plan = self.backward(q0, with_caps=False)
+            if not plan.failed:
+                return plan, None, (), ()
+            plan = self.backward(q0, with_caps=True)
+            if plan is not None and not plan.failed:
+                return plan, None, (), ()  # the caps only moved pairs between holders
+        if not self.fits(np.zeros_like(q0)):
             # Quota 0 sends nothing, so only the memory budget can stay broken: the saved
             # activations and replicas alone exceed it. Keep no pair, report, never raise.
             return self.backward(np.zeros_like(q0), with_caps=False), 0, ("memory",), ("memory",)
-        # Bisection on the common cap: lo always feasible, hi never.
-        lo, hi, best = 0, int(q0.max(initial=0)), zero
+        cap = self.memory_cap() if self.exchange_budget is None else self.bisect_cap()
+        plan = self.backward(water_fill_np(q0, cap), with_caps=True)
+        return plan, cap, self.binding(cap + 1), ()
+
+    def bisect_cap(self) -> int:
+        """The largest common cap that fits, by bisection: lo always fits, hi never."""
+        lo, hi = 0, int(self.q0.max(initial=0))
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            trial = self.backward(water_fill_np(q0, mid), with_caps=True)
-            if trial is not None and not trial.failed:
-                lo, best = mid, trial
+            if self.fits(water_fill_np(self.q0, mid)):
+                lo = mid
             else:
                 hi = mid
-        return best, lo, self.binding(hi), ()
+        return lo
+
+    def memory_cap(self) -> int:
+        """:meth:`bisect_cap` under the memory budget alone, in a few trials.
+
+        Here the rank caps are the same for every cap tried (only ``keeps_all`` changes them, at
+        the top cap, known not to fit) and what a cut R must hold only grows with the cap, so
+        the caps that fit are exactly those below some threshold: the bisection's answer is the
+        largest cap that fits, whatever the order of trials. Each trial takes the largest cap
+        that no cut found so far rules out (:func:`largest_cap`); a cap that fits is then the
+        answer, one that does not yields a new cut. The first cuts are the cheap ones the top cap
+        broke and the single rank it overloads most (every single-rank cut measured at once).
+        After eight trials the rest bisects (each trial at most halves the bracket), so a run of
+        weak cuts cannot take long.
+        """
+        q0 = self.q0
+        lo, hi = 0, int(q0.max(initial=0))
+        caps = self.rank_caps(np.zeros_like(q0))
+        # What each single rank R = {g} must hold at the top cap (the ``outside`` of ``_cut``
+        # for every g at once, ``[E, P]``): the most overloaded rank often binds.
+        if self.mode == "save":
+            outside = self.w[:, None] - self.forward_load
+        else:  # only a rank that holds an expert alone must keep its pairs
+            alone = self.holds & (self.holds.sum(1) == 1)[:, None]
+            outside = np.where(alone, 0, self.w[:, None])
+        excess = np.maximum(q0[:, None] - outside, 0).sum(0) - caps
+        if int(excess.max(initial=0)) > 0:
+            self._cut([int(excess.argmax())])
+        bounds: dict[bytes, int] = {}
+        trials = 0
+        while True:
+            for key, (outside, inside) in self.cuts.items():
+                if key not in bounds:
+                    bound = largest_cap(q0, outside, int(caps[inside].sum()))
+                    bounds[key] = hi if bound is None else bound
+            top = min(hi - 1, *bounds.values())
+            if top <= lo:
+                return lo
+            cap = top if trials < 8 else min(top, (lo + hi) // 2)
+            trials += 1
+            if self.cut_of(water_fill_np(q0, cap)) is None:
+                lo = cap
+            else:
+                hi = cap
 
     def binding(self, cap: int) -> tuple[str, ...]:
         """The budgets that each alone rule out the quota cap ``cap``."""
@@ -975,12 +1186,13 @@ def plan_call(
     budgets = lrmoe.memory_budget_bytes is not None or lrmoe.exchange_budget_bytes is not None
     if budgets and cost is None:
         raise ValueError("LRMoE budgets need a CostModel (CostModel.from_config(config))")
-    q0 = quotas_np(n.sum(0), float(lrmoe.keep_ratio))
+    w = n.sum(0)
+    q0 = quotas_np(w, float(lrmoe.keep_ratio))
     # Modes in order of preference (auto: save, then recompute); the first that no budget trims
     # wins at once, else the one that keeps the most pairs (then the lower forward peak).
     best: Optional[tuple[tuple, _Call, _Backward, Optional[int], tuple, tuple]] = None
     for mode in _modes(lrmoe):
-        call = _Call(n, lrmoe, cost, mode, q0, exact_forward)
+        call = _Call(n, w, lrmoe, cost, mode, q0, exact_forward)
         call.place()
         plan, cap, binding, unmet = call.solve()
         rank = (bool(unmet), -int(plan.quota.sum()), int(call.forward_rank_load.max(initial=0)))

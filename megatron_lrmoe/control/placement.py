@@ -11,10 +11,12 @@ threshold T, ranks above T are overloaded by ``load - T``, ranks below have slac
 :func:`threshold_greedy` walks the overloaded ranks (largest excess first) and, for each, its
 experts hottest first, moving pairs to the rank with the most slack that has a free slot and does
 not hold that expert yet, as much as the excess, the expert and the slack allow; one replica per
-move. T is feasible when every excess is moved. :func:`place_replicas` searches the smallest
-feasible T: it starts at the lower bound ``max(ceil(total / P), max_e ceil(W[e] / P))``, gallops up
-in doubling steps and bisects back (every T it returns was verified, so the search is correct even
-where the greedy is not monotone in T). The greedy's own split of pairs is only a starting point:
+move. T is feasible when every excess is moved; a run gives up as soon as the excess left exceeds
+the slack left on ranks with a free slot (:func:`reference_threshold_greedy` is the same greedy
+without that shortcut). :func:`place_replicas` searches the smallest feasible T: it starts at the
+lower bound ``max(ceil(total / P), max_e ceil(W[e] / P))``, gallops up in doubling steps and
+bisects back (every T it returns was verified, so the search is correct even where the greedy is
+not monotone in T). The greedy's own split of pairs is only a starting point:
 the controller then computes the exact min-max assignment over the chosen replicas.
 
 Deterministic: ties go to the lower rank, then the lower expert id. Everything is host integers.
@@ -22,13 +24,21 @@ Deterministic: ties go to the lower rank, then the lower expert id. Everything i
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-__all__ = ["Placement", "place_replicas", "reference_optimal_peak", "threshold_greedy"]
+__all__ = [
+    "Placement",
+    "place_replicas",
+    "reference_optimal_peak",
+    "reference_threshold_greedy",
+    "threshold_greedy",
+]
 
 Slots = Union[int, Sequence[int], Callable[[int], Sequence[int]]]
 
@@ -62,6 +72,11 @@ def threshold_greedy(
 ) -> Optional[list[tuple[int, int, int]]]:
     """Moves pairs off the ranks above ``threshold`` into replicas on ranks below it.
 
+    The same moves as :func:`reference_threshold_greedy`, sooner when it fails: the search runs
+    the greedy four to six times per call, and a failing run rarely fails before its last over
+    rank. This one stops as soon as the pairs still to move exceed the slack left on ranks with a
+    free slot (slack on a rank without slots is stranded: no later move can use it).
+
     Args:
         expert_load: ``[E]`` pairs per expert.
         rank_load: ``[P]`` pairs per rank with no replicas (its owned experts' loads).
@@ -73,6 +88,97 @@ def threshold_greedy(
         Moves ``(expert, rank, pairs)`` in the order made (at most one per (expert, rank)), or
         None when some rank cannot be brought down to T.
     """
+    order = _RankOrder(rank_load)
+    return _greedy(expert_load, rank_load, experts_hot_first, threshold, slots, order)
+
+
+class _RankOrder:
+    """Ranks by load, both ways (ties to the lower rank), built once per search: every greedy
+    run takes the ranks above T from the front of one and those below T from the other."""
+
+    def __init__(self, rank_load: Sequence[int]) -> None:
+        load = np.asarray(rank_load, dtype=np.int64)
+        descending = np.argsort(-load, kind="stable")
+        ascending = np.argsort(load, kind="stable")
+        self.descending: list[int] = descending.tolist()
+        self.descending_key: list[int] = (-load[descending]).tolist()  # non-decreasing
+        self.ascending: list[int] = ascending.tolist()
+        self.ascending_load: list[int] = load[ascending].tolist()
+
+
+def _greedy(
+    expert_load: Sequence[int],
+    rank_load: Sequence[int],
+    experts_hot_first: Sequence[Sequence[int]],
+    threshold: int,
+    slots: Sequence[int],
+    order: _RankOrder,
+) -> Optional[list[tuple[int, int, int]]]:
+    """:func:`threshold_greedy` with the rank orders precomputed."""
+    over = order.descending[: bisect.bisect_left(order.descending_key, -threshold)]
+    if not over:
+        return []
+    free = list(slots)
+    under = bisect.bisect_left(order.ascending_load, threshold)
+    # Max-heap on slack (-slack, rank): the ranks below T by (load, rank) ascending are already
+    # in heap order. A rank leaves it when it takes a move and comes back after the current
+    # expert, so every entry is current (no stale entries to skip).
+    heap = [
+        (x - threshold, g)
+        for x, g in zip(order.ascending_load[:under], order.ascending[:under])
+        if free[g] > 0
+    ]
+    # Slack on ranks with a free slot minus the pairs still to move: each move lowers both
+    # alike, except that a rank's last slot strands the slack it leaves.
+    margin = threshold * len(over) - sum([rank_load[g] for g in over]) - sum([s for s, _ in heap])
+    if margin < 0:
+        return None
+    pop, push = heapq.heappop, heapq.heappush
+    moves: list[tuple[int, int, int]] = []
+    for r in over:
+        need = rank_load[r] - threshold
+        for e in experts_hot_first[r]:
+            left = expert_load[e]
+            used: list[tuple[int, int]] = []  # (slack, rank) of this expert's targets
+            while left and heap:
+                room, g = pop(heap)
+                room = -room
+                amount = need if need < left else left
+                if room < amount:
+                    amount = room
+                moves.append((e, g, amount))
+                room -= amount
+                free[g] -= 1
+                need -= amount
+                left -= amount
+                if not free[g]:
+                    margin -= room
+                    if margin < 0:
+                        return None
+                elif room:
+                    used.append((-room, g))  # eligible again after this expert
+                if not need:
+                    break
+            for entry in used:
+                push(heap, entry)
+            if not need:
+                break
+            if not heap:
+                return None
+        if need:
+            return None
+    return moves
+
+
+def reference_threshold_greedy(
+    expert_load: Sequence[int],
+    rank_load: Sequence[int],
+    experts_hot_first: Sequence[Sequence[int]],
+    threshold: int,
+    slots: Sequence[int],
+) -> Optional[list[tuple[int, int, int]]]:
+    """The slow, obvious :func:`threshold_greedy` (runs every over rank to the end; tests
+    compare the two)."""
     num_ranks = len(rank_load)
     slack = [max(threshold - x, 0) for x in rank_load]
     free = list(slots)
@@ -159,6 +265,7 @@ def place_replicas(
     # Owned experts hottest first (stable: ties to the lower id), as global ids.
     order = np.argsort(-by_rank, axis=1, kind="stable") + np.arange(num_ranks)[:, None] * local
     hot_first = order.tolist()
+    rank_order = _RankOrder(rank_load)
     runs = 0
 
     def attempt(threshold: int) -> Optional[list[tuple[int, int, int]]]:
@@ -167,7 +274,7 @@ def place_replicas(
         room = _slots_at(slots, threshold, num_ranks)
         if not any(room):
             return None
-        return threshold_greedy(loads, rank_load, hot_first, threshold, room)
+        return _greedy(loads, rank_load, hot_first, threshold, room, rank_order)
 
     best_t, best = top, []
     moves = attempt(low)
@@ -194,7 +301,7 @@ def place_replicas(
                 best_t, best = trial, moves
     if not best:
         return Placement(top, empty, empty, empty, runs)
-    arr = np.asarray(best, dtype=np.int64).reshape(-1, 3)
+    arr = np.fromiter(itertools.chain.from_iterable(best), np.int64, 3 * len(best)).reshape(-1, 3)
     order = np.lexsort((arr[:, 1], arr[:, 0]))
     arr = arr[order]
     return Placement(best_t, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), runs)

@@ -10,6 +10,7 @@ Everything is exact integer arithmetic and deterministic, so every rank computes
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 import torch
@@ -19,7 +20,9 @@ from megatron_lrmoe.control._checks import long_tensor
 __all__ = [
     "SourceSplit",
     "expert_quotas",
+    "largest_cap",
     "quotas_np",
+    "reference_largest_cap",
     "split_np",
     "split_quota_over_sources",
     "water_fill_np",
@@ -76,6 +79,45 @@ def quotas_np(tokens_per_expert: np.ndarray, keep_ratio: float) -> np.ndarray:
 def water_fill_np(uncapped: np.ndarray, cap: int | None) -> np.ndarray:
     """Quotas under a common per-expert cap: ``min(uncapped, cap)`` (hot experts trimmed first)."""
     return uncapped.copy() if cap is None else np.minimum(uncapped, cap)
+
+
+def largest_cap(uncapped: np.ndarray, outside: np.ndarray, room: int) -> Optional[int]:
+    """Largest common cap c >= 0 with ``sum_e max(0, min(uncapped[e], c) - outside[e]) <= room``.
+
+    The left side is what a rank set R must hold of the quotas ``min(uncapped, c)`` when each
+    expert's holders outside R can take at most ``outside[e]`` (the controller's budget cuts).
+    It is piecewise linear and non-decreasing in c, with slope changes at ``outside[e]`` (+1) and
+    ``uncapped[e]`` (-1): one sort of those points finds the segment where it crosses ``room``.
+
+    Returns:
+        The cap, None when no cap is too large, -1 when even c = 0 is (``room < 0``).
+    """
+    active = uncapped > outside
+    start, end = outside[active], uncapped[active]
+    if int((end - start).sum()) <= room:
+        return None
+    if room < 0:
+        return -1
+    points = np.concatenate([start, end])
+    steps = np.concatenate([np.ones(start.size, np.int64), np.full(end.size, -1, np.int64)])
+    order = np.argsort(points, kind="stable")
+    points = points[order]
+    slope = np.cumsum(steps[order])  # on [points[k], points[k + 1]]
+    value = np.concatenate([[0], np.cumsum(slope[:-1] * np.diff(points))])  # at points[k]
+    k = int(np.searchsorted(value, room, side="right")) - 1
+    return int(points[k] + (room - value[k]) // slope[k])
+
+
+def reference_largest_cap(uncapped: np.ndarray, outside: np.ndarray, room: int) -> Optional[int]:
+    """The slow, obvious :func:`largest_cap`: every cap from 0 to ``max(uncapped)`` in turn."""
+
+    def held(cap: int) -> int:
+        return int(np.maximum(np.minimum(uncapped, cap) - outside, 0).sum())
+
+    top = int(uncapped.max(initial=0))
+    if held(top) <= room:
+        return None
+    return next(c for c in range(top, -2, -1) if c < 0 or held(c) <= room)
 
 
 def split_quota_over_sources(

@@ -1,0 +1,243 @@
+"""The controller's fast paths against their slow, obvious references, bit for bit, on many
+random loads: the placement greedy (early exit), the flat holders, the budget search
+(feasibility without the min-max part, cuts, the cut-guided search under a memory budget) and
+the whole plan.
+
+Shapes: P ranks, E experts, N[r, e] pairs from source r to expert e.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lrmoe import LRMoEConfig
+from megatron_lrmoe.control import controller, placement
+from megatron_lrmoe.control.controller import ControlPlan, plan_call
+from megatron_lrmoe.control.costs import CostModel
+from megatron_lrmoe.control.quota import (
+    largest_cap,
+    quotas_np,
+    reference_largest_cap,
+    water_fill_np,
+)
+
+COST = CostModel(hidden_size=64, ffn_hidden_size=32, gated=True, activation_bytes=2)
+
+
+def zipf_counts(num_ranks: int, num_experts: int, exponent: float, pairs: int, seed: int):
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, num_experts + 1) ** exponent
+    p = p[rng.permutation(num_experts)]
+    return rng.multinomial(pairs, p / p.sum(), size=num_ranks).astype(np.int64)
+
+
+def _random_counts(rng: random.Random, case: int) -> np.ndarray:
+    num_ranks = rng.choice([2, 3, 4, 8, 16, 32])
+    num_experts = num_ranks * rng.choice([1, 2, 4])
+    exponent = rng.choice([0.0, 0.5, 1.0, 1.5, 3.0])
+    return zipf_counts(num_ranks, num_experts, exponent, rng.choice([0, 9, 300, 4096]), case)
+
+
+def _call(counts: np.ndarray, lrmoe: LRMoEConfig, mode: str) -> controller._Call:
+    w = counts.sum(0)
+    call = controller._Call(counts, w, lrmoe, COST, mode, quotas_np(w, lrmoe.keep_ratio))
+    call.place()
+    return call
+
+
+def _same(a: ControlPlan, b: ControlPlan) -> None:
+    for f in dataclasses.fields(ControlPlan):
+        if f.name in ("planner_time_s", "memory_builder", "source_split"):
+            continue
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+    for name in ("source_quota", "forward_assignment", "backward_assignment"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
+    if a.memory is not None:
+        for g in dataclasses.fields(a.memory):
+            assert torch.equal(getattr(a.memory, g.name), getattr(b.memory, g.name)), g.name
+
+
+def test_threshold_greedy_matches_reference() -> None:
+    rng = random.Random(5)
+    outcomes = {True: 0, False: 0}
+    for case in range(400):
+        counts = _random_counts(rng, case)
+        num_ranks, num_experts = counts.shape
+        local = num_experts // num_ranks
+        load = counts.sum(0)
+        if rng.random() < 0.1:
+            load[:] = 0
+            load[rng.randrange(num_experts)] = 1000  # one expert takes everything
+        by_rank = load.reshape(num_ranks, local)
+        rank_load = by_rank.sum(1).tolist()
+        hot = np.argsort(-by_rank, axis=1, kind="stable") + np.arange(num_ranks)[:, None] * local
+        low = -(-sum(rank_load) // num_ranks)
+        for threshold in {low - 1, low, low + 3, (low + max(rank_load)) // 2, max(rank_load)}:
+            if rng.random() < 0.5:
+                slots = [rng.choice([0, 1, 2, 3]) for _ in range(num_ranks)]
+            else:
+                slots = [rng.choice([1, 2])] * num_ranks
+            args = (load.tolist(), rank_load, hot.tolist(), threshold, slots)
+            moves = placement.threshold_greedy(*args)
+            assert moves == placement.reference_threshold_greedy(*args)
+            outcomes[moves is None] += 1
+    assert min(outcomes.values()) > 100  # both regimes covered
+
+
+def test_place_replicas_same_with_the_reference_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(6)
+    cases = []
+    for case in range(150):
+        counts = _random_counts(rng, case)
+        slots = rng.choice([1, 2, 3, list(range(counts.shape[0]))])
+        cases.append((counts.sum(0), counts.shape[0], slots, rng.choice([0.0, 1 / 512, 0.05])))
+    fast = [placement.place_replicas(*c) for c in cases]
+    monkeypatch.setattr(
+        placement, "_greedy", lambda *a: placement.reference_threshold_greedy(*a[:5])
+    )
+    replicated = 0
+    for c, got in zip(cases, fast):
+        ref = placement.place_replicas(*c)
+        assert got.threshold == ref.threshold and got.greedy_runs == ref.greedy_runs
+        for name in ("replica_expert", "replica_rank", "replica_pairs"):
+            assert np.array_equal(getattr(got, name), getattr(ref, name)), name
+        replicated += got.replica_expert.size > 0
+    assert replicated > 50
+
+
+def test_largest_cap_matches_reference() -> None:
+    rng = np.random.default_rng(7)
+    bounded = 0
+    for _ in range(2000):
+        num = int(rng.integers(1, 12))
+        uncapped = rng.integers(0, 30, num)
+        if rng.random() < 0.7:
+            outside = rng.integers(0, 35, num)
+        else:  # recompute mode's cuts: nothing or everything can leave
+            outside = np.where(rng.random(num) < 0.5, 0, uncapped + 1)
+        room = int(rng.integers(-3, 60))
+        cap = largest_cap(uncapped, outside, room)
+        assert cap == reference_largest_cap(uncapped, outside, room)
+        bounded += cap is not None and cap >= 0
+    assert bounded > 500
+
+
+@pytest.mark.parametrize("mode", ["save", "recompute"])
+def test_holders_match_the_placement(mode: str) -> None:
+    rng = random.Random(8)
+    checked = 0
+    for case in range(120):
+        counts = _random_counts(rng, case)
+        lrmoe = LRMoEConfig(keep_ratio=rng.choice([0.3, 0.5, 1.0]), max_replicas_per_rank=2)
+        call = _call(counts, lrmoe, mode)
+        holders = call.holders
+        if not len(holders):
+            continue
+        checked += 1
+        # Flat holders: the owner plus the replicas of every replicated expert, ascending rank,
+        # the forward split summing to the expert's pairs; exactly the replicas the plan holds.
+        owner = call.owner
+        for e, ranks, forward in zip(holders.experts, holders.ranks, holders.forward_lists):
+            assert ranks == sorted(ranks) and owner[e] in ranks and len(ranks) > 1
+            assert sum(forward) == call.w[e]
+            assert all(a > 0 for g, a in zip(ranks, forward) if g != owner[e])
+        held = np.argwhere(call.holds)
+        replicas = sorted(map(tuple, held[held[:, 1] != owner[held[:, 0]]].tolist()))
+        flat = zip(holders.expert.tolist(), holders.rank.tolist())
+        assert replicas == sorted((e, g) for e, g in flat if g != owner[e])
+    assert checked > 40
+
+
+def _budget_config(rng: random.Random, counts: np.ndarray, mode: str) -> LRMoEConfig:
+    free = plan_call(counts, 0, LRMoEConfig(keep_ratio=0.5, max_replicas_per_rank=2), COST)
+    peak = int(free.memory.budgeted_bytes.max())
+    exchange = int(counts.sum(1).max()) * COST.row_bytes
+    budgets = rng.choice(["memory", "memory", "exchange", "both"])
+    return LRMoEConfig(
+        keep_ratio=rng.choice([0.3, 0.5, 1.0]),
+        scope=rng.choice(["local", "local", "global"]),
+        activation_mode=mode,
+        max_replicas_per_rank=rng.choice([1, 2]),
+        memory_budget_bytes=(
+            None if budgets == "exchange" else int(peak * rng.choice([0.5, 0.8, 0.9, 1.0]))
+        ),
+        exchange_budget_bytes=(
+            None if budgets == "memory" else int(exchange * rng.choice([0.1, 0.3, 0.6]))
+        ),
+    )
+
+
+@pytest.mark.parametrize("mode", ["save", "recompute"])
+def test_fits_matches_the_whole_capped_plan(mode: str) -> None:
+    rng = random.Random(9)
+    answers = {True: 0, False: 0}
+    for case in range(80):
+        counts = _random_counts(rng, 100 + case)
+        call = _call(counts, _budget_config(rng, counts, mode), mode)
+        top = int(call.q0.max(initial=0))
+        for cap in sorted({0, 1, top // 3, top // 2, top - 1, top, rng.randrange(top + 1)}):
+            quota = water_fill_np(call.q0, cap)
+            fits = call.fits(quota)  # also collects cuts that later trials test first
+            assert fits == call.reference_fits(quota)
+            answers[fits] += 1
+    assert min(answers.values()) > 50
+
+
+@pytest.mark.parametrize("mode", ["save", "recompute"])
+def test_memory_cap_search_matches_bisection(mode: str) -> None:
+    rng = random.Random(10)
+    searched = 0
+    for case in range(120):
+        num_ranks = rng.choice([2, 4, 8, 16, 32])
+        exponent = rng.choice([0.0, 0.5, 1.0, 1.5])
+        counts = zipf_counts(num_ranks, num_ranks * rng.choice([1, 2, 4]), exponent, 4096, case)
+        lrmoe = LRMoEConfig(
+            keep_ratio=rng.choice([0.3, 0.5, 1.0]),
+            activation_mode=mode,
+            max_replicas_per_rank=rng.choice([1, 2]),
+        )
+        free = plan_call(counts, 0, lrmoe, COST).memory.budgeted_bytes.max()
+        lrmoe = dataclasses.replace(
+            lrmoe, memory_budget_bytes=int(free * rng.uniform(0.7, 0.97))
+        )
+        call = _call(counts, lrmoe, mode)
+        if call.fits(call.q0) or not call.fits(np.zeros_like(call.q0)):
+            continue  # the search runs only between a cap that fits and one that does not
+        searched += 1
+        assert call.memory_cap() == _call(counts, lrmoe, mode).bisect_cap()
+    assert searched > 40
+
+
+def test_plans_match_the_reference_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(11)
+    cases = []
+    for case in range(120):
+        counts = _random_counts(rng, 300 + case)
+        mode = rng.choice(["save", "recompute", "auto"])
+        if rng.random() < 0.7:
+            lrmoe = _budget_config(rng, counts, "save" if mode == "auto" else mode)
+            lrmoe = dataclasses.replace(lrmoe, activation_mode=mode)
+        else:
+            lrmoe = LRMoEConfig(keep_ratio=0.5, activation_mode=mode, max_replicas_per_rank=2)
+        cases.append((counts, lrmoe, rng.random() < 0.2))
+    fast = [plan_call(c, 0, lrmoe, COST, exact_forward=x) for c, lrmoe, x in cases]
+    monkeypatch.setattr(
+        placement, "_greedy", lambda *a: placement.reference_threshold_greedy(*a[:5])
+    )
+    monkeypatch.setattr(controller._Call, "fits", controller._Call.reference_fits)
+    monkeypatch.setattr(controller._Call, "memory_cap", controller._Call.bisect_cap)
+    trimmed = 0
+    for (counts, lrmoe, exact), got in zip(cases, fast):
+        _same(got, plan_call(counts, 0, lrmoe, COST, exact_forward=exact))
+        trimmed += got.trimmed_pairs > 0
+    assert trimmed > 30
