@@ -18,7 +18,6 @@ import torch
 from megatron_lrmoe import LRMoEConfig
 from megatron_lrmoe.control import controller, placement
 from megatron_lrmoe.control.controller import ControlPlan, plan_call
-from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.quota import (
     largest_cap,
     quotas_np,
@@ -26,14 +25,7 @@ from megatron_lrmoe.control.quota import (
     water_fill_np,
 )
 
-COST = CostModel(hidden_size=64, ffn_hidden_size=32, gated=True, activation_bytes=2)
-
-
-def zipf_counts(num_ranks: int, num_experts: int, exponent: float, pairs: int, seed: int):
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, num_experts + 1) ** exponent
-    p = p[rng.permutation(num_experts)]
-    return rng.multinomial(pairs, p / p.sum(), size=num_ranks).astype(np.int64)
+from test_control_controller import COST, zipf_counts
 
 
 def _random_counts(rng: random.Random, case: int) -> np.ndarray:
