@@ -84,6 +84,17 @@ def _gpu_busy(events: list[dict], start: float, end: float) -> tuple[float, int]
     return busy, len(spans)
 
 
+def _kernel_times(events: list[dict], start: float, end: float) -> dict[str, list[float]]:
+    """Summed duration (us) and count per kernel / memcpy / memset name starting in the window."""
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if (e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"
+                and start <= e["ts"] < end):
+            out[e["name"]][0] += e["dur"]
+            out[e["name"]][1] += 1
+    return out
+
+
 def _phase_window(events: list[dict], name: str) -> list[tuple[float, float]]:
     """Host windows of the user annotation ``name`` and the GPU window of its work."""
     return [(e["ts"], e["ts"] + e["dur"]) for e in events
@@ -98,6 +109,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profiled", type=int, default=3, help="calls inside the profiler")
     parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--kernel-rows", type=int, default=25)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--trace-dir", default=None, help="where the Chrome traces go (default --out)")
     args = parser.parse_args()
@@ -152,6 +164,7 @@ def main() -> None:
         for phase in PHASES:
             windows = _phase_window(events, phase)
             totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+            ktotals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
             busy = wall = kernels = 0.0
             for a, b in windows:
                 for k, (t, n) in _self_times(events, a, b).items():
@@ -163,6 +176,9 @@ def main() -> None:
                           + [float("inf")])
                 gpu_end = max([e["ts"] + e["dur"] for e in events
                                if e.get("cat") == "kernel" and a <= e["ts"] < nxt] + [b])
+                for k, (t, c) in _kernel_times(events, a, gpu_end).items():
+                    ktotals[k][0] += t
+                    ktotals[k][1] += c
                 bz, nk = _gpu_busy(events, a, gpu_end)
                 busy += bz
                 wall += gpu_end - a
@@ -170,16 +186,21 @@ def main() -> None:
             n = max(len(windows), 1)
             host_total = sum(w[1] - w[0] for w in windows) / n / 1e3
             top = sorted(totals.items(), key=lambda kv: -kv[1][0])[: args.rows]
+            ktop = sorted(ktotals.items(), key=lambda kv: -kv[1][0])[: args.kernel_rows]
             rec["phases"][phase] = dict(
                 host_ms=host_total, gpu_busy_ms=busy / n / 1e3, gpu_wall_ms=wall / n / 1e3,
                 kernels=kernels / n,
                 top=[dict(name=k, self_us=t / n, calls=c / n) for k, (t, c) in top],
+                gpu_top=[dict(name=k, gpu_us=t / n, calls=c / n) for k, (t, c) in ktop],
             )
             print(f"--- {phase}: host {host_total:.2f} ms (profiled), GPU busy {busy / n / 1e3:.2f} "
                   f"ms of {wall / n / 1e3:.2f} ms wall, {kernels / n:.0f} kernels/memcpys per call",
                   flush=True)
             for k, (t, c) in top:
                 print(f"  {t / n:9.1f} us  {c / n:6.1f}x  {k[:110]}", flush=True)
+            print(f"  GPU kernels of {phase} (summed duration per call):", flush=True)
+            for k, (t, c) in ktop:
+                print(f"  {t / n:9.1f} us  {c / n:6.1f}x  gpu {k[:106]}", flush=True)
         summary["calls"][tag] = rec
     if rank == 0:
         write_json(os.path.join(args.out, "host_trace.json"), summary)
