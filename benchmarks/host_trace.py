@@ -138,6 +138,10 @@ def main() -> None:
             out.backward(up)
         t2 = time.perf_counter()
         torch.cuda.synchronize()
+        # As in layer_bench.py: no accumulation into an existing ``.grad`` (a full-size add per
+        # weight, the same for every variant, that would hide in the backward's kernel table).
+        for p in layer.parameters():
+            p.grad = None
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
     for keep in args.keep:

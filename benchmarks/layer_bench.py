@@ -163,50 +163,65 @@ def _profile_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant, out
     _zero_grads(layer)
 
 
-def _floor(layer: Any, ep: int, tokens: int, warmup: int, iters: int) -> dict[str, float]:
-    """Grouped GEMMs of the experts on the last call's rows, and (EP > 1) four all-to-alls."""
+def _floor(
+    layer: Any, ep: int, tokens: int, warmup: int, iters: int, keeps: list[float]
+) -> dict[str, float]:
+    """Grouped GEMMs of the experts on the last call's rows, and (EP > 1) four all-to-alls.
+
+    Per keep ratio k in ``keeps`` also the backward floor on the rows a trimmed backward keeps
+    (``ceil(k * rows)`` per (source, expert) chunk, within a row per chunk of the quota): the
+    four backward GEMMs on them plus (EP > 1) the two all-to-alls of kept rows
+    (``bwd_floor_k<k>_ms``). The weight-gradient GEMMs write the whole weight gradient at every
+    keep ratio, so this floor does not shrink in proportion to k.
+    """
     from megatron_lrmoe.experts.grouped_gemm import GroupSizes, grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
     from megatron_lrmoe.dispatch import comm
 
     plan_counts = layer.token_dispatcher.global_counts
     rank, nle = layer.token_dispatcher.ep_rank, layer.num_local_experts
-    recv_counts = plan_counts[:, rank * nle : (rank + 1) * nle]
-    groups = GroupSizes(recv_counts.sum(0))
-    rows = int(recv_counts.sum())
     w1, w2 = (w.detach() for w in layer.experts.weights())
     hid, f1, f = w1.shape[2], w1.shape[1], w2.shape[2]
     dev, dt = w1.device, w1.dtype
-    x = torch.randn(rows, hid, device=dev, dtype=dt)
-    a = torch.randn(rows, f, device=dev, dtype=dt)
-    dz = torch.randn(rows, hid, device=dev, dtype=dt)
-    dh = torch.randn(rows, f1, device=dev, dtype=dt)
+    group = layer.ep_group
+
+    def shapes(keep: float) -> tuple[GroupSizes, int, list[int], list[int]]:
+        counts = torch.ceil(plan_counts.double() * keep).long()  # [P, E] kept per chunk
+        recv_counts = counts[:, rank * nle : (rank + 1) * nle]
+        send = counts[rank].reshape(ep, nle).sum(1).tolist()
+        return GroupSizes(recv_counts.sum(0)), int(recv_counts.sum()), send, recv_counts.sum(1).tolist()
+
+    def operands(rows: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.randn(rows, n, device=dev, dtype=dt) for n in (hid, f, hid, f1))
+
+    groups, rows, send, recv = shapes(1.0)
+    x, a, dz, dh = operands(rows)
 
     def fwd() -> None:
         grouped_mm_nt(x, w1, groups)
         grouped_mm_nt(a, w2, groups)
 
-    def bwd() -> None:
-        grouped_mm_nn(dz, w2, groups)
-        grouped_mm_tn(dz, a, groups)
-        grouped_mm_tn(dh, x, groups)
-        grouped_mm_nn(dh, w1, groups)
+    def bwd_on(ops: tuple[torch.Tensor, ...], g: GroupSizes) -> Callable[[], None]:
+        x_, a_, dz_, dh_ = ops
 
-    send = plan_counts[rank].reshape(ep, nle).sum(1).tolist()
-    recv = recv_counts.sum(1).tolist()
-    s_rows = torch.randn(int(sum(send)), hid, device=dev, dtype=dt)
-    group = layer.ep_group
+        def run() -> None:
+            grouped_mm_nn(dz_, w2, g)
+            grouped_mm_tn(dz_, a_, g)
+            grouped_mm_tn(dh_, x_, g)
+            grouped_mm_nn(dh_, w1, g)
 
-    def a2a() -> None:
-        r = comm.all_to_all_rows(s_rows, send, recv, group)
-        comm.all_to_all_rows(r, recv, send, group)
-        r = comm.all_to_all_rows(s_rows, send, recv, group)
-        comm.all_to_all_rows(r, recv, send, group)
+        return run
 
-    out = {}
-    for name, fn in (("gemm_fwd_ms", fwd), ("gemm_bwd_ms", bwd), ("a2a4_ms", a2a)):
-        if name == "a2a4_ms" and ep == 1:
-            out[name] = 0.0
-            continue
+    def a2a_on(s: list[int], r: list[int], times: int) -> Callable[[], None]:
+        rows_s = torch.randn(int(sum(s)), hid, device=dev, dtype=dt)
+
+        def run() -> None:
+            for _ in range(times // 2):
+                back = comm.all_to_all_rows(rows_s, s, r, group)
+                comm.all_to_all_rows(back, r, s, group)
+
+        return run
+
+    def timed(fn: Callable[[], None]) -> float:
         samples = []
         for it in range(warmup + iters):
             torch.distributed.barrier()
@@ -217,9 +232,21 @@ def _floor(layer: Any, ep: int, tokens: int, warmup: int, iters: int) -> dict[st
             e.synchronize()
             if it >= warmup:
                 samples.append(s.elapsed_time(e))
-        out[name] = statistics.median(samples)
+        return statistics.median(samples)
+
+    out = {
+        "gemm_fwd_ms": timed(fwd),
+        "gemm_bwd_ms": timed(bwd_on((x, a, dz, dh), groups)),
+        "a2a4_ms": timed(a2a_on(send, recv, 4)) if ep > 1 else 0.0,
+    }
     out["floor_ms"] = out["gemm_fwd_ms"] + out["gemm_bwd_ms"] + out["a2a4_ms"]
     out["rows"] = rows
+    for keep in sorted(set(keeps) | {1.0}):
+        g_k, rows_k, send_k, recv_k = shapes(keep)
+        ops = tuple(t[:rows_k] for t in (x, a, dz, dh))
+        bwd_k = timed(bwd_on(ops, g_k)) + (timed(a2a_on(send_k, recv_k, 2)) if ep > 1 else 0.0)
+        out[f"bwd_floor_k{keep:g}_ms"] = bwd_k
+        out[f"rows_k{keep:g}"] = rows_k
     return out
 
 
@@ -285,7 +312,7 @@ def main() -> None:
                 _profile_step(layer_for(v), x, up, v, out_dir)
         lr.lrmoe_config = LRMoEConfig(keep_ratio=1.0)
         _timed_step(lr, x, up, Variant("floor-setup", None))
-        floor = _floor(lr, ep, tokens, args.warmup, args.iters)
+        floor = _floor(lr, ep, tokens, args.warmup, args.iters, args.keep)
         keep1 = next(v for v in variants if v.name == "LRMoE keep 1.0")
         for v in variants:
             row = {"tokens": tokens, "variant": v.name}
@@ -299,6 +326,12 @@ def main() -> None:
                 row["bwd_vs_keep1"] = row["bwd_ms"] / keep1.median("bwd_ms")
                 row["fwd_vs_keep1"] = row["fwd_ms"] / keep1.median("fwd_ms")
                 row["bwd_target"] = None if k >= 1 else k + 0.05
+                # What the backward would be if trimming cost nothing beyond keep 1's non-GEMM
+                # work: keep 1's backward with its GEMM (and exchange) floor swapped for keep k's.
+                f1, fk = floor.get("bwd_floor_k1_ms"), floor.get(f"bwd_floor_k{k:g}_ms")
+                if f1 is not None and fk is not None:
+                    row["bwd_floor_vs_keep1"] = fk / f1
+                    row["bwd_attainable"] = (keep1.median("bwd_ms") - f1 + fk) / keep1.median("bwd_ms")
             rows.append(row)
         rows.append({"tokens": tokens, "variant": "floor", **floor})
         if rank == 0:
@@ -313,6 +346,7 @@ def main() -> None:
                 print(
                     f"{r['variant']:34s} fwd {r['fwd_ms']:6.2f} bwd {r['bwd_ms']:6.2f} "
                     f"(cpu {r['bwd_cpu_ms']:6.2f}) bwd/keep1 {r.get('bwd_vs_keep1', 0):.3f} "
+                    f"(attainable {r.get('bwd_attainable') or 0:.3f}) "
                     f"ovh {r.get('overhead_ms') or 0:.3f} saved {r['saved_mib']:7.0f} peak "
                     f"{r['peak_mib']:7.0f} MiB syncs {r['bwd_syncs']:.0f} "
                     f"launches {r.get('kernels_fwd', 0):.0f}/{r.get('kernels_bwd', 0):.0f}",

@@ -37,9 +37,9 @@ def layer_table(path: Path) -> str:
             f"{floor['a2a4_ms']:.2f}); keep 1.0 fwd+bwd / floor = "
             f"{total1 / floor['floor_ms']:.2f}.",
             "",
-            "| variant | fwd ms | bwd ms | bwd host ms | bwd / keep 1.0 (target) | fwd / keep 1.0 "
-            "| overhead ms | saved MiB | peak MiB | bwd syncs |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| variant | fwd ms | bwd ms | bwd host ms | bwd / keep 1.0 (target) | attainable "
+            "| fwd / keep 1.0 | overhead ms | saved MiB | peak MiB | bwd syncs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             if r["variant"] == "floor":
@@ -50,9 +50,11 @@ def layer_table(path: Path) -> str:
                 f" ({target:.2f})" if target is not None else ""
             )
             fwd_ratio = r.get("fwd_vs_keep1")
+            attainable = r.get("bwd_attainable")
             out.append(
                 f"| {r['variant']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | "
                 f"{r['bwd_cpu_ms']:.2f} | {ratio_s} | "
+                f"{'' if attainable is None else f'{attainable:.3f}'} | "
                 f"{'' if fwd_ratio is None else f'{fwd_ratio:.3f}'} | "
                 f"{(r.get('overhead_ms') or 0.0):.2f} | {r['saved_mib']:.0f} | "
                 f"{r['peak_mib']:.0f} | {r['bwd_syncs']:.0f} |"

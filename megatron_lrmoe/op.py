@@ -420,7 +420,8 @@ class TrimmedMoEFunction(torch.autograd.Function):
         g = grad_out.contiguous()
 
         # Router gradient, exact for every pair: d probs = <g_token, z_pair>; then z goes.
-        d_probs = call.to_pair_order(row_dot(g, z, probs.dtype, a_index=call.token_of_send))
+        # Walked token by token (each g row read once for its K pairs, not once per pair).
+        d_probs = call.to_pair_order(row_dot(g, z, probs.dtype, slots=call.slot_send))
         del z
 
         key = call.sample_stream() if call.sample_stream is not None else ()
@@ -431,13 +432,16 @@ class TrimmedMoEFunction(torch.autograd.Function):
         if timer:
             timer.stop("packing")
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
-        x_k, h_k = _kept_activations(ctx, kept, x_in)
+        x_k = _kept_inputs(ctx, kept, x_in)
+        # Save mode: the activation backward reads the kept rows of the saved h in place.
+        h, h_rows = ctx.h, (kept.kept_positions if ctx.h is not None else None)
         ctx.h = ctx.x = None
         kept_groups = GroupSizes(kept.rows_per_instance)
         dx_k, dw1, dw2, _ = expert_backward_parts(
-            dz, x_k, h_k, call.weight_stacks(w1, w2), call.stack_counts(kept_groups), call.spec,
-            need_dx=ctx.needs_input_grad[0],
+            dz, x_k, h, call.weight_stacks(w1, w2), call.stack_counts(kept_groups), call.spec,
+            need_dx=ctx.needs_input_grad[0], h_rows=h_rows,
         )
+        del h
         dw1, dw2 = call.fold_grads(dw1, dw2)
         d_hidden = return_dx(call, kept, dx_k) if dx_k is not None else None
 
@@ -695,17 +699,15 @@ def exchange_kept(
     return dz, x_in
 
 
-def _kept_activations(
-    ctx, kept: KeptPlan, x_in: Optional[torch.Tensor]
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The kept rows' fc1 input and (``save`` mode) fc1 output, in expert order.
+def _kept_inputs(ctx, kept: KeptPlan, x_in: Optional[torch.Tensor]) -> torch.Tensor:
+    """The kept rows' fc1 input, in expert order (fc1's weight gradient needs them dense).
 
     The input rows came packed with the gradients (``x_in``) at EP 1 and in ``recompute`` mode;
-    otherwise (``save`` at EP > 1) the expert side gathers them from the rows it saved.
+    otherwise (``save`` at EP > 1) the expert side gathers them from the rows it saved. The
+    kept rows of the saved fc1 output are not gathered: the activation backward reads them in
+    place (``h_rows``).
     """
-    x_k = x_in if x_in is not None else ctx.x.index_select(0, kept.kept_positions)
-    h_k = None if ctx.h is None else ctx.h.index_select(0, kept.kept_positions)
-    return x_k, h_k
+    return x_in if x_in is not None else ctx.x.index_select(0, kept.kept_positions)
 
 
 def return_dx(call: ExpertCall, kept: KeptPlan, dx_k: torch.Tensor) -> torch.Tensor:

@@ -143,18 +143,30 @@ def _row_dot_kernel(
     width,
     a_stride,
     b_stride,
+    slots_per_a,
     A_INDEX: tl.constexpr,
+    SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``out[i] = sum_j a[a_index[i] (or i), j] * b[i, j]`` in fp32 for ``BLOCK_M`` rows."""
+    """``out[i] = sum_j a[a_index[i] (or i), j] * b[i, j]`` in fp32 for ``BLOCK_M`` rows.
+
+    With ``SLOTS`` the programs walk ``a``'s rows instead: entry ``s`` of the ``[n_rows]``
+    slot table (``a_index_ptr``) names the row ``i`` of ``b`` (``-1``: none) that goes with row
+    ``s // slots_per_a`` of ``a``, so each ``a`` row is read by one program, its slots in a row.
+    """
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
-    rows = offs_m.to(tl.int64)
-    if A_INDEX:
+    if SLOTS:
+        rows = tl.load(a_index_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+        mask_m = mask_m & (rows >= 0)
+        a_rows = (offs_m // slots_per_a).to(tl.int64)
+    elif A_INDEX:
+        rows = offs_m.to(tl.int64)
         a_rows = tl.load(a_index_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     else:
+        rows = offs_m.to(tl.int64)
         a_rows = rows
     # Elementwise fp32 partial sums, reduced once at the end: fewer cross-thread reductions.
     acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
@@ -165,7 +177,7 @@ def _row_dot_kernel(
         b = tl.load(b_ptr + rows[:, None] * b_stride + offs_h[None, :], mask=mask, other=0.0)
         acc = acc + a.to(tl.float32) * b.to(tl.float32)
     dot = tl.sum(acc, axis=1)
-    tl.store(out_ptr + offs_m, dot.to(out_ptr.dtype.element_ty), mask=mask_m)
+    tl.store(out_ptr + rows, dot.to(out_ptr.dtype.element_ty), mask=mask_m)
 
 
 def _gather_sum_kernel(
@@ -365,6 +377,7 @@ def _act_bwd_kernel(
     d_ptr,
     h_ptr,
     p_ptr,
+    h_rows_ptr,
     n_rows,
     width,
     h_stride,
@@ -375,6 +388,7 @@ def _act_bwd_kernel(
     KIND: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     STORE_ACT: tl.constexpr,
+    H_INDEXED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
@@ -383,19 +397,24 @@ def _act_bwd_kernel(
     ``d`` is the gradient of the activation output, or with probs of ``act * p`` (Megatron's
     order: the routing weight scales the activation before fc2). Writes ``dh`` (with probs:
     of ``d * p``), optionally ``act`` (times ``p`` with probs: fc2's input, for its weight
-    gradient) and with probs ``dprobs = <d, act>`` in fp32.
+    gradient) and with probs ``dprobs = <d, act>`` in fp32. With ``H_INDEXED`` row ``i`` reads
+    ``h`` row ``h_rows[i]`` (the kept rows of a larger saved ``h``, no gathered copy).
     """
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
     rows = offs_m.to(tl.int64)
+    if H_INDEXED:
+        h_rows = tl.load(h_rows_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+    else:
+        h_rows = rows
     if HAS_PROBS:
         p = tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
     dot = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
     for f0 in range(0, width, BLOCK_F):
         offs_f = f0 + tl.arange(0, BLOCK_F)
         mask = mask_m[:, None] & (offs_f < width)[None, :]
-        src = rows[:, None] * h_stride + offs_f[None, :]
+        src = h_rows[:, None] * h_stride + offs_f[None, :]
         dst = rows[:, None] * dh_stride + offs_f[None, :]
         g = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
         d = tl.load(d_ptr + rows[:, None] * d_stride + offs_f[None, :], mask=mask, other=0.0)
@@ -601,6 +620,7 @@ def row_dot_triton(
     out_dtype: torch.dtype,
     a_index: torch.Tensor | None = None,
     *,
+    slots: torch.Tensor | None = None,
     block_h: int | None = None,
 ) -> torch.Tensor:
     """``<a[a_index[i] (or i)], b[i]>`` for every row of ``b``, fp32 accumulation, one kernel.
@@ -611,6 +631,10 @@ def row_dot_triton(
         out_dtype: Result dtype (the fp32 sum is rounded once into it).
         a_index: Optional ``[N]`` int32/int64 rows of ``a`` (not range-checked: that would cost a
             sync), so a gathered ``a`` is never materialised.
+        slots: Instead of ``a_index``, ``[M, K]`` int64: ``slots[t, k]`` is a row of ``b`` that
+            goes with row ``t`` of ``a``, or ``-1``; every row of ``b`` appears exactly once
+            (e.g. each token's pairs). The kernel then reads each ``a`` row once, not once per
+            ``b`` row scattered over the call (a token's gradient row for its K pairs).
         block_h: Column block override (a power of two), for tests and tuning.
 
     Returns:
@@ -618,14 +642,23 @@ def row_dot_triton(
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"row_dot_triton: a {tuple(a.shape)} and b {tuple(b.shape)}")
-    if a_index is None and a.shape != b.shape:
+    if a_index is None and slots is None and a.shape != b.shape:
         raise ValueError(f"row_dot_triton: a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if a_index is not None and slots is not None:
+        raise ValueError("row_dot_triton: give a_index or slots, not both")
     if a_index is not None and (
         a_index.shape != b.shape[:1] or a_index.dtype not in (torch.int32, torch.int64)
     ):
         raise ValueError(
             f"row_dot_triton: a_index must be [{b.shape[0]}] int32/int64, got "
             f"{a_index.dtype} {tuple(a_index.shape)}"
+        )
+    if slots is not None and (
+        slots.dim() != 2 or slots.shape[0] != a.shape[0] or slots.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"row_dot_triton: slots must be [{a.shape[0]}, K] int64, got "
+            f"{slots.dtype} {tuple(slots.shape)}"
         )
     _check_dtype("a", a)
     _check_dtype("b", b)
@@ -635,17 +668,21 @@ def row_dot_triton(
         return out
     a, b = _unit_cols(a), _unit_cols(b)
     block_h, block_m = _reduction_tile(width, block_h, max_block_h=512, accumulators=2)
+    index = a_index if slots is None else slots.reshape(-1)
+    n_walk = n_rows if slots is None else index.numel()
     with _device_ctx(b):
-        _kernels_for(b).row_dot[(_cdiv(n_rows, block_m),)](
+        _kernels_for(b).row_dot[(_cdiv(n_walk, block_m),)](
             out,
             a,
             b,
-            a_index.contiguous() if a_index is not None else out,  # placeholder when unread
-            n_rows,
+            index.contiguous() if index is not None else out,  # placeholder when unread
+            n_walk,
             width,
             a.stride(0),
             b.stride(0),
+            slots.shape[1] if slots is not None else 1,
             A_INDEX=a_index is not None,
+            SLOTS=slots is not None,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
             num_warps=_NUM_WARPS,
@@ -934,6 +971,7 @@ def act_backward_triton(
     kind: str,
     probs: torch.Tensor | None = None,
     store_act: bool = False,
+    h_rows: torch.Tensor | None = None,
     *,
     block_f: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -951,11 +989,13 @@ def act_backward_triton(
         kind: ``"silu"`` or ``"gelu"`` (exact erf form).
         probs: Optional per-row routing weight ``[M]``.
         store_act: Also return the recomputed activation output.
+        h_rows: Optional ``[M]`` int64: row ``i`` of ``d`` goes with row ``h_rows[i]`` of a
+            2-D ``h`` (``h.index_select(0, h_rows)`` without the gathered copy).
         block_f: Column block override (a power of two), for tests and tuning.
 
     Returns:
         ``(dh [..., F1] in h's dtype, act [..., F] in h's dtype or None, dprobs [M] fp32 or
-        None)``.
+        None)``; with ``h_rows``, ``dh`` is ``[M, F1]``.
     """
     _check_dtype("h", h)
     _check_dtype("d", d)
@@ -963,16 +1003,25 @@ def act_backward_triton(
     if h.dim() < 1 or (gated and h.shape[-1] % 2):
         raise ValueError(f"act_backward_triton: bad fc1 shape {tuple(h.shape)} (gated={gated})")
     width = h.shape[-1] // 2 if gated else h.shape[-1]
-    if d.shape != h.shape[:-1] + (width,):
+    lead = h.shape[:-1]
+    if h_rows is not None:
+        if h.dim() != 2 or h_rows.dim() != 1 or h_rows.dtype != torch.int64:
+            raise ValueError(
+                f"act_backward_triton: h_rows needs a 2-D h and a 1-D int64 index, got h "
+                f"{tuple(h.shape)} and h_rows {tuple(h_rows.shape)} {h_rows.dtype}"
+            )
+        lead = h_rows.shape
+    if d.shape != lead + (width,):
         raise ValueError(
             f"act_backward_triton: d {tuple(d.shape)} does not match h {tuple(h.shape)}"
+            + ("" if h_rows is None else f" indexed by {tuple(h_rows.shape)} rows")
         )
-    dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    dh = torch.empty(lead + (h.shape[-1],), dtype=h.dtype, device=h.device)
     act = torch.empty(d.shape, dtype=h.dtype, device=h.device) if store_act else None
     h2, d2, dh2 = _as_rows(h), _as_rows(d), dh.view(-1, h.shape[-1])
-    _check_probs(probs, h2.shape[0], "act_backward_triton")
+    _check_probs(probs, d2.shape[0], "act_backward_triton")
     dprobs = (
-        torch.empty(h2.shape[0], dtype=torch.float32, device=h.device)
+        torch.empty(d2.shape[0], dtype=torch.float32, device=h.device)
         if probs is not None
         else None
     )
@@ -984,14 +1033,15 @@ def act_backward_triton(
     block_f = _col_block(width, block_f) if block_f is not None else min(_col_block(width, None), 256)
     block_m = max(1, (_TILE // 2) // block_f)
     with _device_ctx(h):
-        _kernels_for(h).act_bwd[(_cdiv(h2.shape[0], block_m),)](
+        _kernels_for(h).act_bwd[(_cdiv(d2.shape[0], block_m),)](
             dh2,
             act2,
             dprobs if dprobs is not None else dh2,  # placeholders when unread
             d2,
             h2,
             probs.contiguous() if probs is not None else dh2,
-            h2.shape[0],
+            h_rows.contiguous() if h_rows is not None else dh2,
+            d2.shape[0],
             width,
             h2.stride(0),
             d2.stride(0),
@@ -1001,6 +1051,7 @@ def act_backward_triton(
             KIND=code,
             HAS_PROBS=probs is not None,
             STORE_ACT=bool(store_act),
+            H_INDEXED=h_rows is not None,
             BLOCK_M=block_m,
             BLOCK_F=block_f,
             num_warps=_NUM_WARPS,

@@ -345,6 +345,58 @@ def test_interp_activation(small_tiles, spec: GluSpec, dtype, block_f, shape) ->
 
 
 @interp
+@pytest.mark.parametrize("kept", [0, 1, 23], ids=["k0", "k1", "k23"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_interp_activation_backward_reads_kept_rows(small_tiles, spec, dtype, kept) -> None:
+    """``h_rows``: the kept rows of a larger saved h are read in place; the result equals the
+    torch reference on the gathered rows (the trimmed backward's save mode)."""
+    f, saved = 100, 41
+    g = _gen(700 + kept)
+    h = (torch.randn(saved, f * spec.fc1_multiplier, generator=g) * 4.0).to(dtype)
+    h_rows = torch.randperm(saved, generator=g)[:kept].sort().values
+    h_rows[-1:] = saved - 1  # the last row too (bounds)
+    d_a = torch.randn(kept, f, generator=g).to(dtype)
+    probs = torch.rand(kept, generator=g) + 0.05
+    ulps, rel = _act_ulps(dtype), 16 * FP32_EPS
+    gathered = h.index_select(0, h_rows)
+    for p in (None, probs):
+        got, act, dp = triton_kernels.act_backward_triton(
+            d_a, h, spec.gated, spec.kind, p, store_act=True, h_rows=h_rows, block_f=32
+        )
+        ref, ref_act, ref_dp = act_backward(d_a, gathered, spec, p, store_act=True)
+        assert got.shape == (kept, h.shape[1])
+        assert_within(got, ref, ulps, rel, what="act_backward h_rows")
+        assert_within(act, ref_act, ulps, rel, what="act_backward h_rows act")
+        # The public entry point takes the same path (or gathers first on the torch path).
+        via, _, _ = act_backward(d_a, h, spec, p, store_act=True, h_rows=h_rows)
+        assert_within(via, ref, ulps, rel, what="act_backward(h_rows)")
+        if p is not None and kept:
+            a32 = act_forward(gathered.float(), spec)
+            _check_row_dot(dp, d_a, a32, ref_dp)
+
+
+def test_activation_backward_h_rows_errors() -> None:
+    spec = GluSpec(gated=True, kind="silu")
+    h = torch.randn(5, 8)
+    with pytest.raises(ValueError, match="h_rows"):
+        triton_kernels.act_backward_triton(
+            torch.randn(2, 4), h, True, "silu", h_rows=torch.tensor([0, 1], dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="does not match"):
+        triton_kernels.act_backward_triton(
+            torch.randn(3, 4), h, True, "silu", h_rows=torch.tensor([0, 1])
+        )
+    with pytest.raises(ValueError, match="without a saved h"):
+        from megatron_lrmoe.experts.mlp import expert_backward
+
+        w1, w2 = torch.randn(1, 8, 6), torch.randn(1, 6, 4)
+        expert_backward(
+            torch.randn(2, 6), torch.randn(2, 6), None, w1, w2, [2], spec, h_rows=torch.arange(2)
+        )
+
+
+@interp
 @pytest.mark.parametrize("n, block_h, layout", ROW_CASES, ids=ROW_CASE_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_interp_row_dot_gathered(small_tiles, dtype, n: int, block_h, layout: str) -> None:
@@ -354,6 +406,28 @@ def test_interp_row_dot_gathered(small_tiles, dtype, n: int, block_h, layout: st
     a_index = torch.randint(0, 9, (n,), generator=g)
     got = triton_kernels.row_dot_triton(a, b, torch.float32, a_index, block_h=block_h)
     _check_row_dot(got, a[a_index], b, rowwise.row_dot(a, b, torch.float32, a_index))
+
+
+@interp
+@pytest.mark.parametrize("n, block_h, layout", ROW_CASES, ids=ROW_CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_row_dot_slots(small_tiles, dtype, n: int, block_h, layout: str) -> None:
+    """The token-major walk (``slots``) gives what the pair-major walk (``a_index``) gives."""
+    g = _gen(900 + n)
+    tokens, k = 16, 3  # 48 slots for up to 37 pairs
+    a = _rows_layout(torch.randn(tokens, 200, generator=g).to(dtype), layout)
+    b = _rows_layout(torch.randn(n, 200, generator=g).to(dtype), "row_strided")
+    # n pairs spread over the token slots at random, the rest of the slots empty.
+    slots = torch.full((tokens * k,), -1, dtype=torch.int64)
+    slots[torch.randperm(tokens * k, generator=g)[:n]] = torch.randperm(n, generator=g)
+    slots = slots.view(tokens, k)
+    a_index = rowwise.slots_to_rows(slots, n)
+    assert bool((a_index >= 0).all())
+    got = triton_kernels.row_dot_triton(a, b, torch.float32, slots=slots, block_h=block_h)
+    ref = rowwise.row_dot(a, b, torch.float32, a_index)
+    _check_row_dot(got, a[a_index], b, ref)
+    via = rowwise.row_dot(a, b, torch.float32, slots=slots)
+    _check_row_dot(via, a[a_index], b, ref)
 
 
 @interp
@@ -562,6 +636,12 @@ def test_cuda_realistic_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
             dh, _, _ = act_backward(d_a, h, spec)
             ref, _, _ = _torch_path(monkeypatch, act_backward, d_a, h, spec)
             assert_within(dh, ref, 1, 16 * FP32_EPS, what=f"act_backward {spec}")
+            rows = torch.randperm(n, device=dev)[: n // 2].sort().values
+            dh_k, _, _ = act_backward(d_a[: rows.numel()], h, spec, h_rows=rows)
+            ref_k, _, _ = _torch_path(
+                monkeypatch, act_backward, d_a[: rows.numel()], h.index_select(0, rows), spec
+            )
+            assert_within(dh_k, ref_k, 1, 16 * FP32_EPS, what=f"act_backward h_rows {spec}")
             if spec.gated and spec.kind == "silu":
                 timings["swiglu fwd"] = (
                     _ms(act_forward, h, spec),

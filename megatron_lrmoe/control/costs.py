@@ -11,7 +11,7 @@ and sends (megatron_lrmoe/op.py) at the granularity of rows; per-pair scalars (r
 | replica | replica on a rank | fc1 + fc2 weights + their gradient buffer | same |
 | expert-side saved activations | pair computed in forward | x (H) + fc1 output h (F1) | 0 |
 | source-side saved rows | pair sent by the rank | z (H) unless every pair is kept | same |
-| backward working rows | kept pair at its backward holder | gradient row (H) + gathered x, h (H + F1) + d act, act (2F) + dh (F1) + dx (H) | gradient + token rows (2H) + recomputed h (F1) + 2F + dh (F1) + dx (H) |
+| backward working rows | kept pair at its backward holder | gradient row (H) + gathered x (H; h is read in place) + d act, act (2F) + dh (F1) + dx (H) | gradient + token rows (2H) + recomputed h (F1) + 2F + dh (F1) + dx (H) |
 | ... every pair kept (exact path) | pair | gradient row (H) + 2F + dh (F1) + dx (H): nothing gathered | (not used) |
 | backward exchange | kept pair | gradient row (H) | gradient + token row (2H) |
 | forward token buffers (reported only) | pair computed in forward | x in (H) + z out (H) | same |
@@ -131,14 +131,19 @@ class CostModel:
     def backward_bytes(self, mode: str, keeps_all: bool = False) -> int:
         """Working bytes per kept pair at the rank that runs its expert backward.
 
-        Trimmed, both modes hold 3H + 2F1 + 2F elements: ``save`` gathers x and h of the kept
-        rows, ``recompute`` receives x with the gradient and recomputes h; the activation
-        gradient and the activation for fc2's weight gradient add 2F. The exact path (every
-        pair kept) gathers nothing: 2H + F1 + 2F.
+        Trimmed ``recompute`` holds 3H + 2F1 + 2F elements (x arrives with the gradient, h is
+        recomputed); trimmed ``save`` 3H + F1 + 2F (it gathers the kept rows' x; the activation
+        backward reads their h in place from the saved h, which the saved term already counts);
+        in both the activation gradient and the activation for fc2's weight gradient add 2F.
+        The exact path (every pair kept) gathers nothing: 2H + F1 + 2F.
         """
-        del mode  # the same row count in both modes (see the module table)
         h, f, f1 = self.hidden_size, self.ffn_hidden_size, self.fc1_width
-        elements = 2 * h + f1 + 2 * f if keeps_all else 3 * h + 2 * f1 + 2 * f
+        if keeps_all:
+            elements = 2 * h + f1 + 2 * f
+        elif mode == "save":
+            elements = 3 * h + f1 + 2 * f
+        else:
+            elements = 3 * h + 2 * f1 + 2 * f
         return elements * self.activation_bytes
 
     def exchange_bytes(self, mode: str) -> int:

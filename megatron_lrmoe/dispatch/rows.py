@@ -147,6 +147,7 @@ def row_dot(
     b: torch.Tensor,
     out_dtype: torch.dtype,
     a_index: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``<a[a_index[i] (or i)], b[i]>`` for every row of ``b``, accumulated in fp32.
 
@@ -156,21 +157,30 @@ def row_dot(
         out_dtype: Result dtype.
         a_index: Optional ``[N]`` int64 rows of ``a``: the gather is fused on the Triton path
             (e.g. the token gradient row of every pair, without a ``[N, H]`` copy).
+        slots: Instead of ``a_index``, the same pairing seen from ``a``: ``[M, K]`` int64,
+            ``slots[t, k]`` a row of ``b`` paired with row ``t`` of ``a`` (``-1``: none), every
+            row of ``b`` exactly once. The Triton path then reads each ``a`` row once (a
+            token's gradient row for all its pairs) instead of once per pair.
 
     Returns:
         ``[N]`` in ``out_dtype``.
     """
+    if a_index is not None and slots is not None:
+        raise ValueError("row_dot: give a_index or slots, not both")
+    index = a_index if slots is None else slots
     if (
-        triton_kernels.use_triton(a, b, *(() if a_index is None else (a_index,)))
+        triton_kernels.use_triton(a, b, *(() if index is None else (index,)))
         and a.dim() == 2
         and b.dim() == 2
-        and (a.shape == b.shape if a_index is None else a.shape[1] == b.shape[1])
+        and (a.shape == b.shape if index is None else a.shape[1] == b.shape[1])
         and a.dtype in triton_kernels.KERNEL_DTYPES
         and b.dtype in triton_kernels.KERNEL_DTYPES
         and out_dtype.is_floating_point
         and not _needs_autograd(a, b)
     ):
-        return triton_kernels.row_dot_triton(a, b, out_dtype, a_index)
+        return triton_kernels.row_dot_triton(a, b, out_dtype, a_index, slots=slots)
+    if slots is not None:
+        a_index = slots_to_rows(slots, b.shape[0])
     wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
     out = torch.empty(b.shape[0], dtype=wide, device=b.device)
     for lo in range(0, b.shape[0], CHUNK_ROWS):
@@ -178,6 +188,17 @@ def row_dot(
         a_rows = a[lo:hi] if a_index is None else a.index_select(0, a_index[lo:hi])
         out[lo:hi] = (a_rows.to(wide) * b[lo:hi].to(wide)).sum(-1)
     return out.to(out_dtype)
+
+
+def slots_to_rows(slots: torch.Tensor, n: int) -> torch.Tensor:
+    """``[M, K]`` slot table (row of an ``[n]``-row operand per slot, ``-1`` empty) -> ``[n]``
+    row of ``slots`` holding each (the inverse pairing; every row must appear exactly once)."""
+    flat = slots.reshape(-1)
+    owner = torch.arange(slots.shape[0], device=slots.device).repeat_interleave(slots.shape[1])
+    used = flat >= 0
+    rows = torch.full((n,), -1, dtype=torch.int64, device=slots.device)
+    rows[flat[used]] = owner[used]
+    return rows
 
 
 def gather_sum(

@@ -152,6 +152,7 @@ def act_backward(
     spec: GluSpec,
     probs: torch.Tensor | None = None,
     store_act: bool = False,
+    h_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradient of :func:`act_forward` w.r.t. ``h``, computed analytically (no autograd).
 
@@ -166,6 +167,9 @@ def act_backward(
         probs: Optional ``[N]`` routing weight of each row.
         store_act: Also return fc2's input recomputed from ``h`` (``a``, or ``a * p``) in
             ``h``'s dtype, so the caller's fc2 weight gradient needs no second pass over ``h``.
+        h_rows: Optional ``[N]`` int64 rows of a larger saved ``h`` (``[R, F1]``) that go with
+            the rows of ``d``: the result is that of ``h.index_select(0, h_rows)``, which the
+            fused kernel never materialises (the trimmed backward's kept rows).
 
     Returns:
         ``(dh [N, F1] in h's dtype, act [N, F] or None, dprobs [N] fp32 or None)``.
@@ -174,6 +178,12 @@ def act_backward(
         ValueError: If ``d``'s shape does not match ``h`` under ``spec``.
     """
     _check_width(h, spec)
+    if h_rows is not None and _use_kernels(d, h, *(() if probs is None else (probs,))):
+        return triton_kernels.act_backward_triton(
+            d, h, spec.gated, spec.kind, probs, store_act, h_rows=h_rows
+        )
+    if h_rows is not None:
+        h = h.index_select(0, h_rows)
     f = h.shape[-1] // spec.fc1_multiplier
     if d.shape[:-1] != h.shape[:-1] or d.shape[-1] != f:
         raise ValueError(

@@ -119,6 +119,7 @@ def expert_backward(
     spec: GluSpec,
     probs: torch.Tensor | None = None,
     need_dx: bool = True,
+    h_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of :func:`expert_forward` given the gradient of ``z``.
 
@@ -136,6 +137,9 @@ def expert_backward(
         spec: Activation description.
         probs: The ``[N]`` routing weights the forward applied, or ``None``.
         need_dx: Compute the input gradient (skip one grouped GEMM when ``False``).
+        h_rows: Optional ``[N]`` int64: ``h`` is a larger saved ``[R, F1]`` and row ``i`` of
+            the rows at hand is its row ``h_rows[i]`` (read in place by the activation
+            backward, never gathered).
 
     Returns:
         ``(dx [N, H] or None, dw1 [G, F1, H], dw2 [G, H, F], dprobs [N] fp32 or None)``;
@@ -146,9 +150,11 @@ def expert_backward(
         raise ValueError(f"expert_backward: dz {tuple(dz.shape)} != x {tuple(x.shape)}")
     groups = GroupSizes(counts)
     if h is None:
+        if h_rows is not None:
+            raise ValueError("expert_backward: h_rows given without a saved h")
         h = grouped_mm_nt(x, w1, groups)
     da = grouped_mm_nn(dz, w2, groups)
-    dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True)
+    dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True, h_rows=h_rows)
     del da
     dw2 = grouped_mm_tn(dz, a, groups, out_dtype=w2.dtype)
     del a
@@ -223,8 +229,11 @@ def expert_backward_parts(
     spec: GluSpec,
     probs: torch.Tensor | None = None,
     need_dx: bool = True,
+    h_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
     """:func:`expert_backward` over rows whose groups use several weight stacks.
+
+    ``h_rows`` as in :func:`expert_backward` (rows of a larger saved ``h``).
 
     Returns:
         ``(dx [N, H] or None, [dw1 per stack], [dw2 per stack], dprobs [N] or None)``; one
@@ -232,7 +241,7 @@ def expert_backward_parts(
     """
     if len(weights) == 1:
         dx, dw1, dw2, dprobs = expert_backward(
-            dz, x, h, weights[0][0], weights[0][1], counts[0], spec, probs, need_dx
+            dz, x, h, weights[0][0], weights[0][1], counts[0], spec, probs, need_dx, h_rows
         )
         return dx, [dw1], [dw2], dprobs
     for w1, w2 in weights:
@@ -243,9 +252,11 @@ def expert_backward_parts(
     spans = _part_rows(groups, x.shape[0], "expert_backward_parts")
     w1s, w2s = [w[0] for w in weights], [w[1] for w in weights]
     if h is None:
+        if h_rows is not None:
+            raise ValueError("expert_backward_parts: h_rows given without a saved h")
         h = _parts_mm(grouped_mm_nt, x, w1s, groups, spans, w1s[0].shape[1])
     da = _parts_mm(grouped_mm_nn, dz, w2s, groups, spans, w2s[0].shape[2])
-    dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True)
+    dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True, h_rows=h_rows)
     del da
     dw2 = [
         grouped_mm_tn(dz[lo:hi], a[lo:hi], g, out_dtype=w.dtype)
