@@ -10,6 +10,9 @@ are upper bounds); ``host ms`` without the profiler is printed beside them.
 
 Per keep ratio it writes ``trace_keep<k>.json`` (Chrome trace) and prints:
     host ms per forward and backward without the profiler (median of ``--iters``);
+    host us per call of each named stage of the op's backward, without the profiler
+        (``perf_counter`` around the stage functions of ``megatron_lrmoe.op``; inclusive, so
+        ``select_kept`` contains the scoring and the selection);
     per phase: the top self-time entries (Python functions, aten ops, runtime calls), the
         number of kernels launched, the GPU busy time (sum of kernel durations, overlaps merged)
         and the phase's wall time, so "GPU idle" = wall - busy is what the host costs.
@@ -33,6 +36,48 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import init_distributed, moe_config, write_json  # noqa: E402
 
 PHASES = ("lrmoe_bench::forward", "lrmoe_bench::backward")
+
+# Functions of megatron_lrmoe.op timed by --stages (module-level names the op calls).
+STAGES = (
+    "row_dot", "select_kept", "token_norms", "pair_scores", "_select_local", "pack_kept",
+    "exchange_kept", "_kept_inputs", "expert_backward_parts", "return_dx", "gather_sum",
+    "_record_trimmed", "_record_exact",
+)
+
+
+class _StageClock:
+    """Wraps the op module's stage functions with ``perf_counter`` (about 1 us each)."""
+
+    def __init__(self) -> None:
+        from megatron_lrmoe import op
+
+        self.op, self.saved, self.us = op, {}, collections.defaultdict(list)
+        self.calls: dict[str, float] = collections.defaultdict(float)
+        for name in STAGES:
+            fn = getattr(op, name, None)
+            if fn is None:
+                continue
+            self.saved[name] = fn
+            setattr(op, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.calls[name] += (time.perf_counter() - t0) * 1e6
+
+        return timed
+
+    def lap(self) -> None:
+        """Close one layer call: move the per-call sums into the samples."""
+        for name in self.saved:
+            self.us[name].append(self.calls.pop(name, 0.0))
+
+    def restore(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.op, name, fn)
 
 
 def _self_times(events: list[dict], start: float, end: float) -> dict[str, list[float]]:
@@ -151,6 +196,14 @@ def main() -> None:
         host = [step(False) for _ in range(args.iters)]
         fwd_ms = statistics.median(h[0] for h in host)
         bwd_ms = statistics.median(h[1] for h in host)
+        clock = _StageClock()
+        try:
+            for _ in range(args.iters):
+                step(False)
+                clock.lap()
+        finally:
+            clock.restore()
+        stage_us = {k: statistics.median(v) for k, v in clock.us.items() if any(v)}
         tag = f"keep{keep:g}"
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                      with_stack=True) as prof:
@@ -162,9 +215,12 @@ def main() -> None:
             events = json.load(f)["traceEvents"]
         if rank != 0:
             continue
-        rec: dict[str, Any] = dict(host_fwd_ms=fwd_ms, host_bwd_ms=bwd_ms, phases={})
+        rec: dict[str, Any] = dict(host_fwd_ms=fwd_ms, host_bwd_ms=bwd_ms, stage_us=stage_us,
+                                   phases={})
         print(f"===== {tag} {args.selection}: host fwd {fwd_ms:.2f} ms, bwd {bwd_ms:.2f} ms per call "
               f"(no profiler)", flush=True)
+        print("  host us per call by stage (no profiler, inclusive; forward and backward): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in stage_us.items()), flush=True)
         for phase in PHASES:
             windows = _phase_window(events, phase)
             totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
