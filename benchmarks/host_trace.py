@@ -59,6 +59,13 @@ class _StageClock:
                 continue
             self.saved[name] = fn
             setattr(op, name, self._wrap(name, fn))
+        # The autograd functions' own forward and backward (looked up on the class at run time).
+        self.methods = {}
+        for cls in (op.TrimmedMoEFunction, op.ExactMoEFunction):
+            for meth in ("forward", "backward"):
+                fn = cls.__dict__[meth]
+                self.methods[(cls, meth)] = fn
+                setattr(cls, meth, staticmethod(self._wrap(f"{cls.__name__}.{meth}", fn.__func__)))
 
     def _wrap(self, name: str, fn: Any) -> Any:
         def timed(*a: Any, **k: Any) -> Any:
@@ -72,12 +79,15 @@ class _StageClock:
 
     def lap(self) -> None:
         """Close one layer call: move the per-call sums into the samples."""
-        for name in self.saved:
+        names = list(self.saved) + [f"{c.__name__}.{m}" for c, m in self.methods]
+        for name in names:
             self.us[name].append(self.calls.pop(name, 0.0))
 
     def restore(self) -> None:
         for name, fn in self.saved.items():
             setattr(self.op, name, fn)
+        for (cls, meth), fn in self.methods.items():
+            setattr(cls, meth, fn)
 
 
 def _self_times(events: list[dict], start: float, end: float) -> dict[str, list[float]]:

@@ -211,6 +211,43 @@ def test_gpu_matches_cpu_reference(policy: str) -> None:
     assert torch.equal(got.weight.cpu(), ref.weight)
 
 
+@cuda
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_gpu_captured_selection_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """Calls of one shape (N, G): the first runs eagerly, the second is captured into a CUDA
+    graph, the rest replay it; every call equals the reference, and a replay never changes the
+    outputs an earlier call returned. ``LRMOE_SELECT_GRAPHS=0`` launches eagerly."""
+    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    gen = torch.Generator().manual_seed(11)
+    n, g = 5000, 16
+    calls = []
+    for call in range(6):
+        cuts = torch.sort(torch.randint(0, n + 1, (g - 1,), generator=gen)).values
+        counts = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))
+        quota = (counts.double() * torch.rand(g, generator=gen, dtype=torch.float64)).long()
+        quota[call % g] = counts[call % g]  # a segment kept whole
+        scores = torch.rand(n, generator=gen) ** (1 + 7 * (call % 3))
+        uniforms = torch.rand(g, generator=gen, dtype=torch.float64)  # host: graphed
+        got = _check(policy, (scores.cuda(), counts, quota, uniforms))
+        calls.append(((scores, counts, quota, uniforms), got))
+        assert len(kernels._GRAPHS.graphs) == (0 if call == 0 else 1)
+    torch.cuda.synchronize()
+    for (scores, counts, quota, uniforms), got in calls:
+        if policy == "topk":
+            ref = scoring.select_topk(scores, counts, quota)
+        else:
+            ref = scoring.select_sample(scores, counts, quota, uniforms)
+        assert torch.equal(got.kept_index.cpu(), ref.kept_index)
+        assert torch.equal(got.weight.cpu(), ref.weight)
+    monkeypatch.setenv("LRMOE_SELECT_GRAPHS", "0")
+    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    for case, _ in calls[:3]:
+        _check(policy, (case[0].cuda(), *case[1:]))
+    assert not kernels._GRAPHS.graphs and not kernels._GRAPHS.seen
+
+
 # --------------------------------------------------------------------------------------------
 # run under TRITON_INTERPRET=1 (subprocess): host tensors, kernels interpreted
 # --------------------------------------------------------------------------------------------

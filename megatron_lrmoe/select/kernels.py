@@ -30,6 +30,12 @@ One call, in launch order (``sample``; ``topk`` runs 1-3, 7 for the ranks only, 
 10. ``_draw_kernel`` (rows): running sums from the block totals, the systematic draw, and the
     kept rows written straight to their output slots (no compaction).
 
+On CUDA, steps 2-10 of one shape (N rows, G segments, policy) are captured into a CUDA graph the
+second time the shape is seen and replayed after that (``_GraphCache``): one launch from the host
+instead of about twenty, the same kernels on the same inputs (the scores and the table's host rows
+are copied into the graph's static buffers first; the outputs are copied out). Not inside another
+capture, not with device-side uniforms; ``LRMOE_SELECT_GRAPHS=0`` turns it off.
+
 Why the repairs need no scan over all rows: among a segment's active rows (uncapped, positive
 weight, quota left), which are the consecutive ranks ``[c*, c* + n_active)``, the floored units
 ``a`` do not increase with rank (every step from the score to ``a`` is monotone). So the rows with
@@ -64,8 +70,10 @@ imported) the launcher accepts CPU tensors and runs them in Triton's interpreter
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -560,22 +568,19 @@ def _kernels() -> SimpleNamespace:
 # --------------------------------------------------------------------------------------------
 
 
-def _segment_table(
+def _host_table(
     counts_h: torch.Tensor,
     quota_h: torch.Tensor,
     uniforms: torch.Tensor | None,
-    device: torch.device,
+    pin: bool,
 ) -> torch.Tensor:
-    """The ``[_ROWS, G]`` int64 segment table on ``device``, from one non-blocking copy.
+    """The host rows (``[_HOST_ROWS, G]`` int64) of the segment table.
 
-    Rows ``_START`` .. ``_NGT1`` come from the host (accumulators zeroed there, so no memset
-    launches), ``_UNIFORM`` holds the float64 bits of host ``uniforms`` (if given); the rows from
-    ``_CSTAR`` on are written by the per-segment kernels.
+    Rows ``_START`` .. ``_NGT1`` (accumulators zeroed here, so no memset launches), ``_UNIFORM``
+    holds the float64 bits of host ``uniforms`` (if given). Pinned (``pin``): a copy from it
+    returns at once, and the caching host allocator keeps the block alive until the copy ran.
     """
     num_segments = counts_h.numel()
-    # Pinned: the copy returns at once, and the caching host allocator keeps the block alive
-    # until the copy has run.
-    pin = device.type == "cuda"
     host = torch.empty((_HOST_ROWS, num_segments), dtype=torch.int64, pin_memory=pin)
     # Filled through numpy: ~1 us per row where a torch CPU op costs ~5 us.
     rows = host.numpy()
@@ -588,7 +593,19 @@ def _segment_table(
     rows[_SLOT] -= quota_np
     if uniforms is not None:
         rows[_UNIFORM].view(np.float64)[:] = uniforms.to(torch.float64).numpy()
-    table = torch.empty((_ROWS, num_segments), dtype=torch.int64, device=device)
+    return host
+
+
+def _segment_table(
+    counts_h: torch.Tensor,
+    quota_h: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The ``[_ROWS, G]`` int64 segment table on ``device``, from one non-blocking copy of
+    :func:`_host_table`; the rows from ``_CSTAR`` on are written by the per-segment kernels."""
+    host = _host_table(counts_h, quota_h, uniforms, pin=device.type == "cuda")
+    table = torch.empty((_ROWS, counts_h.numel()), dtype=torch.int64, device=device)
     table[:_HOST_ROWS].copy_(host, non_blocking=True)
     return table
 
@@ -650,26 +667,62 @@ def select_triton(
             "select_triton got host tensors; it needs CUDA tensors, or TRITON_INTERPRET=1 set "
             "before triton is first imported (the interpreter runs the kernels on the host)"
         )
+    num_kept = int(quota_h.sum())
+    if num_kept == 0:
+        table = _segment_table(counts_h, quota_h, host_uniforms, device)
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        # Nothing to write (and N == 0 has nothing to sort).
+        return scoring.Selection(empty, empty.float(), table[_QUOTA])
+    if (sample and host_uniforms is None) or not _graphs_wanted(device):
+        return _select_eager(kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block)
+    return _GRAPHS.select(kernels, scores, counts_h, quota_h, host_uniforms, sample, block)
+
+
+def _select_eager(
+    kernels: SimpleNamespace,
+    scores: torch.Tensor,
+    counts_h: torch.Tensor,
+    quota_h: torch.Tensor,
+    host_uniforms: torch.Tensor | None,
+    uniforms: torch.Tensor | None,
+    sample: bool,
+    block: int,
+) -> scoring.Selection:
+    """One selection, every kernel launched from Python."""
+    device = scores.device
     table = _segment_table(counts_h, quota_h, host_uniforms, device)
     num_kept = int(quota_h.sum())
     kept = torch.empty(num_kept, dtype=torch.int64, device=device)
     weight = torch.empty(num_kept, dtype=torch.float32, device=device)
-    selection = scoring.Selection(kept, weight, table[_QUOTA])
-    if num_kept == 0:
-        return selection  # nothing to write (and N == 0 has nothing to sort)
-
     if host_uniforms is not None:
         u = table[_UNIFORM].view(torch.float64)
     elif sample:
         u = uniforms.detach().to(device=device, dtype=torch.float64).contiguous()
     else:
         u = scores  # unread placeholder
+    _launch(kernels, scores, table, kept, weight, u, sample, block)
+    return scoring.Selection(kept, weight, table[_QUOTA])
+
+
+def _launch(
+    kernels: SimpleNamespace,
+    scores: torch.Tensor,
+    table: torch.Tensor,
+    kept: torch.Tensor,
+    weight: torch.Tensor,
+    u: torch.Tensor,
+    sample: bool,
+    block: int,
+) -> None:
+    """Steps 2-10 of the module docstring on a filled segment table; writes ``kept[:K]`` and
+    ``weight[:K]`` (K = the table's quota total; the buffers may be longer)."""
+    device = scores.device
+    n, g = scores.numel(), table.shape[1]
     rows = (_cdiv(n, block),)
-    segments = (num_segments,)
-    g = num_segments
+    segments = (g,)
     with _device_ctx(scores):
         key = torch.empty(n, dtype=torch.int64, device=device)
-        steps = max(1, math.ceil(math.log2(num_segments + 1)))
+        steps = max(1, math.ceil(math.log2(g + 1)))
         kernels.sort_key[rows](
             key, scores, table[_END], n, g, STEPS=steps, BLOCK=block, num_warps=_NUM_WARPS
         )
@@ -694,4 +747,129 @@ def select_triton(
         kernels.draw[rows](
             kept, weight, units_canon, block_sum, key, table, u, n, g, SAMPLE=sample, **common
         )
-    return selection
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA graphs
+# --------------------------------------------------------------------------------------------
+
+# Set LRMOE_SELECT_GRAPHS=0 to launch the selection kernels one by one on every call.
+_GRAPHS_ENV = "LRMOE_SELECT_GRAPHS"
+
+
+def _graphs_wanted(device: torch.device) -> bool:
+    """Replay captured selections: on CUDA, not inside someone else's capture, not disabled."""
+    return (
+        device.type == "cuda"
+        and os.environ.get(_GRAPHS_ENV, "1") != "0"
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+class _Captured:
+    """One captured selection: static inputs and outputs, and the graph that links them.
+
+    Inputs are copied in before a replay (the scores, ``[N]``, device to device; the host rows
+    of the segment table, the one host-to-device copy the eager path makes too); outputs have
+    room for every row (``kept[:K]`` is written, K varies with the quotas). Replays run on the
+    stream of the call, in order with the kernels that read the previous outputs, and the
+    outputs are handed out as copies, so a later replay cannot change what a caller holds.
+    """
+
+    def __init__(
+        self,
+        kernels: SimpleNamespace,
+        scores: torch.Tensor,
+        host: torch.Tensor,
+        sample: bool,
+        block: int,
+    ) -> None:
+        device, n, g = scores.device, scores.numel(), host.shape[1]
+        self.scores = torch.empty_like(scores)
+        self.table = torch.empty((_ROWS, g), dtype=torch.int64, device=device)
+        self.kept = torch.empty(n, dtype=torch.int64, device=device)
+        self.weight = torch.empty(n, dtype=torch.float32, device=device)
+        u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
+        args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block)
+        self._load(scores, host)
+        # This call's selection runs eagerly on a side stream (it also warms the allocator's
+        # and Triton's caches), then the same launches are recorded, once per shape. No
+        # synchronisation: capture only records, and the side stream is ordered after the
+        # copies above and before whatever the caller queues next.
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            _launch(*args)
+            # thread_local: other threads' CUDA calls (checkpoint writers, NCCL watchdogs) do
+            # not invalidate this capture.
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                _launch(*args)
+            finally:
+                self.graph.capture_end()
+        current.wait_stream(side)
+
+    def _load(self, scores: torch.Tensor, host: torch.Tensor) -> None:
+        self.scores.copy_(scores)
+        self.table[:_HOST_ROWS].copy_(host, non_blocking=True)
+
+    def outputs(self, num_kept: int) -> scoring.Selection:
+        """Copies of the last run's outputs."""
+        return scoring.Selection(
+            self.kept[:num_kept].clone(), self.weight[:num_kept].clone(), self.table[_QUOTA].clone()
+        )
+
+    def run(self, scores: torch.Tensor, host: torch.Tensor, num_kept: int) -> scoring.Selection:
+        self._load(scores, host)
+        self.graph.replay()
+        return self.outputs(num_kept)
+
+
+class _GraphCache:
+    """Captured selections by shape, least recently used first out.
+
+    A shape is captured the second time it is seen (a one-off shape, e.g. a last, shorter
+    micro-batch, never pays for a capture); at most ``capacity`` graphs are kept, each holding
+    a few ``[N]`` buffers in its memory pool.
+    """
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self.graphs: collections.OrderedDict[tuple, _Captured] = collections.OrderedDict()
+        self.seen: collections.Counter[tuple] = collections.Counter()
+
+    def select(
+        self,
+        kernels: SimpleNamespace,
+        scores: torch.Tensor,
+        counts_h: torch.Tensor,
+        quota_h: torch.Tensor,
+        host_uniforms: torch.Tensor | None,
+        sample: bool,
+        block: int,
+    ) -> scoring.Selection:
+        device = scores.device
+        key = (device.index, scores.numel(), counts_h.numel(), sample, block, scores.dtype)
+        num_kept = int(quota_h.sum())
+        entry = self.graphs.get(key)
+        if entry is None:
+            self.seen[key] += 1
+            if self.seen[key] < 2:
+                return _select_eager(
+                    kernels, scores, counts_h, quota_h, host_uniforms, None, sample, block
+                )
+        host = _host_table(counts_h, quota_h, host_uniforms, pin=True)
+        with _device_ctx(scores):
+            if entry is None:
+                entry = _Captured(kernels, scores, host, sample, block)
+                self.graphs[key] = entry
+                if len(self.graphs) > self.capacity:
+                    self.graphs.popitem(last=False)
+                return entry.outputs(num_kept)
+            self.graphs.move_to_end(key)
+            return entry.run(scores, host, num_kept)
+
+
+_GRAPHS = _GraphCache()
