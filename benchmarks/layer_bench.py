@@ -28,6 +28,7 @@ both) on the same rows and group sizes, plus at EP > 1 the four all-to-alls of t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -48,6 +49,20 @@ class Variant:
     name: str
     lrmoe: Any  # LRMoEConfig, or None for stock
     samples: dict = dataclasses.field(default_factory=dict)
+    env: dict = dataclasses.field(default_factory=dict)  # environment while this variant runs
+
+    @contextlib.contextmanager
+    def environ(self) -> Any:
+        old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def add(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
@@ -57,7 +72,9 @@ class Variant:
         return statistics.median(vals) if vals else None
 
 
-def _variants(ep: int, keeps: list[float], selections: list[str], extras: bool) -> list[Variant]:
+def _variants(
+    ep: int, keeps: list[float], selections: list[str], extras: bool, eager_selection: bool
+) -> list[Variant]:
     from megatron_lrmoe import LRMoEConfig
 
     out = [Variant("LRMoE keep 1.0", LRMoEConfig(keep_ratio=1.0))]
@@ -77,6 +94,14 @@ def _variants(ep: int, keeps: list[float], selections: list[str], extras: bool) 
             out.append(
                 Variant("LRMoE keep 0.5 sample global", LRMoEConfig(keep_ratio=0.5, scope="global"))
             )
+    if eager_selection:
+        out.append(
+            Variant(
+                "LRMoE keep 0.5 sample eager selection",
+                LRMoEConfig(keep_ratio=0.5),
+                env={"LRMOE_SELECT_GRAPHS": "0"},
+            )
+        )
     return out
 
 
@@ -256,6 +281,12 @@ def main() -> None:
     parser.add_argument("--keep", type=float, nargs="+", default=[0.75, 0.5, 0.25])
     parser.add_argument("--selections", nargs="+", default=["sample", "topk"])
     parser.add_argument("--no-extras", action="store_true", help="skip recompute / global rows")
+    parser.add_argument(
+        "--eager-selection",
+        action="store_true",
+        help="add keep 0.5 sample with the selection launched kernel by kernel "
+        "(LRMOE_SELECT_GRAPHS=0), beside the default CUDA-graph replay",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--no-stock", action="store_true", help="skip the stock layer")
@@ -280,7 +311,7 @@ def main() -> None:
     lr = get_lrmoe_moe_spec(LRMoEConfig())(config=cfg, pg_collection=pg, layer_number=1).cuda()
     if stock is not None:
         lr.load_state_dict(stock.state_dict(), strict=False)
-    variants = _variants(ep, args.keep, args.selections, not args.no_extras)
+    variants = _variants(ep, args.keep, args.selections, not args.no_extras, args.eager_selection)
     if stock is not None:
         variants.insert(0, Variant("stock MoELayer (SequentialMLP)", None))
 
@@ -297,19 +328,22 @@ def main() -> None:
         up = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         for v in variants:
             v.samples = {}
-            for _ in range(args.warmup):
-                _timed_step(layer_for(v), x, up, Variant("warmup", None))
+            with v.environ():
+                for _ in range(args.warmup):
+                    _timed_step(layer_for(v), x, up, Variant("warmup", None))
         for _ in range(args.iters):
             for v in variants:
                 torch.distributed.barrier()
-                _timed_step(layer_for(v), x, up, v)
+                with v.environ():
+                    _timed_step(layer_for(v), x, up, v)
         for v in variants:
             torch.distributed.barrier()
-            _memory_step(layer_for(v), x, up, v)
-            if not args.no_profile and rank == 0 and ep == 1:
-                # Profiling one rank of several would desynchronise the collectives; at EP > 1
-                # run benchmarks/profile_layer.py instead.
-                _profile_step(layer_for(v), x, up, v, out_dir)
+            with v.environ():
+                _memory_step(layer_for(v), x, up, v)
+                if not args.no_profile and rank == 0 and ep == 1:
+                    # Profiling one rank of several would desynchronise the collectives; at
+                    # EP > 1 run benchmarks/profile_layer.py instead.
+                    _profile_step(layer_for(v), x, up, v, out_dir)
         lr.lrmoe_config = LRMoEConfig(keep_ratio=1.0)
         _timed_step(lr, x, up, Variant("floor-setup", None))
         floor = _floor(lr, ep, tokens, args.warmup, args.iters, args.keep)
