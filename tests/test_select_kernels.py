@@ -105,13 +105,18 @@ def _adversarial_cases() -> dict[str, Case]:
     }
 
 
+def _reference(policy: str, case: Case) -> scoring.Selection:
+    """The torch reference selection of ``case`` on the host."""
+    scores, counts, quota, uniforms = (t.cpu() for t in case)
+    if policy == "topk":
+        return scoring.select_topk(scores, counts, quota)
+    return scoring.select_sample(scores, counts, quota, uniforms)
+
+
 def _check(policy: str, case: Case, **kwargs) -> scoring.Selection:
     scores, counts, quota, uniforms = case
     got = kernels.select_triton(policy, scores, counts, quota, uniforms, **kwargs)
-    if policy == "topk":
-        ref = scoring.select_topk(scores.cpu(), counts, quota)
-    else:
-        ref = scoring.select_sample(scores.cpu(), counts, quota, uniforms.cpu())
+    ref = _reference(policy, case)
     assert torch.equal(got.kept_index.cpu(), ref.kept_index), (got.kept_index, ref.kept_index)
     assert torch.equal(got.weight.cpu(), ref.weight), (policy, got.weight, ref.weight)
     assert torch.equal(got.kept_per_segment.cpu(), ref.kept_per_segment)
@@ -203,10 +208,7 @@ def test_gpu_matches_cpu_reference(policy: str) -> None:
     # Through the dispatcher, host uniforms and device counts (one sync) included.
     scores, counts, quota, uniforms = cases[0]
     got = scoring.select(policy, scores.cuda(), counts.cuda(), quota.cuda(), uniforms)
-    if policy == "topk":
-        ref = scoring.select_topk(scores, counts, quota)
-    else:
-        ref = scoring.select_sample(scores, counts, quota, uniforms)
+    ref = _reference(policy, cases[0])
     assert torch.equal(got.kept_index.cpu(), ref.kept_index)
     assert torch.equal(got.weight.cpu(), ref.weight)
 
@@ -234,11 +236,8 @@ def test_gpu_captured_selection_matches_reference(
         calls.append(((scores, counts, quota, uniforms), got))
         assert len(kernels._GRAPHS.graphs) == (0 if call == 0 else 1)
     torch.cuda.synchronize()
-    for (scores, counts, quota, uniforms), got in calls:
-        if policy == "topk":
-            ref = scoring.select_topk(scores, counts, quota)
-        else:
-            ref = scoring.select_sample(scores, counts, quota, uniforms)
+    for case, got in calls:
+        ref = _reference(policy, case)
         assert torch.equal(got.kept_index.cpu(), ref.kept_index)
         assert torch.equal(got.weight.cpu(), ref.weight)
     monkeypatch.setenv("LRMOE_SELECT_GRAPHS", "0")
