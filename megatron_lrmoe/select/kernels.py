@@ -855,6 +855,8 @@ class _GraphCache:
         num_kept = int(quota_h.sum())
         entry = self.graphs.get(key)
         if entry is None:
+            if len(self.seen) >= 1024:  # many one-off shapes (varying lengths): start over
+                self.seen.clear()
             self.seen[key] += 1
             if self.seen[key] < 2:
                 return _select_eager(
