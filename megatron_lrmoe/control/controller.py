@@ -52,7 +52,12 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.control.balance import caps_cut, interval_split_np, min_max_lists
+from megatron_lrmoe.control.balance import (
+    HolderGraph,
+    caps_cut,
+    interval_split_np,
+    min_max_lists,
+)
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.placement import place_replicas
 from megatron_lrmoe.control.quota import (
@@ -567,6 +572,11 @@ class _Holders:
     def forward_lists(self) -> list[list[int]]:
         return self.lists(self.forward)
 
+    @cached_property
+    def item(self) -> np.ndarray:
+        """``[K]`` item of every entry."""
+        return np.repeat(np.arange(len(self)), np.diff(self.bounds))
+
 
 def _holders_from(expert: np.ndarray, rank: np.ndarray, forward: np.ndarray) -> _Holders:
     """Holders from entries sorted by (expert, rank), each expert with two or more."""
@@ -744,13 +754,42 @@ class _Call:
             return True
         return int(quota.sum()) > int(caps.sum())
 
-    def start(self, quota: np.ndarray) -> tuple[list[int], list[list[int]]]:
+    @cached_property
+    def graph(self) -> HolderGraph:
+        """The holder graph of the replicated experts (save mode: edge room ``A``), built once
+        for every assignment and feasibility trial of this call."""
+        holders = self.holders
+        return HolderGraph(
+            self.num_sources,
+            holders.rank.tolist(),
+            holders.bounds.tolist(),
+            holders.forward.tolist() if self.mode == "save" else None,
+        )
+
+    def start(self, quota: np.ndarray) -> tuple[list[int], list[int]]:
+        """:meth:`reference_start` with the starting split flat (one entry per holder, as
+        :attr:`graph` numbers them), computed with array operations."""
+        holders = self.holders
+        base = self.per_owner(quota * self.rigid).tolist()
+        if not len(holders):
+            return base, []
+        item, forward = holders.item, holders.forward
+        quota_items = quota[holders.experts]
+        share = quota_items[item] * forward // np.maximum(self.w[holders.experts], 1)[item]
+        left = quota_items - np.add.reduceat(share, holders.heads)
+        # The first ``left`` holders of each item that can take a unit, in entry order.
+        can = share < forward if self.mode == "save" else np.ones(share.size, dtype=bool)
+        taken = np.cumsum(can)
+        before = taken[holders.heads] - can[holders.heads]  # takers ahead of each item
+        share += can & (taken - before[item] <= left[item])
+        return base, share.tolist()
+
+    def reference_start(self, quota: np.ndarray) -> tuple[list[int], list[list[int]]]:
         """Rigid load per rank and the replicated experts' starting split of ``quota``.
 
         Each holder starts with its proportional share ``floor(Q A / W)`` of the forward pairs;
         the units left go one each to the first holders (ascending rank) that can take one (save
-        mode: ``B <= A``). The exact solver then only corrects a near-optimal start. (A numpy
-        version is no faster: a few dozen items at most, a handful of holders each.)
+        mode: ``B <= A``). The exact solver then only corrects a near-optimal start.
         """
         base = self.per_owner(quota * self.rigid).tolist()
         save = self.mode == "save"
@@ -786,23 +825,54 @@ class _Call:
         if caps is None and not len(holders):
             # Fixed ownership, nothing to balance: every kept pair on its owner.
             return self._finish(_Backward(quota, load, self.per_owner(quota), None, None))
+        result = self.min_max(quota, None if caps is None else caps.tolist())
+        if result is None:
+            return None
+        flat, rank_load = result
+        if len(holders):
+            load[holders.expert, holders.rank] = flat
+        plan = _Backward(quota, load, np.asarray(rank_load, dtype=np.int64), None, None)
+        return self._finish(plan)
+
+    def min_max(
+        self, quota: np.ndarray, caps: Optional[list[int]]
+    ) -> Optional[tuple[list[int], list[int]]]:
+        """Exact min-max assignment of ``quota`` from :meth:`start` on :attr:`graph`: the
+        amount per holder entry and the load per rank, None when ``caps`` admit none."""
         base, initial = self.start(quota)
+        return self.graph.min_max(base, initial, caps)
+
+    def reference_min_max(
+        self, quota: np.ndarray, caps: Optional[list[int]]
+    ) -> Optional[tuple[list[int], list[int]]]:
+        """The slow, obvious :meth:`min_max`: :meth:`reference_start` and
+        :func:`min_max_lists` on per-item lists."""
+        holders = self.holders
+        base, initial = self.reference_start(quota)
         result = min_max_lists(
             base,
             quota[holders.experts].tolist(),
             holders.ranks,
             initial,
-            None if caps is None else caps.tolist(),
+            caps,
             holders.forward_lists if self.mode == "save" else None,
         )
         if result is None:
             return None
-        rows, rank_load = result
-        if len(holders):
-            flat = itertools.chain.from_iterable(rows)
-            load[holders.expert, holders.rank] = np.fromiter(flat, np.int64, holders.rank.size)
-        plan = _Backward(quota, load, np.asarray(rank_load, dtype=np.int64), None, None)
-        return self._finish(plan)
+        return list(itertools.chain.from_iterable(result[0])), result[1]
+
+    def caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
+        """Ranks of a violated cut when ``caps`` admit no assignment of ``quota``, else None
+        (:meth:`start` on :attr:`graph`)."""
+        base, initial = self.start(quota)
+        return self.graph.caps_cut(base, initial, caps)
+
+    def reference_caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
+        """The slow, obvious :meth:`caps_cut`: :func:`caps_cut` on per-item lists."""
+        holders = self.holders
+        base, initial = self.reference_start(quota)
+        edges = holders.forward_lists if self.mode == "save" else None
+        return caps_cut(base, holders.ranks, initial, caps, edges)
 
     def _finish(self, plan: _Backward) -> _Backward:
         if self.local_scope:
@@ -908,9 +978,7 @@ class _Call:
         holders = self.holders
         if not len(holders) or not quota.any():
             return None  # nothing can move, or nothing to place: the checks above decided
-        base, initial = self.start(quota)
-        edges = holders.forward_lists if self.mode == "save" else None
-        ranks = caps_cut(base, holders.ranks, initial, caps.tolist(), edges)
+        ranks = self.caps_cut(quota, caps.tolist())
         return None if ranks is None else self._cut(ranks)
 
     def _cut(self, ranks: list[int]) -> tuple[np.ndarray, np.ndarray]:
