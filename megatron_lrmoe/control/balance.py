@@ -536,36 +536,39 @@ class HolderGraph:
         room: Optional[Sequence[int]] = None,
     ) -> None:
         self.num_ranks = num_ranks
-        self.rank = list(rank)
-        self.bounds = list(bounds)
-        num_items = len(self.bounds) - 1
-        self.num_items = num_items
-        self.item = [i for i in range(num_items) for _ in range(bounds[i], bounds[i + 1])]
-        self.room = [_NO_EDGE_CAP] * len(self.rank) if room is None else list(room)
-        self.at_rank: list[list[int]] = [[] for _ in range(num_ranks)]
-        for k, g in enumerate(self.rank):
-            self.at_rank[g].append(k)  # ascending k: the item order _start gives
-        # Components of the holder graph (ranks linked by shared items): the first probe's
-        # bound, which only depends on this partition.
-        parent = list(range(num_ranks))
-
-        def root(g: int) -> int:
-            while parent[g] != g:
-                parent[g] = parent[parent[g]]
-                g = parent[g]
-            return g
-
+        self.rank = rank = list(rank)
+        self.bounds = bounds = list(bounds)
+        self.num_items = num_items = len(bounds) - 1
+        self.item = item = []
         for i in range(num_items):
-            if bounds[i] == bounds[i + 1]:
-                continue
-            first = root(self.rank[bounds[i]])
-            for g in self.rank[bounds[i] + 1 : bounds[i + 1]]:
-                parent[root(g)] = first
-        members: dict[int, list[int]] = {}
+            item += [i] * (bounds[i + 1] - bounds[i])
+        self.room = [_NO_EDGE_CAP] * len(rank) if room is None else list(room)
+        self.at_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+        for k, g in enumerate(rank):
+            self.at_rank[g].append(k)  # ascending k: the item order _start gives
+        # Components of the holder graph (ranks linked by shared items), by breadth-first
+        # search: the first probe's bound depends on this partition alone.
+        self.singles: list[int] = []
+        self.groups: list[list[int]] = []
+        seen, done = [False] * num_items, [False] * num_ranks
         for g in range(num_ranks):
-            members.setdefault(root(g), []).append(g)
-        self.singles = [m[0] for m in members.values() if len(m) == 1]
-        self.groups = [m for m in members.values() if len(m) > 1]
+            if done[g]:
+                continue
+            done[g] = True
+            group = [g]
+            for u in group:
+                for k in self.at_rank[u]:
+                    i = item[k]
+                    if not seen[i]:
+                        seen[i] = True
+                        for h in rank[bounds[i] : bounds[i + 1]]:
+                            if not done[h]:
+                                done[h] = True
+                                group.append(h)
+            if len(group) == 1:
+                self.singles.append(g)
+            else:
+                self.groups.append(group)
 
     def _load(self, base: Sequence[int], x: list[int]) -> list[int]:
         load = list(base)
@@ -625,7 +628,7 @@ class HolderGraph:
             unbounded = [top if c is None else c for c in caps]
             if self._rebalance(load, x, unbounded) is not None:
                 return None
-        low = self._bound(load, caps, capped)
+        low = self._bound(load, caps, capped and any(c is not None for c in caps))
         if low is None:
             return None
         high = max(load)
@@ -703,8 +706,8 @@ class HolderGraph:
                 arcs = at_rank[g]
                 item_next = rank_level[g] + 1
                 hold_next = item_next + 1
-                a = rank_arc[g]
-                while a < len(arcs):
+                a, stop = rank_arc[g], len(arcs)
+                while a < stop:
                     k = arcs[a]
                     i = item_of[k]
                     have = x[k]

@@ -766,6 +766,21 @@ class _Call:
             holders.forward.tolist() if self.mode == "save" else None,
         )
 
+    @cached_property
+    def _start_constants(self) -> tuple[np.ndarray, np.ndarray]:
+        """What :meth:`start` needs that only the placement decides, per entry ``[K]``: the
+        divisor ``max(W, 1)`` and the order in which the item's holders take the units left
+        (ascending rank; save mode skips holders without forward pairs, never first)."""
+        holders = self.holders
+        divisor = np.maximum(self.w[holders.expert], 1)
+        can = np.ones(holders.rank.size, dtype=bool)
+        if self.mode == "save":
+            # floor(Q A / W) < A exactly when A > 0 and Q < W; at Q == W no unit is left.
+            can = holders.forward > 0
+        taken = np.cumsum(can)
+        position = taken - (taken - can)[holders.heads][holders.item] - 1
+        return divisor, np.where(can, position, np.iinfo(np.int64).max)
+
     def start(self, quota: np.ndarray) -> tuple[list[int], list[int]]:
         """:meth:`reference_start` with the starting split flat (one entry per holder, as
         :attr:`graph` numbers them), computed with array operations."""
@@ -773,15 +788,10 @@ class _Call:
         base = self.per_owner(quota * self.rigid).tolist()
         if not len(holders):
             return base, []
-        item, forward = holders.item, holders.forward
-        quota_items = quota[holders.experts]
-        share = quota_items[item] * forward // np.maximum(self.w[holders.experts], 1)[item]
-        left = quota_items - np.add.reduceat(share, holders.heads)
-        # The first ``left`` holders of each item that can take a unit, in entry order.
-        can = share < forward if self.mode == "save" else np.ones(share.size, dtype=bool)
-        taken = np.cumsum(can)
-        before = taken[holders.heads] - can[holders.heads]  # takers ahead of each item
-        share += can & (taken - before[item] <= left[item])
+        divisor, position = self._start_constants
+        share = quota[holders.expert] * holders.forward // divisor
+        left = quota[holders.experts] - np.add.reduceat(share, holders.heads)
+        share += position < left[holders.item]
         return base, share.tolist()
 
     def reference_start(self, quota: np.ndarray) -> tuple[list[int], list[list[int]]]:
