@@ -81,6 +81,7 @@ logger = logging.getLogger(__name__)
 # Bisection of the placement threshold stops within this fraction of T: a finer threshold lowers
 # the forward peak by under 0.2 % and costs at least one more greedy run per halving.
 PLACEMENT_TOLERANCE = 1.0 / 512
+_NEVER = np.iinfo(np.int64).max  # a position no count of units left reaches
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -548,6 +549,7 @@ class _Holders:
         self.expert, self.rank, self.forward, self.bounds = expert, rank, forward, bounds
         self.heads = bounds[:-1]  # [M] first entry of each item
         self.experts = expert[self.heads]
+        self.size = int(self.experts.size)
 
     @staticmethod
     @functools.cache
@@ -557,7 +559,7 @@ class _Holders:
         return _Holders(none, none, none, np.zeros(1, dtype=np.int64))
 
     def __len__(self) -> int:
-        return int(self.experts.size)
+        return self.size
 
     def lists(self, flat: np.ndarray) -> list[list[int]]:
         """A flat ``[K]`` array cut into one list per item."""
@@ -575,14 +577,14 @@ class _Holders:
     @cached_property
     def item(self) -> np.ndarray:
         """``[K]`` item of every entry."""
-        return np.repeat(np.arange(len(self)), np.diff(self.bounds))
+        return np.searchsorted(self.experts, self.expert)  # both ascending
 
 
 def _holders_from(expert: np.ndarray, rank: np.ndarray, forward: np.ndarray) -> _Holders:
     """Holders from entries sorted by (expert, rank), each expert with two or more."""
     if not expert.size:
         return _Holders.empty()
-    starts = np.flatnonzero(expert[1:] != expert[:-1]) + 1
+    starts = (expert[1:] != expert[:-1]).nonzero()[0] + 1
     return _Holders(expert, rank, forward, np.concatenate(([0], starts, [expert.size])))
 
 
@@ -614,6 +616,7 @@ class _Call:
         self.local = self.num_experts // self.num_sources
         self.owner = np.arange(self.num_experts) // self.local
         self.diagonal = (np.arange(self.num_experts), self.owner)  # (expert, owner) index
+        self.owned_starts = np.arange(0, self.num_experts, max(self.local, 1))
         self.sent = n.sum(1)
         self.memory_budget = lrmoe.memory_budget_bytes if cost is not None else None
         self.exchange_budget = (
@@ -624,6 +627,7 @@ class _Call:
         # holders outside R can take ([E]) and the mask ([P]) (see ``cut_of``).
         self.cuts: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._caps: dict[tuple, Optional[np.ndarray]] = {}
+        self._slot_room: Optional[np.ndarray] = None
 
     # -- placement and forward split ----------------------------------------------------------
 
@@ -642,10 +646,11 @@ class _Call:
         if self.memory_budget is None or self.cost is None:
             return [limit] * self.num_sources
         cost, mode = self.cost, self.mode
-        fixed = cost.expert_saved_bytes(mode) * threshold
-        per_source = cost.source_saved_bytes(mode, keeps_all=self.lrmoe.is_exact)
-        room = self.memory_budget - fixed - per_source * self.sent
-        return np.clip(room // cost.replica_bytes, 0, limit).tolist()
+        if self._slot_room is None:  # what the source rows leave, the same for every T
+            per_source = cost.source_saved_bytes(mode, keeps_all=self.lrmoe.is_exact)
+            self._slot_room = self.memory_budget - per_source * self.sent
+        room = self._slot_room - cost.expert_saved_bytes(mode) * threshold
+        return np.minimum(np.maximum(room // cost.replica_bytes, 0), limit).tolist()
 
     def place(self) -> None:
         """Replicas, the exact forward split over them, and pruning of idle replicas."""
@@ -682,7 +687,9 @@ class _Call:
 
     def per_owner(self, values: np.ndarray) -> np.ndarray:
         """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
-        return values.reshape(self.num_sources, self.local).sum(1)
+        if not self.local:
+            return np.zeros(self.num_sources, dtype=np.int64)
+        return np.add.reduceat(values, self.owned_starts)  # faster than a sum over [P, L]
 
     def _polish(self, placement: Any, exact: bool) -> _Holders:
         """The greedy's forward split, or (``exact``) the exact min-max split over its holders
@@ -691,7 +698,7 @@ class _Call:
         # Replicas come sorted by (expert, rank); each replicated expert gains an owner entry
         # with the pairs the greedy left there.
         replica_expert = placement.replica_expert
-        first = np.flatnonzero(replica_expert[1:] != replica_expert[:-1]) + 1
+        first = (replica_expert[1:] != replica_expert[:-1]).nonzero()[0] + 1
         first = np.concatenate(([0], first))
         experts = replica_expert[first]
         kept_home = w[experts] - np.add.reduceat(placement.replica_pairs, first)
@@ -779,7 +786,7 @@ class _Call:
             can = holders.forward > 0
         taken = np.cumsum(can)
         position = taken - (taken - can)[holders.heads][holders.item] - 1
-        return divisor, np.where(can, position, np.iinfo(np.int64).max)
+        return divisor, np.where(can, position, _NEVER)
 
     def start(self, quota: np.ndarray) -> tuple[list[int], list[int]]:
         """:meth:`reference_start` with the starting split flat (one entry per holder, as
@@ -1058,14 +1065,8 @@ class _Call:
         q0 = self.q0
         lo, hi = 0, int(q0.max(initial=0))
         caps = self.rank_caps(np.zeros_like(q0))
-        # What each single rank R = {g} must hold at the top cap (the ``outside`` of ``_cut``
-        # for every g at once, ``[E, P]``): the most overloaded rank often binds.
-        if self.mode == "save":
-            outside = self.w[:, None] - self.forward_load
-        else:  # only a rank that holds an expert alone must keep its pairs
-            alone = self.holds & (self.holds.sum(1) == 1)[:, None]
-            outside = np.where(alone, 0, self.w[:, None])
-        excess = np.maximum(q0[:, None] - outside, 0).sum(0) - caps
+        # The most overloaded single rank at the top cap often binds.
+        excess = self.single_rank_load(q0) - caps
         if int(excess.max(initial=0)) > 0:
             self._cut([int(excess.argmax())])
         bounds: dict[bytes, int] = {}
@@ -1084,6 +1085,29 @@ class _Call:
                 lo = cap
             else:
                 hi = cap
+
+    def single_rank_load(self, quota: np.ndarray) -> np.ndarray:
+        """``[P]`` what every assignment of ``quota`` puts on each rank g alone, the cut
+        ``R = {g}`` (:meth:`reference_single_rank_load`) from the holder entries: an expert with
+        one holder keeps its quota there; a replicated one keeps ``max(0, Q - (W - A[e, g]))``
+        on a holder in save mode (its other holders take at most their forward pairs), nothing
+        in recompute mode (they take any amount)."""
+        load = self.per_owner(quota * self.rigid)
+        holders = self.holders
+        if self.mode == "save" and len(holders):
+            stuck = quota[holders.expert] - self.w[holders.expert] + holders.forward
+            np.add.at(load, holders.rank, np.maximum(stuck, 0))
+        return load
+
+    def reference_single_rank_load(self, quota: np.ndarray) -> np.ndarray:
+        """The slow, obvious :meth:`single_rank_load`: the ``outside`` of :meth:`_cut` for every
+        single rank at once, ``[E, P]``."""
+        if self.mode == "save":
+            outside = self.w[:, None] - self.forward_load
+        else:  # only a rank that holds an expert alone must keep its pairs
+            alone = self.holds & (self.holds.sum(1) == 1)[:, None]
+            outside = np.where(alone, 0, self.w[:, None])
+        return np.maximum(quota[:, None] - outside, 0).sum(0)
 
     def binding(self, cap: int) -> tuple[str, ...]:
         """The budgets that each alone rule out the quota cap ``cap``."""
@@ -1220,7 +1244,7 @@ def _as_counts(counts: Any) -> np.ndarray:
         raise ValueError(
             f"counts has {n.shape[1]} experts, not divisible by its {n.shape[0]} ranks"
         )
-    if (n < 0).any():
+    if n.size and n.min() < 0:
         raise ValueError("counts must be non-negative")
     return n
 
