@@ -633,9 +633,10 @@ class HolderGraph:
             return None
         high = max(load)
         while low < high:
-            limit = [low] * num_ranks if not capped else [
-                low if c is None or low < c else c for c in caps
-            ]
+            if capped:
+                limit = [low if c is None or low < c else c for c in caps]
+            else:
+                limit = [low] * num_ranks
             cut = self._rebalance(load, x, limit)
             if cut is None:
                 high = max(load)
