@@ -617,7 +617,6 @@ class _Call:
         self.owner = np.arange(self.num_experts) // self.local
         self.diagonal = (np.arange(self.num_experts), self.owner)  # (expert, owner) index
         self.owned_starts = np.arange(0, self.num_experts, max(self.local, 1))
-        self.sent = n.sum(1)
         self.memory_budget = lrmoe.memory_budget_bytes if cost is not None else None
         self.exchange_budget = (
             lrmoe.exchange_budget_bytes if cost is not None and self.num_sources > 1 else None
@@ -628,6 +627,11 @@ class _Call:
         self.cuts: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._caps: dict[tuple, Optional[np.ndarray]] = {}
         self._slot_room: Optional[np.ndarray] = None
+
+    @cached_property
+    def sent(self) -> np.ndarray:
+        """``[P]`` pairs each source sends (budgets and the memory plan only)."""
+        return self.n.sum(1)
 
     # -- placement and forward split ----------------------------------------------------------
 
@@ -1293,11 +1297,16 @@ def plan_call(
     # Modes in order of preference (auto: save, then recompute); the first that no budget trims
     # wins at once, else the one that keeps the most pairs (then the lower forward peak).
     best: Optional[tuple[tuple, _Call, _Backward, Optional[int], tuple, tuple]] = None
-    for mode in _modes(lrmoe):
+    modes = _modes(lrmoe)
+    for mode in modes:
         call = _Call(n, w, lrmoe, cost, mode, q0, exact_forward)
         call.place()
         plan, cap, binding, unmet = call.solve()
-        rank = (bool(unmet), -int(plan.quota.sum()), int(call.forward_rank_load.max(initial=0)))
+        rank = (
+            (bool(unmet), -int(plan.quota.sum()), int(call.forward_rank_load.max(initial=0)))
+            if len(modes) > 1
+            else ()
+        )
         if best is None or rank < best[0]:
             best = (rank, call, plan, cap, binding, unmet)
         if not binding:
