@@ -784,13 +784,16 @@ class _Call:
         (ascending rank; save mode skips holders without forward pairs, never first)."""
         holders = self.holders
         divisor = np.maximum(self.w[holders.expert], 1)
-        can = np.ones(holders.rank.size, dtype=bool)
+        position = np.arange(holders.rank.size) - holders.heads[holders.item]
         if self.mode == "save":
-            # floor(Q A / W) < A exactly when A > 0 and Q < W; at Q == W no unit is left.
+            # floor(Q A / W) < A exactly when A > 0 and Q < W; at Q == W no unit is left. Only
+            # an owner entry can lack forward pairs: the holders after it move up one place.
             can = holders.forward > 0
-        taken = np.cumsum(can)
-        position = taken - (taken - can)[holders.heads][holders.item] - 1
-        return divisor, np.where(can, position, _NEVER)
+            if not can.all():
+                taken = np.cumsum(can)
+                position = taken - (taken - can)[holders.heads][holders.item] - 1
+                position[~can] = _NEVER
+        return divisor, position
 
     def start(self, quota: np.ndarray) -> tuple[list[int], list[int]]:
         """:meth:`reference_start` with the starting split flat (one entry per holder, as
