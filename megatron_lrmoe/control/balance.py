@@ -741,12 +741,48 @@ class HolderGraph:
                 rank_arc[g] = a
                 return 0
 
+            # ``push`` from each over rank (level 0) until it is within its limit or stuck,
+            # inlined: a fresh push would restart at the arc and holder where the last path
+            # left, which is where this loop continues.
             for g in over:
-                while load[g] > limit[g]:
-                    moved = push(g, load[g] - limit[g])
-                    if not moved:
-                        break
-                    load[g] -= moved
+                amount = load[g] - limit[g]
+                arcs = at_rank[g]
+                a, stop = 0, len(arcs)
+                while a < stop:
+                    k = arcs[a]
+                    i = item_of[k]
+                    have = x[k]
+                    if item_level[i] == 1 and have > 0:
+                        part = amount if amount < have else have
+                        kk, end = item_arc[i], bounds[i + 1]
+                        moved = 0
+                        while kk < end:
+                            h = rank_of[kk]
+                            if rank_level[h] == 2:
+                                space = room[kk] - x[kk]
+                                if space > part:
+                                    space = part
+                                if space > 0:
+                                    if load[h] < limit[h]:  # a target
+                                        moved = limit[h] - load[h]
+                                        if moved > space:
+                                            moved = space
+                                        load[h] += moved
+                                    else:
+                                        moved = push(h, space)
+                                    if moved:
+                                        x[kk] += moved
+                                        x[k] -= moved
+                                        break
+                            kk += 1
+                        item_arc[i] = kk
+                        if moved:
+                            load[g] -= moved
+                            amount -= moved
+                            if not amount:
+                                break
+                            continue  # the same arc again
+                    a += 1
             over = [g for g in over if load[g] > limit[g]]
         return None
 
