@@ -679,7 +679,7 @@ class _Call:
             # Replica entries always carry pairs; an owner entry may be empty (still a holder).
             replica = holders.rank != self.owner[holders.expert]
             forward[holders.expert, holders.rank] = holders.forward
-            self.holds[holders.expert[replica], holders.rank[replica]] = True
+            self.holds[holders.expert, holders.rank] = True  # owners: already True
             self.rigid[holders.experts] = False
             self.forward_rank_load = self.per_owner(w * self.rigid)
             np.add.at(self.forward_rank_load, holders.rank, holders.forward)
