@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from megatron_lrmoe.control.balance import (
+    HolderGraph,
     balance_over_replicas,
+    caps_cut,
     interval_split_np,
     min_max_balance,
     min_max_lists,
@@ -167,6 +169,89 @@ def test_min_max_lists_from_any_start() -> None:
     # Edge caps bind the split.
     rows, load = min_max_lists([0, 0], [10], [[0, 1]], [[10, 0]], edge_cap=[[10, 3]])
     assert rows == [[7, 3]] and load == [7, 3]
+
+
+def _graph_case(rng: random.Random, kind: str):
+    """A random flat problem for :class:`HolderGraph` and its list form (``kind`` picks the
+    shape: general, one hot item, all balanced, zero loads, no items, one rank)."""
+    num_ranks = 1 if kind == "one rank" else rng.choice([2, 3, 5, 8, 16, 33, 64])
+    num_items = 0 if kind == "no items" else rng.randint(1, min(12, 2 * num_ranks))
+    holders = [
+        sorted(rng.sample(range(num_ranks), rng.randint(1, num_ranks))) for _ in range(num_items)
+    ]
+    top = rng.choice([3, 40, 5000])
+    amounts = [rng.randint(0, top) for _ in holders]
+    base = [rng.randint(0, top) for _ in range(num_ranks)]
+    if kind == "one hot item":
+        amounts = [0] * num_items
+        amounts[rng.randrange(num_items)] = 50 * top
+    elif kind == "balanced":
+        amounts, base = [top] * num_items, [top] * num_ranks
+    elif kind == "zero loads":
+        amounts, base = [0] * num_items, [0] * num_ranks
+    edge = None
+    if rng.random() < 0.5:
+        # Edge caps at or above an item's share, summing to at least its amount.
+        edge = []
+        for amount, ranks in zip(amounts, holders):
+            room = [rng.randint(0, amount) for _ in ranks]
+            while sum(room) < amount:
+                room[rng.randrange(len(ranks))] += max(1, amount - sum(room))
+            edge.append(room)
+    initial = []
+    for e, (amount, ranks) in enumerate(zip(amounts, holders)):
+        share, left = [0] * len(ranks), amount
+        for j in sorted(range(len(ranks)), key=lambda _: rng.random()):
+            put = left if edge is None else min(left, edge[e][j])
+            put = rng.randint(0, put) if rng.random() < 0.5 else put
+            share[j], left = put, left - put
+        for j in range(len(ranks)):  # whatever is left goes where there is room
+            put = left if edge is None else min(left, edge[e][j] - share[j])
+            share[j], left = share[j] + put, left - put
+        initial.append(share)
+    return base, amounts, holders, initial, edge
+
+
+@pytest.mark.parametrize(
+    "seed, kind",
+    list(enumerate(["general", "one hot item", "balanced", "zero loads", "no items", "one rank"])),
+)
+def test_holder_graph_matches_min_max_lists(seed: int, kind: str) -> None:
+    """The flat solver makes the same moves as the list solver: same assignment, loads, cuts
+    (150 random problems per kind, with and without rank and edge caps, caps of 0 included)."""
+    rng = random.Random(100 + seed)
+    outcomes = {"solved": 0, "infeasible": 0, "cut": 0}
+    for _ in range(150):
+        base, amounts, holders, initial, edge = _graph_case(rng, kind)
+        num_ranks = len(base)
+        rank = [g for ranks in holders for g in ranks]
+        bounds = list(itertools.accumulate([0] + [len(ranks) for ranks in holders]))
+        flat_edge = None if edge is None else [c for row in edge for c in row]
+        graph = HolderGraph(num_ranks, rank, bounds, flat_edge)
+        flat_initial = [a for row in initial for a in row]
+        total = sum(base) + sum(amounts)
+        cap_choice = rng.choice(["none", "tight", "loose", "zero", "some none"])
+        caps = None
+        if cap_choice == "zero":  # a budget of 0: only an instance without load fits
+            caps = [0] * num_ranks
+        elif cap_choice != "none":
+            slack = total // num_ranks + (3 if cap_choice == "tight" else total)
+            caps = [b + rng.randint(0, slack) for b in base]
+            if cap_choice == "some none":
+                caps = [None if rng.random() < 0.3 else c for c in caps]
+        ref = min_max_lists(base, amounts, holders, initial, caps, edge)
+        got = graph.min_max(base, flat_initial, caps)
+        assert (ref is None) == (got is None)
+        if ref is not None:
+            assert got[0] == [a for row in ref[0] for a in row] and got[1] == ref[1]
+        outcomes["solved" if ref is not None else "infeasible"] += 1
+        if caps is not None and None not in caps:
+            cut = caps_cut(base, holders, initial, caps, edge)
+            assert graph.caps_cut(base, flat_initial, caps) == cut
+            outcomes["cut"] += cut is not None
+    assert outcomes["solved"] > 50
+    if kind in ("general", "one hot item"):
+        assert outcomes["infeasible"] > 5 and outcomes["cut"] > 5
 
 
 def test_interval_split_contiguous_owner_first() -> None:

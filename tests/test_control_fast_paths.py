@@ -1,5 +1,6 @@
 """The controller's fast paths against their slow, obvious references, bit for bit, on many
-random loads: the placement greedy (early exit), the flat holders, the budget search
+random loads: the placement greedy (early exit), the flat holders, the starting split and the
+exact assignment on the flat holder graph, the single-rank cuts, the budget search
 (feasibility without the min-max part, cuts, the cut-guided search under a memory budget) and
 the whole plan.
 
@@ -33,6 +34,20 @@ def _random_counts(rng: random.Random, case: int) -> np.ndarray:
     num_experts = num_ranks * rng.choice([1, 2, 4])
     exponent = rng.choice([0.0, 0.5, 1.0, 1.5, 3.0])
     return zipf_counts(num_ranks, num_experts, exponent, rng.choice([0, 9, 300, 4096]), case)
+
+
+def _degenerate_counts(rng: random.Random, case: int) -> np.ndarray:
+    """Random loads, or (one case in two) one hot expert, all experts balanced, or no pairs."""
+    counts = _random_counts(rng, case)
+    shape = rng.choice(["random", "random", "random", "one hot", "balanced", "zero"])
+    if shape == "one hot":
+        counts[:] = 0
+        counts[:, rng.randrange(counts.shape[1])] = rng.choice([1, 100, 5000])
+    elif shape == "balanced":
+        counts[:] = rng.choice([1, 7, 300])
+    elif shape == "zero":
+        counts[:] = 0
+    return counts
 
 
 def _call(counts: np.ndarray, lrmoe: LRMoEConfig, mode: str) -> controller._Call:
@@ -150,6 +165,65 @@ def test_holders_match_the_placement(mode: str) -> None:
     assert checked > 40
 
 
+@pytest.mark.parametrize("mode", ["save", "recompute"])
+def test_start_and_assignment_match_the_list_references(mode: str) -> None:
+    """The flat starting split (array operations) and the exact assignment on the holder graph
+    against the per-item list versions, for uncapped and capped quotas, with and without rank
+    caps (caps of 0 included): the same entries, loads and cuts."""
+    rng = random.Random(12)
+    compared = {"assignment": 0, "infeasible": 0, "cut": 0}
+    empty_owner = 0
+    for case in range(150):
+        counts = _degenerate_counts(rng, case)
+        lrmoe = LRMoEConfig(
+            keep_ratio=rng.choice([0.3, 0.5, 1.0]),
+            activation_mode=mode,
+            max_replicas_per_rank=rng.choice([1, 2, 3]),
+        )
+        call = _call(counts, lrmoe, mode)
+        num_ranks = counts.shape[0]
+        empty_owner += bool((call.holders.forward == 0).any())  # the start skips it in save
+        for quota in (call.q0, water_fill_np(call.q0, int(call.q0.max(initial=0)) // 3)):
+            base, initial = call.start(quota)
+            ref_base, ref_initial = call.reference_start(quota)
+            assert base == ref_base and initial == [a for row in ref_initial for a in row]
+            even = -(-int(quota.sum()) // num_ranks)
+            tight = [even + rng.randint(0, 5) for _ in range(num_ranks)]
+            for caps in (None, [0] * num_ranks, tight):
+                got = call.min_max(quota, caps)
+                assert got == call.reference_min_max(quota, caps)
+                compared["assignment" if got is not None else "infeasible"] += 1
+                if caps is not None:
+                    cut = call.caps_cut(quota, caps)
+                    assert cut == call.reference_caps_cut(quota, caps)
+                    compared["cut"] += cut is not None
+    assert min(compared.values()) > 50
+    assert empty_owner > 0
+
+
+@pytest.mark.parametrize("mode", ["save", "recompute"])
+def test_single_rank_load_matches_the_dense_cuts(mode: str) -> None:
+    rng = random.Random(13)
+    loaded = 0
+    for case in range(150):
+        counts = _degenerate_counts(rng, case)
+        lrmoe = LRMoEConfig(
+            keep_ratio=rng.choice([0.3, 0.5, 1.0]),
+            activation_mode=mode,
+            max_replicas_per_rank=rng.choice([0, 1, 2]),
+        )
+        call = _call(counts, lrmoe, mode)
+        num_ranks, num_experts = counts.shape
+        owned = call.w.reshape(num_ranks, num_experts // num_ranks).sum(1)
+        assert np.array_equal(call.per_owner(call.w), owned)
+        for cap in (0, 1, int(call.q0.max(initial=0)) // 2, None):
+            quota = water_fill_np(call.q0, cap)
+            got = call.single_rank_load(quota)
+            assert np.array_equal(got, call.reference_single_rank_load(quota))
+            loaded += bool(got.any())
+    assert loaded > 200
+
+
 def _budget_config(rng: random.Random, counts: np.ndarray, mode: str) -> LRMoEConfig:
     free = plan_call(counts, 0, LRMoEConfig(keep_ratio=0.5, max_replicas_per_rank=2), COST)
     peak = int(free.memory.budgeted_bytes.max())
@@ -213,12 +287,14 @@ def test_memory_cap_search_matches_bisection(mode: str) -> None:
 def test_plans_match_the_reference_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(11)
     cases = []
-    for case in range(120):
-        counts = _random_counts(rng, 300 + case)
+    for case in range(160):
+        counts = _random_counts(rng, 300 + case) if case < 120 else _degenerate_counts(rng, case)
         mode = rng.choice(["save", "recompute", "auto"])
         if rng.random() < 0.7:
             lrmoe = _budget_config(rng, counts, "save" if mode == "auto" else mode)
             lrmoe = dataclasses.replace(lrmoe, activation_mode=mode)
+            if case >= 140:  # a budget of 0: nothing fits, the plan keeps no pair
+                lrmoe = dataclasses.replace(lrmoe, memory_budget_bytes=0)
         else:
             lrmoe = LRMoEConfig(keep_ratio=0.5, activation_mode=mode, max_replicas_per_rank=2)
         cases.append((counts, lrmoe, rng.random() < 0.2))
@@ -228,6 +304,11 @@ def test_plans_match_the_reference_paths(monkeypatch: pytest.MonkeyPatch) -> Non
     )
     monkeypatch.setattr(controller._Call, "fits", controller._Call.reference_fits)
     monkeypatch.setattr(controller._Call, "memory_cap", controller._Call.bisect_cap)
+    monkeypatch.setattr(controller._Call, "min_max", controller._Call.reference_min_max)
+    monkeypatch.setattr(controller._Call, "caps_cut", controller._Call.reference_caps_cut)
+    monkeypatch.setattr(
+        controller._Call, "single_rank_load", controller._Call.reference_single_rank_load
+    )
     trimmed = 0
     for (counts, lrmoe, exact), got in zip(cases, fast):
         _same(got, plan_call(counts, 0, lrmoe, COST, exact_forward=exact))

@@ -34,6 +34,7 @@ import torch
 from megatron_lrmoe.control._checks import long_tensor
 
 __all__ = [
+    "HolderGraph",
     "balance_over_replicas",
     "caps_cut",
     "greedy_balance_over_replicas",
@@ -502,6 +503,288 @@ def min_max_lists(
             assert bound is not None and bound > low, "a failed probe must prove a bound"
             low = bound
     return x, load
+
+
+# The edge room of an entry without an edge cap: larger than any load, so one code path serves
+# both modes (``room - x`` never binds, ``x >= room`` never holds).
+_NO_EDGE_CAP = 1 << 62
+
+
+class HolderGraph:
+    """The holder graph of one call, built once, for repeated exact solves (the fast path of
+    :func:`min_max_lists` and :func:`caps_cut`, the same results bit for bit).
+
+    Items and holders are flat entries: item i owns entries ``bounds[i]:bounds[i + 1]``, entry k
+    is held on rank ``rank[k]`` (ascending within an item) with edge room ``room[k]``. What does
+    not change between the solves of one call is built here once: each rank's entries, each
+    entry's item, the connected components of the holder graph (for the first lower bound).
+    The solves run the same Dinic phases as :func:`_rebalance`, visiting arcs in the same order,
+    on flat lists (one index per entry instead of an item row and a position).
+
+    Args:
+        num_ranks: P.
+        rank: ``[K]`` rank of every entry, items in order, each item's ranks ascending.
+        bounds: ``[M + 1]`` first entry of every item, then K.
+        room: ``[K]`` edge capacity of every entry (save mode: the forward pairs), or None.
+    """
+
+    def __init__(
+        self,
+        num_ranks: int,
+        rank: Sequence[int],
+        bounds: Sequence[int],
+        room: Optional[Sequence[int]] = None,
+    ) -> None:
+        self.num_ranks = num_ranks
+        self.rank = rank = list(rank)
+        self.bounds = bounds = list(bounds)
+        self.num_items = num_items = len(bounds) - 1
+        self.item = item = []
+        for i in range(num_items):
+            item += [i] * (bounds[i + 1] - bounds[i])
+        self.room = [_NO_EDGE_CAP] * len(rank) if room is None else list(room)
+        self.at_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+        for k, g in enumerate(rank):
+            self.at_rank[g].append(k)  # ascending k: the item order _start gives
+        # Components of the holder graph (ranks linked by shared items), by breadth-first
+        # search: the first probe's bound depends on this partition alone.
+        self.singles: list[int] = []
+        self.groups: list[list[int]] = []
+        seen, done = [False] * num_items, [False] * num_ranks
+        for g in range(num_ranks):
+            if done[g]:
+                continue
+            done[g] = True
+            group = [g]
+            for u in group:
+                for k in self.at_rank[u]:
+                    i = item[k]
+                    if not seen[i]:
+                        seen[i] = True
+                        for h in rank[bounds[i] : bounds[i + 1]]:
+                            if not done[h]:
+                                done[h] = True
+                                group.append(h)
+            if len(group) == 1:
+                self.singles.append(g)
+            else:
+                self.groups.append(group)
+
+    def _load(self, base: Sequence[int], x: list[int]) -> list[int]:
+        load = list(base)
+        for g, amount in zip(self.rank, x):
+            load[g] += amount
+        return load
+
+    def _bound(self, load: list[int], caps: list[Optional[int]], capped: bool) -> Optional[int]:
+        """:func:`_component_bound` from the components found at construction."""
+        if not capped:
+            bound = max((load[g] for g in self.singles), default=0)
+            for group in self.groups:
+                total = sum(load[g] for g in group)
+                bound = max(bound, -(-total // len(group)))
+            return bound
+        bound = 0
+        for g in self.singles:
+            if caps[g] is not None and load[g] > caps[g]:
+                return None
+            bound = max(bound, load[g])
+        for group in self.groups:
+            level = _level([caps[g] for g in group], sum(load[g] for g in group))
+            if level is None:
+                return None
+            bound = max(bound, level)
+        return bound
+
+    def min_max(
+        self,
+        base: Sequence[int],
+        initial: Sequence[int],
+        rank_cap: Optional[Sequence[Optional[int]]] = None,
+    ) -> Optional[tuple[list[int], list[int]]]:
+        """:func:`min_max_lists` on flat entries: ``(amount per entry, load per rank)``.
+
+        Args:
+            base: ``[P]`` rigid load per rank.
+            initial: ``[K]`` starting amount per entry (each item's entries sum to its amount,
+                within the edge room).
+            rank_cap: ``[P]`` most load per rank (None entries: no cap), or None.
+
+        Returns:
+            The optimal assignment and loads (the same as :func:`min_max_lists`), or None when
+            the rank capacities cannot be met.
+        """
+        num_ranks = self.num_ranks
+        capped = rank_cap is not None
+        caps: list[Optional[int]] = list(rank_cap) if capped else [None] * num_ranks
+        if capped and any(c is not None and b > c for b, c in zip(base, caps)):
+            return None
+        x = list(initial)
+        load = self._load(base, x)
+        if num_ranks == 0:
+            return x, load
+        if capped:
+            top = max(load)
+            unbounded = [top if c is None else c for c in caps]
+            if self._rebalance(load, x, unbounded) is not None:
+                return None
+        low = self._bound(load, caps, capped and any(c is not None for c in caps))
+        if low is None:
+            return None
+        high = max(load)
+        while low < high:
+            if capped:
+                limit = [low if c is None or low < c else c for c in caps]
+            else:
+                limit = [low] * num_ranks
+            cut = self._rebalance(load, x, limit)
+            if cut is None:
+                high = max(load)
+            else:
+                bound = _level([caps[g] for g in cut], sum(load[g] for g in cut))
+                assert bound is not None and bound > low, "a failed probe must prove a bound"
+                low = bound
+        return x, load
+
+    def caps_cut(
+        self, base: Sequence[int], initial: Sequence[int], rank_cap: Sequence[int]
+    ) -> Optional[list[int]]:
+        """:func:`caps_cut` on flat entries: None when the caps admit an assignment, else a
+        violated cut of ranks (the same as :func:`caps_cut`)."""
+        for g, (b, c) in enumerate(zip(base, rank_cap)):
+            if b > c:
+                return [g]
+        x = list(initial)
+        return self._rebalance(self._load(base, x), x, list(rank_cap))
+
+    def _rebalance(self, load: list[int], x: list[int], limit: list[int]) -> Optional[list[int]]:
+        """:func:`_rebalance` on flat entries (in place; the same phases, arcs and moves).
+
+        Two shortcuts that do not change a move: ranks over their limit only lose load within a
+        call (targets fill up to their limit at most, ranks along a path keep theirs), so each
+        phase's over ranks are filtered from the last phase's; the breadth-first queue is a
+        list read in order.
+        """
+        rank_of, item_of, bounds, room, at_rank = (
+            self.rank,
+            self.item,
+            self.bounds,
+            self.room,
+            self.at_rank,
+        )
+        num_ranks, num_items = self.num_ranks, self.num_items
+        over = [g for g in range(num_ranks) if load[g] > limit[g]]
+        while over:
+            rank_level = [-1] * num_ranks
+            item_level = [-1] * num_items
+            for g in over:
+                rank_level[g] = 0
+            queue = list(over)
+            reached = False
+            for g in queue:
+                item_next = rank_level[g] + 1
+                for k in at_rank[g]:
+                    i = item_of[k]
+                    if item_level[i] >= 0 or not x[k]:
+                        continue
+                    item_level[i] = item_next
+                    for kk in range(bounds[i], bounds[i + 1]):
+                        h = rank_of[kk]
+                        if rank_level[h] >= 0 or x[kk] >= room[kk]:
+                            continue
+                        rank_level[h] = item_next + 1
+                        if load[h] < limit[h]:
+                            reached = True  # a target: paths end here
+                        else:
+                            queue.append(h)
+            if not reached:
+                return sorted(queue)
+            rank_arc = [0] * num_ranks
+            item_arc = bounds[:-1]
+
+            def push(g: int, amount: int) -> int:
+                """Pushes up to ``amount`` from non-target rank g along the level graph."""
+                arcs = at_rank[g]
+                item_next = rank_level[g] + 1
+                hold_next = item_next + 1
+                a, stop = rank_arc[g], len(arcs)
+                while a < stop:
+                    k = arcs[a]
+                    i = item_of[k]
+                    have = x[k]
+                    if item_level[i] == item_next and have > 0:
+                        part = amount if amount < have else have
+                        kk, end = item_arc[i], bounds[i + 1]
+                        while kk < end:
+                            h = rank_of[kk]
+                            if rank_level[h] == hold_next:
+                                space = room[kk] - x[kk]
+                                if space > part:
+                                    space = part
+                                if space > 0:
+                                    if load[h] < limit[h]:  # a target
+                                        moved = limit[h] - load[h]
+                                        if moved > space:
+                                            moved = space
+                                        load[h] += moved
+                                    else:
+                                        moved = push(h, space)
+                                    if moved:
+                                        x[kk] += moved
+                                        x[k] -= moved
+                                        item_arc[i] = kk
+                                        rank_arc[g] = a
+                                        return moved
+                            kk += 1
+                        item_arc[i] = kk
+                    a += 1
+                rank_arc[g] = a
+                return 0
+
+            # ``push`` from each over rank (level 0) until it is within its limit or stuck,
+            # inlined: a fresh push would restart at the arc and holder where the last path
+            # left, which is where this loop continues.
+            for g in over:
+                amount = load[g] - limit[g]
+                arcs = at_rank[g]
+                a, stop = 0, len(arcs)
+                while a < stop:
+                    k = arcs[a]
+                    i = item_of[k]
+                    have = x[k]
+                    if item_level[i] == 1 and have > 0:
+                        part = amount if amount < have else have
+                        kk, end = item_arc[i], bounds[i + 1]
+                        moved = 0
+                        while kk < end:
+                            h = rank_of[kk]
+                            if rank_level[h] == 2:
+                                space = room[kk] - x[kk]
+                                if space > part:
+                                    space = part
+                                if space > 0:
+                                    if load[h] < limit[h]:  # a target
+                                        moved = limit[h] - load[h]
+                                        if moved > space:
+                                            moved = space
+                                        load[h] += moved
+                                    else:
+                                        moved = push(h, space)
+                                    if moved:
+                                        x[kk] += moved
+                                        x[k] -= moved
+                                        break
+                            kk += 1
+                        item_arc[i] = kk
+                        if moved:
+                            load[g] -= moved
+                            amount -= moved
+                            if not amount:
+                                break
+                            continue  # the same arc again
+                    a += 1
+            over = [g for g in over if load[g] > limit[g]]
+        return None
 
 
 def min_max_balance(

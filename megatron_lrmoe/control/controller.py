@@ -52,7 +52,12 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.control.balance import caps_cut, interval_split_np, min_max_lists
+from megatron_lrmoe.control.balance import (
+    HolderGraph,
+    caps_cut,
+    interval_split_np,
+    min_max_lists,
+)
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.placement import place_replicas
 from megatron_lrmoe.control.quota import (
@@ -76,6 +81,7 @@ logger = logging.getLogger(__name__)
 # Bisection of the placement threshold stops within this fraction of T: a finer threshold lowers
 # the forward peak by under 0.2 % and costs at least one more greedy run per halving.
 PLACEMENT_TOLERANCE = 1.0 / 512
+_NEVER = np.iinfo(np.int64).max  # a position no count of units left reaches
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -543,6 +549,7 @@ class _Holders:
         self.expert, self.rank, self.forward, self.bounds = expert, rank, forward, bounds
         self.heads = bounds[:-1]  # [M] first entry of each item
         self.experts = expert[self.heads]
+        self.size = int(self.experts.size)
 
     @staticmethod
     @functools.cache
@@ -552,7 +559,7 @@ class _Holders:
         return _Holders(none, none, none, np.zeros(1, dtype=np.int64))
 
     def __len__(self) -> int:
-        return int(self.experts.size)
+        return self.size
 
     def lists(self, flat: np.ndarray) -> list[list[int]]:
         """A flat ``[K]`` array cut into one list per item."""
@@ -567,12 +574,17 @@ class _Holders:
     def forward_lists(self) -> list[list[int]]:
         return self.lists(self.forward)
 
+    @cached_property
+    def item(self) -> np.ndarray:
+        """``[K]`` item of every entry."""
+        return np.searchsorted(self.experts, self.expert)  # both ascending
+
 
 def _holders_from(expert: np.ndarray, rank: np.ndarray, forward: np.ndarray) -> _Holders:
     """Holders from entries sorted by (expert, rank), each expert with two or more."""
     if not expert.size:
         return _Holders.empty()
-    starts = np.flatnonzero(expert[1:] != expert[:-1]) + 1
+    starts = (expert[1:] != expert[:-1]).nonzero()[0] + 1
     return _Holders(expert, rank, forward, np.concatenate(([0], starts, [expert.size])))
 
 
@@ -604,7 +616,7 @@ class _Call:
         self.local = self.num_experts // self.num_sources
         self.owner = np.arange(self.num_experts) // self.local
         self.diagonal = (np.arange(self.num_experts), self.owner)  # (expert, owner) index
-        self.sent = n.sum(1)
+        self.owned_starts = np.arange(0, self.num_experts, max(self.local, 1))
         self.memory_budget = lrmoe.memory_budget_bytes if cost is not None else None
         self.exchange_budget = (
             lrmoe.exchange_budget_bytes if cost is not None and self.num_sources > 1 else None
@@ -614,6 +626,12 @@ class _Call:
         # holders outside R can take ([E]) and the mask ([P]) (see ``cut_of``).
         self.cuts: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._caps: dict[tuple, Optional[np.ndarray]] = {}
+        self._slot_room: Optional[np.ndarray] = None
+
+    @cached_property
+    def sent(self) -> np.ndarray:
+        """``[P]`` pairs each source sends (budgets and the memory plan only)."""
+        return self.n.sum(1)
 
     # -- placement and forward split ----------------------------------------------------------
 
@@ -632,10 +650,11 @@ class _Call:
         if self.memory_budget is None or self.cost is None:
             return [limit] * self.num_sources
         cost, mode = self.cost, self.mode
-        fixed = cost.expert_saved_bytes(mode) * threshold
-        per_source = cost.source_saved_bytes(mode, keeps_all=self.lrmoe.is_exact)
-        room = self.memory_budget - fixed - per_source * self.sent
-        return np.clip(room // cost.replica_bytes, 0, limit).tolist()
+        if self._slot_room is None:  # what the source rows leave, the same for every T
+            per_source = cost.source_saved_bytes(mode, keeps_all=self.lrmoe.is_exact)
+            self._slot_room = self.memory_budget - per_source * self.sent
+        room = self._slot_room - cost.expert_saved_bytes(mode) * threshold
+        return np.minimum(np.maximum(room // cost.replica_bytes, 0), limit).tolist()
 
     def place(self) -> None:
         """Replicas, the exact forward split over them, and pruning of idle replicas."""
@@ -660,7 +679,7 @@ class _Call:
             # Replica entries always carry pairs; an owner entry may be empty (still a holder).
             replica = holders.rank != self.owner[holders.expert]
             forward[holders.expert, holders.rank] = holders.forward
-            self.holds[holders.expert[replica], holders.rank[replica]] = True
+            self.holds[holders.expert, holders.rank] = True  # owners: already True
             self.rigid[holders.experts] = False
             self.forward_rank_load = self.per_owner(w * self.rigid)
             np.add.at(self.forward_rank_load, holders.rank, holders.forward)
@@ -672,7 +691,9 @@ class _Call:
 
     def per_owner(self, values: np.ndarray) -> np.ndarray:
         """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
-        return values.reshape(self.num_sources, self.local).sum(1)
+        if not self.local:
+            return np.zeros(self.num_sources, dtype=np.int64)
+        return np.add.reduceat(values, self.owned_starts)  # faster than a sum over [P, L]
 
     def _polish(self, placement: Any, exact: bool) -> _Holders:
         """The greedy's forward split, or (``exact``) the exact min-max split over its holders
@@ -681,7 +702,7 @@ class _Call:
         # Replicas come sorted by (expert, rank); each replicated expert gains an owner entry
         # with the pairs the greedy left there.
         replica_expert = placement.replica_expert
-        first = np.flatnonzero(replica_expert[1:] != replica_expert[:-1]) + 1
+        first = (replica_expert[1:] != replica_expert[:-1]).nonzero()[0] + 1
         first = np.concatenate(([0], first))
         experts = replica_expert[first]
         kept_home = w[experts] - np.add.reduceat(placement.replica_pairs, first)
@@ -744,13 +765,55 @@ class _Call:
             return True
         return int(quota.sum()) > int(caps.sum())
 
-    def start(self, quota: np.ndarray) -> tuple[list[int], list[list[int]]]:
+    @cached_property
+    def graph(self) -> HolderGraph:
+        """The holder graph of the replicated experts (save mode: edge room ``A``), built once
+        for every assignment and feasibility trial of this call."""
+        holders = self.holders
+        return HolderGraph(
+            self.num_sources,
+            holders.rank.tolist(),
+            holders.bounds.tolist(),
+            holders.forward.tolist() if self.mode == "save" else None,
+        )
+
+    @cached_property
+    def _start_constants(self) -> tuple[np.ndarray, np.ndarray]:
+        """What :meth:`start` needs that only the placement decides, per entry ``[K]``: the
+        divisor ``max(W, 1)`` and the order in which the item's holders take the units left
+        (ascending rank; save mode skips holders without forward pairs, never first)."""
+        holders = self.holders
+        divisor = np.maximum(self.w[holders.expert], 1)
+        position = np.arange(holders.rank.size) - holders.heads[holders.item]
+        if self.mode == "save":
+            # floor(Q A / W) < A exactly when A > 0 and Q < W; at Q == W no unit is left. Only
+            # an owner entry can lack forward pairs: the holders after it move up one place.
+            can = holders.forward > 0
+            if not can.all():
+                taken = np.cumsum(can)
+                position = taken - (taken - can)[holders.heads][holders.item] - 1
+                position[~can] = _NEVER
+        return divisor, position
+
+    def start(self, quota: np.ndarray) -> tuple[list[int], list[int]]:
+        """:meth:`reference_start` with the starting split flat (one entry per holder, as
+        :attr:`graph` numbers them), computed with array operations."""
+        holders = self.holders
+        base = self.per_owner(quota * self.rigid).tolist()
+        if not len(holders):
+            return base, []
+        divisor, position = self._start_constants
+        share = quota[holders.expert] * holders.forward // divisor
+        left = quota[holders.experts] - np.add.reduceat(share, holders.heads)
+        share += position < left[holders.item]
+        return base, share.tolist()
+
+    def reference_start(self, quota: np.ndarray) -> tuple[list[int], list[list[int]]]:
         """Rigid load per rank and the replicated experts' starting split of ``quota``.
 
         Each holder starts with its proportional share ``floor(Q A / W)`` of the forward pairs;
         the units left go one each to the first holders (ascending rank) that can take one (save
-        mode: ``B <= A``). The exact solver then only corrects a near-optimal start. (A numpy
-        version is no faster: a few dozen items at most, a handful of holders each.)
+        mode: ``B <= A``). The exact solver then only corrects a near-optimal start.
         """
         base = self.per_owner(quota * self.rigid).tolist()
         save = self.mode == "save"
@@ -786,23 +849,54 @@ class _Call:
         if caps is None and not len(holders):
             # Fixed ownership, nothing to balance: every kept pair on its owner.
             return self._finish(_Backward(quota, load, self.per_owner(quota), None, None))
+        result = self.min_max(quota, None if caps is None else caps.tolist())
+        if result is None:
+            return None
+        flat, rank_load = result
+        if len(holders):
+            load[holders.expert, holders.rank] = flat
+        plan = _Backward(quota, load, np.asarray(rank_load, dtype=np.int64), None, None)
+        return self._finish(plan)
+
+    def min_max(
+        self, quota: np.ndarray, caps: Optional[list[int]]
+    ) -> Optional[tuple[list[int], list[int]]]:
+        """Exact min-max assignment of ``quota`` from :meth:`start` on :attr:`graph`: the
+        amount per holder entry and the load per rank, None when ``caps`` admit none."""
         base, initial = self.start(quota)
+        return self.graph.min_max(base, initial, caps)
+
+    def reference_min_max(
+        self, quota: np.ndarray, caps: Optional[list[int]]
+    ) -> Optional[tuple[list[int], list[int]]]:
+        """The slow, obvious :meth:`min_max`: :meth:`reference_start` and
+        :func:`min_max_lists` on per-item lists."""
+        holders = self.holders
+        base, initial = self.reference_start(quota)
         result = min_max_lists(
             base,
             quota[holders.experts].tolist(),
             holders.ranks,
             initial,
-            None if caps is None else caps.tolist(),
+            caps,
             holders.forward_lists if self.mode == "save" else None,
         )
         if result is None:
             return None
-        rows, rank_load = result
-        if len(holders):
-            flat = itertools.chain.from_iterable(rows)
-            load[holders.expert, holders.rank] = np.fromiter(flat, np.int64, holders.rank.size)
-        plan = _Backward(quota, load, np.asarray(rank_load, dtype=np.int64), None, None)
-        return self._finish(plan)
+        return list(itertools.chain.from_iterable(result[0])), result[1]
+
+    def caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
+        """Ranks of a violated cut when ``caps`` admit no assignment of ``quota``, else None
+        (:meth:`start` on :attr:`graph`)."""
+        base, initial = self.start(quota)
+        return self.graph.caps_cut(base, initial, caps)
+
+    def reference_caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
+        """The slow, obvious :meth:`caps_cut`: :func:`caps_cut` on per-item lists."""
+        holders = self.holders
+        base, initial = self.reference_start(quota)
+        edges = holders.forward_lists if self.mode == "save" else None
+        return caps_cut(base, holders.ranks, initial, caps, edges)
 
     def _finish(self, plan: _Backward) -> _Backward:
         if self.local_scope:
@@ -908,9 +1002,7 @@ class _Call:
         holders = self.holders
         if not len(holders) or not quota.any():
             return None  # nothing can move, or nothing to place: the checks above decided
-        base, initial = self.start(quota)
-        edges = holders.forward_lists if self.mode == "save" else None
-        ranks = caps_cut(base, holders.ranks, initial, caps.tolist(), edges)
+        ranks = self.caps_cut(quota, caps.tolist())
         return None if ranks is None else self._cut(ranks)
 
     def _cut(self, ranks: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -980,14 +1072,8 @@ class _Call:
         q0 = self.q0
         lo, hi = 0, int(q0.max(initial=0))
         caps = self.rank_caps(np.zeros_like(q0))
-        # What each single rank R = {g} must hold at the top cap (the ``outside`` of ``_cut``
-        # for every g at once, ``[E, P]``): the most overloaded rank often binds.
-        if self.mode == "save":
-            outside = self.w[:, None] - self.forward_load
-        else:  # only a rank that holds an expert alone must keep its pairs
-            alone = self.holds & (self.holds.sum(1) == 1)[:, None]
-            outside = np.where(alone, 0, self.w[:, None])
-        excess = np.maximum(q0[:, None] - outside, 0).sum(0) - caps
+        # The most overloaded single rank at the top cap often binds.
+        excess = self.single_rank_load(q0) - caps
         if int(excess.max(initial=0)) > 0:
             self._cut([int(excess.argmax())])
         bounds: dict[bytes, int] = {}
@@ -1006,6 +1092,29 @@ class _Call:
                 lo = cap
             else:
                 hi = cap
+
+    def single_rank_load(self, quota: np.ndarray) -> np.ndarray:
+        """``[P]`` what every assignment of ``quota`` puts on each rank g alone, the cut
+        ``R = {g}`` (:meth:`reference_single_rank_load`) from the holder entries: an expert with
+        one holder keeps its quota there; a replicated one keeps ``max(0, Q - (W - A[e, g]))``
+        on a holder in save mode (its other holders take at most their forward pairs), nothing
+        in recompute mode (they take any amount)."""
+        load = self.per_owner(quota * self.rigid)
+        holders = self.holders
+        if self.mode == "save" and len(holders):
+            stuck = quota[holders.expert] - self.w[holders.expert] + holders.forward
+            np.add.at(load, holders.rank, np.maximum(stuck, 0))
+        return load
+
+    def reference_single_rank_load(self, quota: np.ndarray) -> np.ndarray:
+        """The slow, obvious :meth:`single_rank_load`: the ``outside`` of :meth:`_cut` for every
+        single rank at once, ``[E, P]``."""
+        if self.mode == "save":
+            outside = self.w[:, None] - self.forward_load
+        else:  # only a rank that holds an expert alone must keep its pairs
+            alone = self.holds & (self.holds.sum(1) == 1)[:, None]
+            outside = np.where(alone, 0, self.w[:, None])
+        return np.maximum(quota[:, None] - outside, 0).sum(0)
 
     def binding(self, cap: int) -> tuple[str, ...]:
         """The budgets that each alone rule out the quota cap ``cap``."""
@@ -1142,7 +1251,7 @@ def _as_counts(counts: Any) -> np.ndarray:
         raise ValueError(
             f"counts has {n.shape[1]} experts, not divisible by its {n.shape[0]} ranks"
         )
-    if (n < 0).any():
+    if n.size and n.min() < 0:
         raise ValueError("counts must be non-negative")
     return n
 
@@ -1191,11 +1300,16 @@ def plan_call(
     # Modes in order of preference (auto: save, then recompute); the first that no budget trims
     # wins at once, else the one that keeps the most pairs (then the lower forward peak).
     best: Optional[tuple[tuple, _Call, _Backward, Optional[int], tuple, tuple]] = None
-    for mode in _modes(lrmoe):
+    modes = _modes(lrmoe)
+    for mode in modes:
         call = _Call(n, w, lrmoe, cost, mode, q0, exact_forward)
         call.place()
         plan, cap, binding, unmet = call.solve()
-        rank = (bool(unmet), -int(plan.quota.sum()), int(call.forward_rank_load.max(initial=0)))
+        rank = (
+            (bool(unmet), -int(plan.quota.sum()), int(call.forward_rank_load.max(initial=0)))
+            if len(modes) > 1
+            else ()
+        )
         if best is None or rank < best[0]:
             best = (rank, call, plan, cap, binding, unmet)
         if not binding:
