@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -48,12 +49,15 @@ class Placement:
     """Replicas chosen for one call and the greedy's split of pairs.
 
     Attributes:
-        threshold: The smallest T (within the search's tolerance) at which the greedy succeeded;
-            the greedy's peak load is at most T.
+        threshold: The peak load of this split: the smallest T (within the search's tolerance)
+            at which the greedy succeeded, or the lower exact peak the local search reached.
         replica_expert: ``[M]`` int64 expert of each replica, sorted by (expert, rank).
         replica_rank: ``[M]`` int64 rank hosting it (never the expert's owner).
-        replica_pairs: ``[M]`` int64 pairs the greedy moved to it (all positive).
+        replica_pairs: ``[M]`` int64 pairs computed there (all positive): the greedy's split,
+            or after a local search that paid the exact min-max split over its replicas.
         greedy_runs: How many thresholds were tried (planner cost diagnostics).
+        changes: Replicas the local search after the greedy added or dropped (0: the greedy's
+            placement as it was).
     """
 
     threshold: int
@@ -61,6 +65,7 @@ class Placement:
     replica_rank: np.ndarray
     replica_pairs: np.ndarray
     greedy_runs: int
+    changes: int = 0
 
 
 def threshold_greedy(
@@ -224,6 +229,247 @@ def reference_threshold_greedy(
     return moves
 
 
+# The local search after the greedy runs only when E * P is at most this. Its neighbourhood (one
+# replica added or exchanged) grows as E * P and each member is scored by a max-flow, so beyond
+# small layers it would cost more than the whole plan; there the greedy is within about 1 % of
+# the lower bound anyway (docs/control.md, "Cost and quality").
+IMPROVE_MAX_PAIRS = 256
+# At most this many accepted moves per call (each lowers (peak, excess); a guard, rarely reached).
+IMPROVE_MAX_ROUNDS = 32
+
+
+class _Excess:
+    """The pairs above a level T that no assignment over a replica set avoids (a max-flow).
+
+    Holds one assignment of every replicated expert's pairs over its holders (owner first, the
+    replicas ascending) and moves pairs along augmenting paths (rank -> expert with pairs there
+    -> another holder of it) from ranks above T to ranks below it. When no path is left, the
+    ranks the search reached form the cut R that maximises ``load(R) - T |R|`` over rank sets
+    (load(R): experts held only inside R), the smallest such set; what is still above T is
+    ``max(0, that maximum)``, the same for every assignment. Visiting orders are fixed (lower
+    rank, lower expert), so everything is a pure function of the inputs.
+    """
+
+    def __init__(self, loads: Sequence[int], num_ranks: int, replicas: Sequence[tuple[int, int]]):
+        self.loads = loads
+        self.local = len(loads) // num_ranks
+        self.load = [sum(loads[g * self.local : (g + 1) * self.local]) for g in range(num_ranks)]
+        self.split: dict[int, dict[int, int]] = {}  # replicated expert -> {holder: pairs}
+        for e, g in replicas:
+            self.add(e, g)
+
+    def copy(self) -> "_Excess":
+        new = object.__new__(_Excess)
+        new.loads, new.local, new.load = self.loads, self.local, list(self.load)
+        new.split = {e: dict(row) for e, row in self.split.items()}
+        return new
+
+    def add(self, expert: int, rank: int) -> None:
+        """Makes ``rank`` a holder of ``expert`` (with no pairs yet)."""
+        if expert not in self.split:
+            self.split[expert] = {expert // self.local: self.loads[expert]}
+        self.split[expert][rank] = 0
+
+    def remove(self, expert: int, rank: int) -> None:
+        """Drops the replica of ``expert`` on ``rank``; its pairs go back to the owner."""
+        row = self.split[expert]
+        owner = expert // self.local
+        amount = row.pop(rank)
+        row[owner] += amount
+        self.load[rank] -= amount
+        self.load[owner] += amount
+        if len(row) == 1:
+            del self.split[expert]
+
+    def excess(self, level: int) -> tuple[int, list[int]]:
+        """Moves pairs until no augmenting path is left.
+
+        Returns:
+            The pairs still above ``level`` (0: the replica set reaches a peak of ``level``) and
+            the cut R (ascending ranks; empty when nothing is above).
+        """
+        load, split = self.load, self.split
+        num_ranks = len(load)
+        at_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+        for e in sorted(split):
+            for g in split[e]:
+                at_rank[g].append(e)
+        while True:
+            over = [g for g in range(num_ranks) if load[g] > level]
+            if not over:
+                return 0, []
+            # Breadth first from every rank above the level; parent[h] = (rank, expert) it came
+            # from (None for a start).
+            parent: dict[int, Optional[tuple[int, int]]] = {g: None for g in over}
+            queue = deque(over)
+            sink = -1
+            while queue and sink < 0:
+                g = queue.popleft()
+                for e in at_rank[g]:
+                    if split[e][g] == 0:
+                        continue
+                    for h in sorted(split[e]):
+                        if h in parent:
+                            continue
+                        parent[h] = (g, e)
+                        if load[h] < level:
+                            sink = h
+                            break
+                        queue.append(h)
+                    if sink >= 0:
+                        break
+            if sink < 0:
+                cut = sorted(parent)
+                return sum(load[g] - level for g in over), cut
+            path = []  # (from rank, expert, to rank), sink first
+            start = sink
+            while (step := parent[start]) is not None:
+                path.append((step[0], step[1], start))
+                start = step[0]
+            amount = min(load[start] - level, level - load[sink], *(split[e][g] for g, e, _ in path))
+            for g, e, h in path:
+                split[e][g] -= amount
+                split[e][h] += amount
+            load[start] -= amount  # ranks inside the path keep their load
+            load[sink] += amount
+
+    def peak(self, low: int) -> int:
+        """The exact min-max peak of this replica set (at least ``low``, a lower bound)."""
+        level = low
+        while True:
+            excess, cut = self.excess(level)
+            if not excess:
+                return level
+            # Nothing leaves the cut: every assignment puts sum(load[cut]) on it.
+            confined = sum(self.load[g] for g in cut)
+            level = max(level + 1, -(-confined // len(cut)))
+
+
+def _improve(
+    loads: Sequence[int],
+    num_ranks: int,
+    slots: Sequence[int],
+    replicas: Sequence[tuple[int, int]],
+    low: int,
+) -> tuple[int, list[tuple[int, int]]]:
+    """Local search from a replica set: best single change per round while it pays.
+
+    The objective, lowest first: the exact peak K of the replica set, then the pairs that stay
+    above K - 1 (how far the set is from the next lower peak; without it no single change helps
+    when several ranks share the peak). A round tries, in order of target rank, expert and
+    dropped replica (ascending), adding a replica of expert e on rank g (g has a free slot) or
+    exchanging one of g's replicas for it (g is full, and the peak must not rise), and takes the
+    change that lowers the objective most (ties: the first); it stops when none does, at the
+    lower bound ``low``, or after :data:`IMPROVE_MAX_ROUNDS` changes.
+
+    Only changes that give an expert held only inside the cut R of :meth:`_Excess.excess` at
+    ``K - 1`` a holder outside R are tried: every other change leaves ``load(R) - (K - 1) |R|``
+    where it is, so it cannot lower the objective (:func:`reference_improve` tries them all).
+
+    Returns:
+        The peak reached and the replicas ``(expert, rank)``, sorted.
+    """
+    local = len(loads) // num_ranks
+    state = _Excess(loads, num_ranks, replicas)
+    held = {(e, g) for e, g in replicas}
+    peak = state.peak(low)
+    for _ in range(IMPROVE_MAX_ROUNDS):
+        if peak <= low:
+            break
+        excess, cut = state.excess(peak - 1)
+        inside = set(cut)
+        confined = [
+            e
+            for e in range(len(loads))
+            if loads[e] and all(g in inside for g in state.split.get(e, (e // local,)))
+        ]
+        best: Optional[tuple[tuple[int, int], _Excess, tuple[int, int], Optional[int]]] = None
+        for g in range(num_ranks):
+            if g in inside:
+                continue
+            mine = sorted(e for e, h in held if h == g)
+            for e in confined:
+                for drop in mine if len(mine) >= slots[g] else [None]:
+                    trial = state.copy()
+                    if drop is not None:
+                        trial.remove(drop, g)
+                    trial.add(e, g)
+                    score = trial.excess(peak - 1)[0]
+                    if score >= excess or (best is not None and score > best[0][0]):
+                        continue
+                    if drop is not None and trial.excess(peak)[0]:
+                        continue  # the dropped replica was needed for the peak
+                    key = (score, trial.excess(low)[0])
+                    if best is None or key < best[0]:
+                        best = (key, trial, (e, g), drop)
+        if best is None:
+            break
+        (score, _), state, move, drop = best
+        if drop is not None:
+            held.discard((drop, move[1]))
+        held.add(move)
+        if not score:
+            peak = state.peak(low)
+    return peak, sorted(held)
+
+
+def reference_improve(
+    loads: Sequence[int],
+    num_ranks: int,
+    slots: Sequence[int],
+    replicas: Sequence[tuple[int, int]],
+    low: int,
+) -> tuple[int, list[tuple[int, int]]]:
+    """The slow, obvious :func:`_improve`: every change tried, each scored from scratch by the
+    rank-set formula (the excess above T is the largest ``load(R) - T |R|``, at least 0, over
+    every rank set R; the peak the smallest T where it is 0). Tests compare the two."""
+    local = len(loads) // num_ranks
+
+    def excess(chosen: set[tuple[int, int]], level: int) -> int:
+        holders = [{e // local} | {g for f, g in chosen if f == e} for e in range(len(loads))]
+        worst = 0
+        for mask in range(1, 1 << num_ranks):
+            inside = {g for g in range(num_ranks) if mask >> g & 1}
+            confined = sum(x for x, h in zip(loads, holders) if h <= inside)
+            worst = max(worst, confined - level * len(inside))
+        return worst
+
+    def peak_of(chosen: set[tuple[int, int]]) -> int:
+        holders = [{e // local} | {g for f, g in chosen if f == e} for e in range(len(loads))]
+        level = low
+        for mask in range(1, 1 << num_ranks):
+            inside = {g for g in range(num_ranks) if mask >> g & 1}
+            confined = sum(x for x, h in zip(loads, holders) if h <= inside)
+            level = max(level, -(-confined // len(inside)))
+        return level
+
+    held = set(replicas)
+    peak = peak_of(held)
+    for _ in range(IMPROVE_MAX_ROUNDS):
+        if peak <= low:
+            break
+        current = excess(held, peak - 1)
+        best: Optional[tuple[tuple[int, int], set[tuple[int, int]]]] = None
+        for g in range(num_ranks):
+            mine = sorted(e for e, h in held if h == g)
+            for e in range(len(loads)):
+                if e // local == g or (e, g) in held:
+                    continue
+                for drop in mine if len(mine) >= slots[g] else [None]:
+                    trial = (held - {(drop, g)}) | {(e, g)}
+                    key = (excess(trial, peak - 1), excess(trial, low))
+                    if key[0] >= current or (drop is not None and excess(trial, peak)):
+                        continue
+                    if best is None or key < best[0]:
+                        best = (key, trial)
+        if best is None:
+            break
+        (score, _), held = best
+        if not score:
+            peak = peak_of(held)
+    return peak, sorted(held)
+
+
 def _slots_at(slots: Slots, threshold: int, num_ranks: int) -> list[int]:
     if callable(slots):
         return [int(s) for s in slots(threshold)]
@@ -299,12 +545,59 @@ def place_replicas(
                 bad = trial
             else:
                 best_t, best = trial, moves
+    changes = 0
+    if num_ranks * num_experts <= IMPROVE_MAX_PAIRS:
+        best_t, best, changes = _polish(loads, num_ranks, rank_load, best_t, best, slots, low)
     if not best:
         return Placement(top, empty, empty, empty, runs)
     arr = np.fromiter(itertools.chain.from_iterable(best), np.int64, 3 * len(best)).reshape(-1, 3)
     order = np.lexsort((arr[:, 1], arr[:, 0]))
     arr = arr[order]
-    return Placement(best_t, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), runs)
+    return Placement(best_t, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), runs, changes)
+
+
+def _polish(
+    loads: list[int],
+    num_ranks: int,
+    rank_load: list[int],
+    threshold: int,
+    moves: list[tuple[int, int, int]],
+    slots: Slots,
+    low: int,
+) -> tuple[int, list[tuple[int, int, int]], int]:
+    """The local search (:func:`_improve`) from the greedy's replicas, within the slots at the
+    greedy's threshold; kept only where its exact split's peak is below the greedy's own split.
+
+    Every rank stays at or below the greedy's threshold, so slots that shrink as T grows (the
+    controller's memory budget) still hold.
+
+    Returns:
+        ``(peak bound, moves (expert, rank, pairs), changes made)``: the inputs when the search
+        gains nothing.
+    """
+    load = list(rank_load)
+    local = len(loads) // num_ranks
+    for e, g, amount in moves:
+        load[e // local] -= amount
+        load[g] += amount
+    greedy_peak = max(load)
+    room = _slots_at(slots, threshold, num_ranks)
+    if greedy_peak <= low or not any(room):
+        return threshold, moves, 0
+    start = sorted((e, g) for e, g, _ in moves)
+    peak, replicas = _improve(loads, num_ranks, room, start, low)
+    if peak >= greedy_peak:
+        return threshold, moves, 0
+    # The split from a fresh start, so that it depends on the replica set alone.
+    split = _Excess(loads, num_ranks, replicas)
+    split.excess(peak)
+    result = [
+        (e, g, amount)
+        for e, row in sorted(split.split.items())
+        for g, amount in sorted(row.items())
+        if g != e // local and amount > 0
+    ]
+    return peak, result, len(set(replicas) ^ set(start))
 
 
 def reference_optimal_peak(load: Sequence[int], num_ranks: int, slots: int) -> int:
