@@ -333,6 +333,26 @@ class _Excess:
             load[start] -= amount  # ranks inside the path keep their load
             load[sink] += amount
 
+    def feeders(self, level: int) -> list[bool]:
+        """``[P]`` whether each rank is below ``level`` or can pass pairs on to one that is (an
+        expert with pairs on it has another holder that is a feeder)."""
+        load, split = self.load, self.split
+        num_ranks = len(load)
+        at_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+        for e, row in split.items():
+            for g in row:
+                at_rank[g].append(e)
+        useful = [x < level for x in load]
+        queue = deque(g for g in range(num_ranks) if useful[g])
+        while queue:
+            h = queue.popleft()
+            for e in at_rank[h]:
+                for g, amount in split[e].items():
+                    if amount and not useful[g]:
+                        useful[g] = True
+                        queue.append(g)
+        return useful
+
     def peak(self, low: int) -> int:
         """The exact min-max peak of this replica set (at least ``low``, a lower bound)."""
         level = low
@@ -370,8 +390,11 @@ def _improve(
         The peak reached and the replicas ``(expert, rank)``, sorted.
     """
     local = len(loads) // num_ranks
+    hot_first = sorted((e for e in range(len(loads)) if loads[e]), key=lambda e: (-loads[e], e))
+    fixed = [sum(loads[g * local : (g + 1) * local]) for g in range(num_ranks)]
+    coolest = sorted(range(num_ranks), key=lambda g: (fixed[g], g))
     state = _Excess(loads, num_ranks, replicas)
-    held = {(e, g) for e, g in replicas}
+    held = set(replicas)
     peak = state.peak(low)
     for _ in range(IMPROVE_MAX_ROUNDS):
         if peak <= low:
@@ -379,34 +402,38 @@ def _improve(
         excess, cut = state.excess(peak - 1)
         inside = set(cut)
         confined = [
-            e
-            for e in range(len(loads))
-            if loads[e] and all(g in inside for g in state.split.get(e, (e // local,)))
+            e for e in hot_first if all(g in inside for g in state.split.get(e, (e // local,)))
         ]
-        best: Optional[tuple[tuple[int, int], _Excess, tuple[int, int], Optional[int]]] = None
-        for g in range(num_ranks):
-            if g in inside:
+        # Adding a replica of a confined expert on rank g lowers the excess exactly when g can
+        # pass pairs on to a rank below the level (its pairs can then leave the cut through g),
+        # so adds need no trial flow; exchanges do (the dropped pairs go back to their owner).
+        useful = state.feeders(peak - 1)
+        full = [sum(h == g for _, h in held) >= slots[g] for g in range(num_ranks)]
+        found = None
+        for e in confined:
+            g = next((g for g in coolest if useful[g] and not full[g]), None)
+            if g is not None:
+                trial = state.copy()
+                trial.add(e, g)
+                found = (trial.excess(peak - 1)[0], trial, (e, g), None)
+                break
+        for e, g in itertools.product(confined if found is None else (), coolest):
+            if g in inside or not full[g]:
                 continue
-            mine = sorted(e for e, h in held if h == g)
-            for e in confined:
-                for drop in mine if len(mine) >= slots[g] else [None]:
-                    trial = state.copy()
-                    if drop is not None:
-                        trial.remove(drop, g)
-                    trial.add(e, g)
-                    score = trial.excess(peak - 1)[0]
-                    if score >= excess or (best is not None and score > best[0][0]):
-                        continue
-                    if drop is not None and trial.excess(peak)[0]:
-                        continue  # the dropped replica was needed for the peak
-                    key = (score, trial.excess(low)[0])
-                    if best is None or key < best[0]:
-                        best = (key, trial, (e, g), drop)
-        if best is None:
+            for drop in sorted(f for f, h in held if h == g):
+                trial = state.copy()
+                trial.remove(drop, g)
+                trial.add(e, g)
+                score = trial.excess(peak - 1)[0]
+                if score < excess and not trial.excess(peak)[0]:
+                    found = (score, trial, (e, g), drop)
+                    break
+            if found:
+                break
+        if found is None:
             break
-        (score, _), state, move, drop = best
-        if drop is not None:
-            held.discard((drop, move[1]))
+        score, state, move, drop = found
+        held.discard((drop, move[1]))
         held.add(move)
         if not score:
             peak = state.peak(low)
@@ -443,28 +470,32 @@ def reference_improve(
             level = max(level, -(-confined // len(inside)))
         return level
 
+    hot_first = sorted(range(len(loads)), key=lambda e: (-loads[e], e))
+    fixed = [sum(loads[g * local : (g + 1) * local]) for g in range(num_ranks)]
+    coolest = sorted(range(num_ranks), key=lambda g: (fixed[g], g))
     held = set(replicas)
     peak = peak_of(held)
     for _ in range(IMPROVE_MAX_ROUNDS):
         if peak <= low:
             break
         current = excess(held, peak - 1)
-        best: Optional[tuple[tuple[int, int], set[tuple[int, int]]]] = None
-        for g in range(num_ranks):
-            mine = sorted(e for e, h in held if h == g)
-            for e in range(len(loads)):
-                if e // local == g or (e, g) in held:
-                    continue
-                for drop in mine if len(mine) >= slots[g] else [None]:
-                    trial = (held - {(drop, g)}) | {(e, g)}
-                    key = (excess(trial, peak - 1), excess(trial, low))
-                    if key[0] >= current or (drop is not None and excess(trial, peak)):
-                        continue
-                    if best is None or key < best[0]:
-                        best = (key, trial)
-        if best is None:
+        full = [sum(h == g for _, h in held) >= slots[g] for g in range(num_ranks)]
+        candidates = [
+            (e, g) for e in hot_first for g in coolest if e // local != g and (e, g) not in held
+        ]
+        changes = [(held | {(e, g)}, None) for e, g in candidates if not full[g]] + [
+            ((held - {(drop, g)}) | {(e, g)}, drop)
+            for e, g in candidates
+            if full[g]
+            for drop in sorted(f for f, h in held if h == g)
+        ]
+        for trial, drop in changes:
+            score = excess(trial, peak - 1)
+            if score < current and (drop is None or not excess(trial, peak)):
+                held = trial
+                break
+        else:
             break
-        (score, _), held = best
         if not score:
             peak = peak_of(held)
     return peak, sorted(held)
