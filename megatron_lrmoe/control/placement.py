@@ -19,6 +19,14 @@ bisects back (every T it returns was verified, so the search is correct even whe
 not monotone in T). The greedy's own split of pairs is only a starting point:
 the controller then computes the exact min-max assignment over the chosen replicas.
 
+The greedy never gives a replica to a rank at or above T, so it misses chains (rank A sheds to B
+while B sheds to C) and, on small layers, can end well above the optimum. On layers with
+``E * P <= IMPROVE_MAX_PAIRS`` a local search (:func:`_improve`) then adds or exchanges one
+replica at a time, each change accepted only when it lowers the exact peak, or the pairs that
+keep it from the next lower peak (a max-flow, :class:`_Excess`), within the slots at the
+greedy's threshold. Its result, with its exact min-max split, replaces the greedy's only where
+that peak is below the greedy split's, so the placement never gets worse.
+
 Deterministic: ties go to the lower rank, then the lower expert id. Everything is host integers.
 """
 
@@ -36,6 +44,7 @@ import numpy as np
 __all__ = [
     "Placement",
     "place_replicas",
+    "reference_improve",
     "reference_optimal_peak",
     "reference_threshold_greedy",
     "threshold_greedy",
@@ -234,7 +243,7 @@ def reference_threshold_greedy(
 # small layers it would cost more than the whole plan; there the greedy is within about 1 % of
 # the lower bound anyway (docs/control.md, "Cost and quality").
 IMPROVE_MAX_PAIRS = 256
-# At most this many accepted moves per call (each lowers (peak, excess); a guard, rarely reached).
+# At most this many accepted changes per call (each lowers (peak, excess); a guard).
 IMPROVE_MAX_ROUNDS = 32
 
 
@@ -326,7 +335,8 @@ class _Excess:
             while (step := parent[start]) is not None:
                 path.append((step[0], step[1], start))
                 start = step[0]
-            amount = min(load[start] - level, level - load[sink], *(split[e][g] for g, e, _ in path))
+            room = level - load[sink]
+            amount = min(load[start] - level, room, *(split[e][g] for g, e, _ in path))
             for g, e, h in path:
                 split[e][g] -= amount
                 split[e][h] += amount
@@ -372,19 +382,22 @@ def _improve(
     replicas: Sequence[tuple[int, int]],
     low: int,
 ) -> tuple[int, list[tuple[int, int]]]:
-    """Local search from a replica set: best single change per round while it pays.
+    """Local search from a replica set: the first single change that pays, while one does.
 
     The objective, lowest first: the exact peak K of the replica set, then the pairs that stay
     above K - 1 (how far the set is from the next lower peak; without it no single change helps
-    when several ranks share the peak). A round tries, in order of target rank, expert and
-    dropped replica (ascending), adding a replica of expert e on rank g (g has a free slot) or
-    exchanging one of g's replicas for it (g is full, and the peak must not rise), and takes the
-    change that lowers the objective most (ties: the first); it stops when none does, at the
-    lower bound ``low``, or after :data:`IMPROVE_MAX_ROUNDS` changes.
+    when several ranks share the peak). A round tries, in this order, adding a replica of expert
+    e on rank g where g has a free slot (experts hottest first, then ranks by fixed-ownership
+    load, lowest first; ties to the lower id), then exchanging one of g's replicas for e where g
+    is full (the same order, dropped replica ascending; the peak must not rise), and takes the
+    first change that lowers the excess above K - 1. It stops when none does, at the lower bound
+    ``low``, or after :data:`IMPROVE_MAX_ROUNDS` changes. This finds the chains the greedy
+    misses (rank A sheds to B while B sheds to C): the greedy never gives a replica to a rank at
+    or above its threshold.
 
     Only changes that give an expert held only inside the cut R of :meth:`_Excess.excess` at
     ``K - 1`` a holder outside R are tried: every other change leaves ``load(R) - (K - 1) |R|``
-    where it is, so it cannot lower the objective (:func:`reference_improve` tries them all).
+    where it is, so it cannot lower the excess (:func:`reference_improve` tries them all).
 
     Returns:
         The peak reached and the replicas ``(expert, rank)``, sorted.
