@@ -1,7 +1,7 @@
 """The controller's fast paths against their slow, obvious references, bit for bit, on many
-random loads: the placement greedy (early exit), its local search, the flat holders, the budget search
-(feasibility without the min-max part, cuts, the cut-guided search under a memory budget) and
-the whole plan.
+random loads: the placement greedy (early exit), its local search, the flat holders, the budget
+search (feasibility without the min-max part, cuts, the cut-guided search under a memory budget)
+and the whole plan.
 
 Shapes: P ranks, E experts, N[r, e] pairs from source r to expert e.
 """
