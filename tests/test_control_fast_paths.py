@@ -125,11 +125,16 @@ def test_improve_matches_reference() -> None:
             slots = [rng.choice([1, 2])] * num_ranks
         low = max(-(-sum(load) // num_ranks), max(-(-x // num_ranks) for x in load))
         greedy = placement.place_replicas(np.array(load, dtype=np.int64), num_ranks, slots)
-        start = sorted(zip(greedy.replica_expert.tolist(), greedy.replica_rank.tolist()))
-        for replicas in (start, []):
-            if any(sum(g == r for _, g in replicas) > s for r, s in enumerate(slots)):
-                continue  # the greedy's replicas after its own search: within these slots
-            args = (load, num_ranks, slots, replicas, low)
+        start = list(
+            zip(
+                greedy.replica_expert.tolist(),
+                greedy.replica_rank.tolist(),
+                greedy.replica_pairs.tolist(),
+            )
+        )
+        for moves in (start, []):
+            replicas = sorted((e, g) for e, g, _ in moves)
+            args = (load, num_ranks, slots, moves, low, low + rng.choice([0, 0, 1, 5]))
             got = placement._improve(*args)
             assert got == placement.reference_improve(*args)
             changed += got[1] != replicas

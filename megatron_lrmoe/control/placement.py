@@ -239,10 +239,10 @@ def reference_threshold_greedy(
 
 
 # The local search after the greedy runs only when E * P is at most this. Its neighbourhood (one
-# replica added or exchanged) grows as E * P and each member is scored by a max-flow, so beyond
-# small layers it would cost more than the whole plan; there the greedy is within about 1 % of
-# the lower bound anyway (docs/control.md, "Cost and quality").
-IMPROVE_MAX_PAIRS = 256
+# replica added or exchanged) grows as E * P and its max-flows, in Python, as P: at EP 16 with 16
+# experts it already costs about 1 ms a call (4x the plan) for a forward peak about 1 % lower,
+# and at EP 64 the greedy is within 1 % of the lower bound (docs/control.md, "Cost and quality").
+IMPROVE_MAX_PAIRS = 128
 # At most this many accepted changes per call (each lowers (peak, excess); a guard).
 IMPROVE_MAX_ROUNDS = 32
 
@@ -259,13 +259,27 @@ class _Excess:
     rank, lower expert), so everything is a pure function of the inputs.
     """
 
-    def __init__(self, loads: Sequence[int], num_ranks: int, replicas: Sequence[tuple[int, int]]):
+    def __init__(
+        self,
+        loads: Sequence[int],
+        num_ranks: int,
+        replicas: Sequence[tuple[int, int]],
+        start: Sequence[tuple[int, int, int]] = (),
+    ):
+        """Every expert's pairs on its owner, then ``start``'s moves ``(expert, rank, pairs)``
+        to the replicas among them (a warm start: the greedy's split needs few paths)."""
         self.loads = loads
         self.local = len(loads) // num_ranks
         self.load = [sum(loads[g * self.local : (g + 1) * self.local]) for g in range(num_ranks)]
         self.split: dict[int, dict[int, int]] = {}  # replicated expert -> {holder: pairs}
         for e, g in replicas:
             self.add(e, g)
+        for e, g, amount in start:
+            if g in self.split.get(e, ()):
+                self.split[e][g] += amount
+                self.split[e][e // self.local] -= amount
+                self.load[g] += amount
+                self.load[e // self.local] -= amount
 
     def copy(self) -> "_Excess":
         new = object.__new__(_Excess)
@@ -379,10 +393,12 @@ def _improve(
     loads: Sequence[int],
     num_ranks: int,
     slots: Sequence[int],
-    replicas: Sequence[tuple[int, int]],
+    moves: Sequence[tuple[int, int, int]],
     low: int,
+    stop: int,
 ) -> tuple[int, list[tuple[int, int]]]:
-    """Local search from a replica set: the first single change that pays, while one does.
+    """Local search from the greedy's moves ``(expert, rank, pairs)`` (its replicas; its split
+    only warm-starts the flows): the first single change that pays, while one does.
 
     The objective, lowest first: the exact peak K of the replica set, then the pairs that stay
     above K - 1 (how far the set is from the next lower peak; without it no single change helps
@@ -390,8 +406,9 @@ def _improve(
     e on rank g where g has a free slot (experts hottest first, then ranks by fixed-ownership
     load, lowest first; ties to the lower id), then exchanging one of g's replicas for e where g
     is full (the same order, dropped replica ascending; the peak must not rise), and takes the
-    first change that lowers the excess above K - 1. It stops when none does, at the lower bound
-    ``low``, or after :data:`IMPROVE_MAX_ROUNDS` changes. This finds the chains the greedy
+    first change that lowers the excess above K - 1. It stops when none does, once the peak is
+    at most ``stop`` (``low``, the lower bound, plus the caller's tolerance), or after
+    :data:`IMPROVE_MAX_ROUNDS` changes. This finds the chains the greedy
     misses (rank A sheds to B while B sheds to C): the greedy never gives a replica to a rank at
     or above its threshold.
 
@@ -406,11 +423,12 @@ def _improve(
     hot_first = sorted((e for e in range(len(loads)) if loads[e]), key=lambda e: (-loads[e], e))
     fixed = [sum(loads[g * local : (g + 1) * local]) for g in range(num_ranks)]
     coolest = sorted(range(num_ranks), key=lambda g: (fixed[g], g))
-    state = _Excess(loads, num_ranks, replicas)
+    replicas = sorted((e, g) for e, g, _ in moves)
+    state = _Excess(loads, num_ranks, replicas, moves)
     held = set(replicas)
     peak = state.peak(low)
     for _ in range(IMPROVE_MAX_ROUNDS):
-        if peak <= low:
+        if peak <= stop:
             break
         excess, cut = state.excess(peak - 1)
         inside = set(cut)
@@ -457,8 +475,9 @@ def reference_improve(
     loads: Sequence[int],
     num_ranks: int,
     slots: Sequence[int],
-    replicas: Sequence[tuple[int, int]],
+    moves: Sequence[tuple[int, int, int]],
     low: int,
+    stop: int,
 ) -> tuple[int, list[tuple[int, int]]]:
     """The slow, obvious :func:`_improve`: every change tried, each scored from scratch by the
     rank-set formula (the excess above T is the largest ``load(R) - T |R|``, at least 0, over
@@ -486,10 +505,10 @@ def reference_improve(
     hot_first = sorted(range(len(loads)), key=lambda e: (-loads[e], e))
     fixed = [sum(loads[g * local : (g + 1) * local]) for g in range(num_ranks)]
     coolest = sorted(range(num_ranks), key=lambda g: (fixed[g], g))
-    held = set(replicas)
+    held = {(e, g) for e, g, _ in moves}
     peak = peak_of(held)
     for _ in range(IMPROVE_MAX_ROUNDS):
-        if peak <= low:
+        if peak <= stop:
             break
         current = excess(held, peak - 1)
         full = [sum(h == g for _, h in held) >= slots[g] for g in range(num_ranks)]
@@ -536,7 +555,8 @@ def place_replicas(
         slots: Replicas per rank: an int for every rank, a ``[P]`` sequence, or a function of the
             threshold T returning one (the controller's memory budget makes slots depend on T).
         tolerance: Stop bisecting once the bracket is within ``max(1, tolerance * T)``; 0 finds
-            the smallest T the greedy reaches to the unit.
+            the smallest T the greedy reaches to the unit. The local search after the greedy
+            stops within ``tolerance`` of the lower bound.
 
     Returns:
         The placement; no replicas when none lower the peak.
@@ -591,7 +611,8 @@ def place_replicas(
                 best_t, best = trial, moves
     changes = 0
     if num_ranks * num_experts <= IMPROVE_MAX_PAIRS:
-        best_t, best, changes = _polish(loads, num_ranks, rank_load, best_t, best, slots, low)
+        stop = low + int(tolerance * low)
+        best_t, best, changes = _polish(loads, num_ranks, rank_load, best_t, best, slots, low, stop)
     if not best:
         return Placement(top, empty, empty, empty, runs)
     arr = np.fromiter(itertools.chain.from_iterable(best), np.int64, 3 * len(best)).reshape(-1, 3)
@@ -608,9 +629,12 @@ def _polish(
     moves: list[tuple[int, int, int]],
     slots: Slots,
     low: int,
+    stop: int,
 ) -> tuple[int, list[tuple[int, int, int]], int]:
     """The local search (:func:`_improve`) from the greedy's replicas, within the slots at the
     greedy's threshold; kept only where its exact split's peak is below the greedy's own split.
+    Nothing to do where the greedy's split is within ``stop`` (the lower bound ``low`` plus the
+    search's tolerance).
 
     Every rank stays at or below the greedy's threshold, so slots that shrink as T grows (the
     controller's memory budget) still hold.
@@ -626,14 +650,13 @@ def _polish(
         load[g] += amount
     greedy_peak = max(load)
     room = _slots_at(slots, threshold, num_ranks)
-    if greedy_peak <= low or not any(room):
+    if greedy_peak <= stop or not any(room):
         return threshold, moves, 0
-    start = sorted((e, g) for e, g, _ in moves)
-    peak, replicas = _improve(loads, num_ranks, room, start, low)
+    peak, replicas = _improve(loads, num_ranks, room, moves, low, stop)
     if peak >= greedy_peak:
         return threshold, moves, 0
-    # The split from a fresh start, so that it depends on the replica set alone.
-    split = _Excess(loads, num_ranks, replicas)
+    # The split from the greedy's (not the search's last state): the same whichever search ran.
+    split = _Excess(loads, num_ranks, replicas, moves)
     split.excess(peak)
     result = [
         (e, g, amount)
@@ -641,7 +664,7 @@ def _polish(
         for g, amount in sorted(row.items())
         if g != e // local and amount > 0
     ]
-    return peak, result, len(set(replicas) ^ set(start))
+    return peak, result, len(set(replicas) ^ {(e, g) for e, g, _ in moves})
 
 
 def reference_optimal_peak(load: Sequence[int], num_ranks: int, slots: int) -> int:
