@@ -441,13 +441,11 @@ def _improve(
         useful = state.feeders(peak - 1)
         full = [sum(h == g for _, h in held) >= slots[g] for g in range(num_ranks)]
         found = None
-        for e in confined:
-            g = next((g for g in coolest if useful[g] and not full[g]), None)
-            if g is not None:
-                trial = state.copy()
-                trial.add(e, g)
-                found = (trial.excess(peak - 1)[0], trial, (e, g), None)
-                break
+        target = next((g for g in coolest if useful[g] and not full[g]), None)
+        if confined and target is not None:
+            trial = state.copy()
+            trial.add(confined[0], target)
+            found = (trial.excess(peak - 1)[0], trial, (confined[0], target), None)
         for e, g in itertools.product(confined if found is None else (), coolest):
             if g in inside or not full[g]:
                 continue
