@@ -13,7 +13,7 @@ measures on the host CPU:
   (no placement can beat it); the backward peak of the controller's exact assignment against
   the same quotas without replicas;
 * on small cases (P = 3-4), the controller's peak against the exact optimum found by brute force
-  over every placement.
+  over every placement, with and without the placement's local search after the greedy.
 
 Usage: ``python benchmarks/planner_bench.py [--repeats 30] [--out benchmarks/results/...json]``.
 It prints a table and writes JSON. Timings depend on the machine and its load (the JSON records
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control import placement
 from megatron_lrmoe.control.controller import plan_call
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.placement import place_replicas, reference_optimal_peak
@@ -111,8 +112,10 @@ def lower_bound(load: np.ndarray, num_ranks: int) -> int:
 
 
 def small_cases(count: int) -> dict[str, Any]:
+    """The controller's forward peak over the brute-force optimum on small cases, and the same
+    with the placement's local search switched off (the threshold-search greedy alone)."""
     rng = np.random.default_rng(7)
-    ratios, ratios_exact, fixed = [], [], []
+    ratios, ratios_exact, ratios_greedy, fixed = [], [], [], []
     for case in range(count):
         num_ranks = int(rng.choice([3, 4]))
         num_experts = num_ranks * (2 if num_ranks == 3 else 1)
@@ -121,9 +124,15 @@ def small_cases(count: int) -> dict[str, Any]:
         lrmoe = LRMoEConfig(keep_ratio=KEEP, max_replicas_per_rank=1)
         plan = plan_call(counts, 0, lrmoe)
         exact = plan_call(counts, 0, lrmoe, exact_forward=True)
+        limit, placement.IMPROVE_MAX_PAIRS = placement.IMPROVE_MAX_PAIRS, 0
+        try:
+            greedy = plan_call(counts, 0, lrmoe)
+        finally:
+            placement.IMPROVE_MAX_PAIRS = limit
         best = reference_optimal_peak(load.tolist(), num_ranks, 1)
         ratios.append(plan.forward_peak / best)
         ratios_exact.append(exact.forward_peak / best)
+        ratios_greedy.append(greedy.forward_peak / best)
         fixed.append(plan.fixed_forward_peak / best)
     return {
         "cases": count,
@@ -131,6 +140,9 @@ def small_cases(count: int) -> dict[str, Any]:
         "controller_over_optimum_max": max(ratios),
         "controller_optimal_share": sum(r == 1.0 for r in ratios) / count,
         "exact_split_over_optimum_max": max(ratios_exact),
+        "greedy_alone_over_optimum_mean": statistics.fmean(ratios_greedy),
+        "greedy_alone_over_optimum_max": max(ratios_greedy),
+        "greedy_alone_optimal_share": sum(r == 1.0 for r in ratios_greedy) / count,
         "no_replicas_over_optimum_mean": statistics.fmean(fixed),
     }
 

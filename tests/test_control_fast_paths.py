@@ -1,8 +1,8 @@
 """The controller's fast paths against their slow, obvious references, bit for bit, on many
-random loads: the placement greedy (early exit), the flat holders, the starting split and the
-exact assignment on the flat holder graph, the single-rank cuts, the budget search
-(feasibility without the min-max part, cuts, the cut-guided search under a memory budget) and
-the whole plan.
+random loads: the placement greedy (early exit), its local search, the flat holders, the
+starting split and the exact assignment on the flat holder graph, the single-rank cuts, the
+budget search (feasibility without the min-max part, cuts, the cut-guided search under a memory
+budget) and the whole plan.
 
 Shapes: P ranks, E experts, N[r, e] pairs from source r to expert e.
 """
@@ -120,6 +120,61 @@ def test_place_replicas_same_with_the_reference_greedy(monkeypatch: pytest.Monke
             assert np.array_equal(getattr(got, name), getattr(ref, name)), name
         replicated += got.replica_expert.size > 0
     assert replicated > 50
+
+
+def test_improve_matches_reference() -> None:
+    rng = random.Random(3)
+    changed = 0
+    for case in range(150):
+        num_ranks = rng.choice([2, 3, 4, 5])
+        num_experts = num_ranks * (rng.choice([1, 2]) if num_ranks < 5 else 1)
+        if rng.random() < 0.5:
+            load = [rng.choice([0, 1, 3, 10, 40, 200]) for _ in range(num_experts)]
+        else:
+            exponent = rng.choice([0.5, 1.0, 1.5, 3.0])
+            counts = zipf_counts(num_ranks, num_experts, exponent, rng.choice([9, 300]), case)
+            load = counts.sum(0).tolist()
+        if rng.random() < 0.3:
+            slots = [rng.choice([0, 1, 2]) for _ in range(num_ranks)]
+        else:
+            slots = [rng.choice([1, 2])] * num_ranks
+        low = max(-(-sum(load) // num_ranks), max(-(-x // num_ranks) for x in load))
+        greedy = placement.place_replicas(np.array(load, dtype=np.int64), num_ranks, slots)
+        start = list(
+            zip(
+                greedy.replica_expert.tolist(),
+                greedy.replica_rank.tolist(),
+                greedy.replica_pairs.tolist(),
+            )
+        )
+        for moves in (start, []):
+            replicas = sorted((e, g) for e, g, _ in moves)
+            args = (load, num_ranks, slots, moves, low, low + rng.choice([0, 0, 1, 5]))
+            got = placement._improve(*args)
+            assert got == placement.reference_improve(*args)
+            changed += got[1] != replicas
+    assert changed > 60
+
+
+def test_place_replicas_same_with_the_reference_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(9)
+    cases = []
+    for case in range(100):
+        num_ranks = rng.choice([2, 3, 4, 5])
+        exponent = rng.choice([0.5, 1.0, 1.5, 3.0])
+        counts = zipf_counts(num_ranks, num_ranks * rng.choice([1, 2]), exponent, 300, case)
+        slots = rng.choice([1, 1, 2, [0, 1, 2, 1, 1][:num_ranks]])
+        cases.append((counts.sum(0), num_ranks, slots))
+    fast = [placement.place_replicas(*c) for c in cases]
+    monkeypatch.setattr(placement, "_improve", placement.reference_improve)
+    improved = 0
+    for c, got in zip(cases, fast):
+        ref = placement.place_replicas(*c)
+        assert got.threshold == ref.threshold and got.changes == ref.changes
+        for name in ("replica_expert", "replica_rank", "replica_pairs"):
+            assert np.array_equal(getattr(got, name), getattr(ref, name)), name
+        improved += got.changes > 0
+    assert improved >= 10
 
 
 def test_largest_cap_matches_reference() -> None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
+from megatron_lrmoe.control import placement as placement_module
 from megatron_lrmoe.control.balance import balance_over_replicas
 from megatron_lrmoe.control.placement import (
+    _Excess,
     place_replicas,
     reference_optimal_peak,
     threshold_greedy,
@@ -50,9 +53,9 @@ def _greedy_peak(load: list[int], num_ranks: int, slots: int) -> tuple[int, int,
 
 def test_placement_invariants_and_quality_against_brute_force() -> None:
     rng = random.Random(21)
-    ratios = []
-    for _ in range(150):
-        num_ranks = rng.choice([2, 3, 4])
+    optimal = 0
+    for case in range(162):
+        num_ranks = rng.choice([2, 3, 4]) if case < 150 else 5
         local = rng.choice([1, 2]) if num_ranks < 4 else 1
         slots = rng.choice([1, 2]) if num_ranks * local <= 4 else 1
         num_experts = num_ranks * local
@@ -61,7 +64,7 @@ def test_placement_invariants_and_quality_against_brute_force() -> None:
         optimum = reference_optimal_peak(load, num_ranks, slots)
         fixed = max(sum(load[r * local : (r + 1) * local]) for r in range(num_ranks))
         # Invariants: slots, one replica per (expert, rank), never on the owner, positive moves,
-        # the greedy's split within its threshold, never worse than fixed ownership.
+        # the split within the threshold, never worse than fixed ownership.
         pairs = list(zip(placement.replica_expert.tolist(), placement.replica_rank.tolist()))
         assert len(set(pairs)) == len(pairs)
         assert all(g != e // local for e, g in pairs)
@@ -69,10 +72,99 @@ def test_placement_invariants_and_quality_against_brute_force() -> None:
         assert (counts <= slots).all() and (placement.replica_pairs > 0).all()
         assert greedy <= placement.threshold or not pairs
         assert optimum <= exact_split <= greedy <= fixed
-        ratios.append(greedy / max(optimum, 1))
-    # A heuristic: often optimal, never far off on these small cases.
-    assert max(ratios) <= 1.5
-    assert sum(r == 1.0 for r in ratios) >= len(ratios) // 2
+        optimal += greedy == optimum
+    # The greedy alone is optimal in 141 of these 162 (up to 49 % above); with the local search
+    # after it every one of this fixed set reaches the optimum.
+    assert optimal == 162
+
+
+def test_local_search_never_worse_than_the_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(4)
+    cases = []
+    for _ in range(120):
+        num_ranks = int(rng.choice([2, 3, 4, 8, 16]))
+        local = int(rng.choice([1, 2, 4]))
+        slots = [int(s) for s in rng.integers(0, 3, num_ranks)]
+        load = rng.zipf(1.5, num_ranks * local).clip(max=10**4) * rng.integers(1, 50)
+        cases.append((load.astype(np.int64), num_ranks, slots))
+    searched = [_own_peak(c[0], c[1], place_replicas(*c)) for c in cases]
+    monkeypatch.setattr(placement_module, "IMPROVE_MAX_PAIRS", 0)
+    greedy = [_own_peak(c[0], c[1], place_replicas(*c)) for c in cases]
+    assert all(a <= b for a, b in zip(searched, greedy))
+    assert sum(a < b for a, b in zip(searched, greedy)) >= 5
+
+
+def _own_peak(load: np.ndarray, num_ranks: int, placement: object) -> int:
+    local = load.size // num_ranks
+    rank_load = load.reshape(num_ranks, local).sum(1)
+    np.add.at(rank_load, placement.replica_rank, placement.replica_pairs)
+    np.subtract.at(rank_load, placement.replica_expert // local, placement.replica_pairs)
+    return int(rank_load.max())
+
+
+def test_local_search_finds_the_chain() -> None:
+    # Ranks own (e0, e1), (e2, e3), (e4, e5) with loads 100, 70, 10 and one slot each. The greedy
+    # sends e0 to rank 2 and fills its slot; rank 1 then has nowhere to go (rank 0 is above
+    # every threshold below 70), so the greedy ends at 70. The optimum 60 is a chain: rank 1
+    # sheds e2 to rank 0, which sheds more of e0 to rank 2.
+    load = np.array([60, 40, 40, 30, 5, 5], dtype=np.int64)
+    placement = place_replicas(load, 3, 1)
+    assert reference_optimal_peak(load.tolist(), 3, 1) == placement.threshold == 60
+    assert list(zip(placement.replica_expert.tolist(), placement.replica_rank.tolist())) == [
+        (0, 2),
+        (2, 0),
+    ]
+    assert placement.replica_pairs.tolist() == [50, 10] and placement.changes == 1
+    # Slots that shrink as T grows (the controller's memory budget): the search keeps to those
+    # at the greedy's threshold, and every rank stays below it.
+    shrinking = place_replicas(load, 3, lambda t: [1, 1, 1] if t < 65 else [0, 0, 1])
+    assert shrinking.threshold == 70 and shrinking.replica_rank.tolist() == [2]
+
+
+def test_excess_and_cut_against_every_rank_set() -> None:
+    rng = random.Random(8)
+    for _ in range(300):
+        num_ranks = rng.choice([2, 3, 4, 5])
+        num_experts = num_ranks * rng.choice([1, 2])
+        local = num_experts // num_ranks
+        load = [rng.choice([0, 1, 5, 20, 90]) for _ in range(num_experts)]
+        replicas = sorted(
+            {
+                (e, g)
+                for e, g in (
+                    (rng.randrange(num_experts), rng.randrange(num_ranks)) for _ in range(4)
+                )
+                if g != e // local
+            }
+        )
+        holders = [{e // local} | {g for f, g in replicas if f == e} for e in range(num_experts)]
+        level = rng.randrange(sum(load) + 1)
+        # By max-flow / min-cut: the pairs above `level` in the best assignment are the largest
+        # load(R) - level |R| over rank sets R (load(R): experts held only inside R), and the
+        # smallest maximising set is where the augmenting paths stop.
+        gains = {}
+        for mask in range(1, 1 << num_ranks):
+            inside = frozenset(g for g in range(num_ranks) if mask >> g & 1)
+            confined = sum(x for x, h in zip(load, holders) if h <= inside)
+            gains[inside] = confined - level * len(inside)
+        best = max(gains.values())
+        state = _Excess(load, num_ranks, replicas)
+        excess, cut = state.excess(level)
+        assert excess == max(best, 0)
+        if best > 0:
+            assert set(cut) == frozenset.intersection(*(r for r, x in gains.items() if x == best))
+        # The assignment: every expert's pairs over its holders, every rank's load consistent.
+        rank_load = [0] * num_ranks
+        for e in range(num_experts):
+            row = state.split.get(e, {e // local: load[e]})
+            assert set(row) <= holders[e] and sum(row.values()) == load[e]
+            assert min(row.values()) >= 0
+            for g, amount in row.items():
+                rank_load[g] += amount
+        assert rank_load == state.load
+        assert sum(max(x - level, 0) for x in rank_load) == excess
+        peak = _Excess(load, num_ranks, replicas).peak(0)
+        assert peak == max(-(-(x + level * len(r)) // len(r)) for r, x in gains.items())
 
 
 def test_hot_expert_spreads_over_every_rank() -> None:

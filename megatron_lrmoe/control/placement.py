@@ -19,6 +19,14 @@ bisects back (every T it returns was verified, so the search is correct even whe
 not monotone in T). The greedy's own split of pairs is only a starting point:
 the controller then computes the exact min-max assignment over the chosen replicas.
 
+The greedy never gives a replica to a rank at or above T, so it misses chains (rank A sheds to B
+while B sheds to C) and, on small layers, can end well above the optimum. On layers with
+``E * P <= IMPROVE_MAX_PAIRS`` a local search (:func:`_improve`) then adds or exchanges one
+replica at a time, each change accepted only when it lowers the exact peak, or the pairs that
+keep it from the next lower peak (a max-flow, :class:`_Excess`), within the slots at the
+greedy's threshold. Its result, with its exact min-max split, replaces the greedy's only where
+that peak is below the greedy split's, so the placement never gets worse.
+
 Deterministic: ties go to the lower rank, then the lower expert id. Everything is host integers.
 """
 
@@ -27,6 +35,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -35,6 +44,7 @@ import numpy as np
 __all__ = [
     "Placement",
     "place_replicas",
+    "reference_improve",
     "reference_optimal_peak",
     "reference_threshold_greedy",
     "threshold_greedy",
@@ -48,12 +58,15 @@ class Placement:
     """Replicas chosen for one call and the greedy's split of pairs.
 
     Attributes:
-        threshold: The smallest T (within the search's tolerance) at which the greedy succeeded;
-            the greedy's peak load is at most T.
+        threshold: The peak load of this split: the smallest T (within the search's tolerance)
+            at which the greedy succeeded, or the lower exact peak the local search reached.
         replica_expert: ``[M]`` int64 expert of each replica, sorted by (expert, rank).
         replica_rank: ``[M]`` int64 rank hosting it (never the expert's owner).
-        replica_pairs: ``[M]`` int64 pairs the greedy moved to it (all positive).
+        replica_pairs: ``[M]`` int64 pairs computed there (all positive): the greedy's split,
+            or after a local search that paid the exact min-max split over its replicas.
         greedy_runs: How many thresholds were tried (planner cost diagnostics).
+        changes: Replicas the local search after the greedy added or dropped (0: the greedy's
+            placement as it was).
     """
 
     threshold: int
@@ -61,6 +74,7 @@ class Placement:
     replica_rank: np.ndarray
     replica_pairs: np.ndarray
     greedy_runs: int
+    changes: int = 0
 
 
 def threshold_greedy(
@@ -224,6 +238,299 @@ def reference_threshold_greedy(
     return moves
 
 
+# The local search after the greedy runs only when E * P is at most this. Its neighbourhood (one
+# replica added or exchanged) grows as E * P and its max-flows, in Python, as P: at EP 16 with 16
+# experts it already costs about 1 ms a call (4x the plan) for a forward peak about 1 % lower,
+# and at EP 64 the greedy is within 1 % of the lower bound (docs/control.md, "Cost and quality").
+IMPROVE_MAX_PAIRS = 128
+# At most this many accepted changes per call (each lowers (peak, excess); a guard).
+IMPROVE_MAX_ROUNDS = 32
+
+
+class _Excess:
+    """The pairs above a level T that no assignment over a replica set avoids (a max-flow).
+
+    Holds one assignment of every replicated expert's pairs over its holders (owner first, the
+    replicas ascending) and moves pairs along augmenting paths (rank -> expert with pairs there
+    -> another holder of it) from ranks above T to ranks below it. When no path is left, the
+    ranks the search reached form the cut R that maximises ``load(R) - T |R|`` over rank sets
+    (load(R): experts held only inside R), the smallest such set; what is still above T is
+    ``max(0, that maximum)``, the same for every assignment. Visiting orders are fixed (lower
+    rank, lower expert), so everything is a pure function of the inputs.
+    """
+
+    def __init__(
+        self,
+        loads: Sequence[int],
+        num_ranks: int,
+        replicas: Sequence[tuple[int, int]],
+        start: Sequence[tuple[int, int, int]] = (),
+    ):
+        """Every expert's pairs on its owner, then ``start``'s moves ``(expert, rank, pairs)``
+        to the replicas among them (a warm start: the greedy's split needs few paths)."""
+        self.loads = loads
+        self.local = len(loads) // num_ranks
+        self.load = [sum(loads[g * self.local : (g + 1) * self.local]) for g in range(num_ranks)]
+        self.split: dict[int, dict[int, int]] = {}  # replicated expert -> {holder: pairs}
+        for e, g in replicas:
+            self.add(e, g)
+        for e, g, amount in start:
+            if g in self.split.get(e, ()):
+                self.split[e][g] += amount
+                self.split[e][e // self.local] -= amount
+                self.load[g] += amount
+                self.load[e // self.local] -= amount
+
+    def copy(self) -> "_Excess":
+        new = object.__new__(_Excess)
+        new.loads, new.local, new.load = self.loads, self.local, list(self.load)
+        new.split = {e: dict(row) for e, row in self.split.items()}
+        return new
+
+    def add(self, expert: int, rank: int) -> None:
+        """Makes ``rank`` a holder of ``expert`` (with no pairs yet)."""
+        if expert not in self.split:
+            self.split[expert] = {expert // self.local: self.loads[expert]}
+        self.split[expert][rank] = 0
+
+    def remove(self, expert: int, rank: int) -> None:
+        """Drops the replica of ``expert`` on ``rank``; its pairs go back to the owner."""
+        row = self.split[expert]
+        owner = expert // self.local
+        amount = row.pop(rank)
+        row[owner] += amount
+        self.load[rank] -= amount
+        self.load[owner] += amount
+        if len(row) == 1:
+            del self.split[expert]
+
+    def excess(self, level: int) -> tuple[int, list[int]]:
+        """Moves pairs until no augmenting path is left.
+
+        Returns:
+            The pairs still above ``level`` (0: the replica set reaches a peak of ``level``) and
+            the cut R (ascending ranks; empty when nothing is above).
+        """
+        load, split = self.load, self.split
+        num_ranks = len(load)
+        at_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+        for e in sorted(split):
+            for g in split[e]:
+                at_rank[g].append(e)
+        while True:
+            over = [g for g in range(num_ranks) if load[g] > level]
+            if not over:
+                return 0, []
+            # Breadth first from every rank above the level; parent[h] = (rank, expert) it came
+            # from (None for a start).
+            parent: dict[int, Optional[tuple[int, int]]] = {g: None for g in over}
+            queue = deque(over)
+            sink = -1
+            while queue and sink < 0:
+                g = queue.popleft()
+                for e in at_rank[g]:
+                    if split[e][g] == 0:
+                        continue
+                    for h in sorted(split[e]):
+                        if h in parent:
+                            continue
+                        parent[h] = (g, e)
+                        if load[h] < level:
+                            sink = h
+                            break
+                        queue.append(h)
+                    if sink >= 0:
+                        break
+            if sink < 0:
+                cut = sorted(parent)
+                return sum(load[g] - level for g in over), cut
+            path = []  # (from rank, expert, to rank), sink first
+            start = sink
+            while (step := parent[start]) is not None:
+                path.append((step[0], step[1], start))
+                start = step[0]
+            room = level - load[sink]
+            amount = min(load[start] - level, room, *(split[e][g] for g, e, _ in path))
+            for g, e, h in path:
+                split[e][g] -= amount
+                split[e][h] += amount
+            load[start] -= amount  # ranks inside the path keep their load
+            load[sink] += amount
+
+    def feeders(self, level: int) -> list[bool]:
+        """``[P]`` whether each rank is below ``level`` or can pass pairs on to one that is (an
+        expert with pairs on it has another holder that is a feeder)."""
+        load, split = self.load, self.split
+        num_ranks = len(load)
+        at_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+        for e, row in split.items():
+            for g in row:
+                at_rank[g].append(e)
+        useful = [x < level for x in load]
+        queue = deque(g for g in range(num_ranks) if useful[g])
+        while queue:
+            h = queue.popleft()
+            for e in at_rank[h]:
+                for g, amount in split[e].items():
+                    if amount and not useful[g]:
+                        useful[g] = True
+                        queue.append(g)
+        return useful
+
+    def peak(self, low: int) -> int:
+        """The exact min-max peak of this replica set (at least ``low``, a lower bound)."""
+        level = low
+        while True:
+            excess, cut = self.excess(level)
+            if not excess:
+                return level
+            # Nothing leaves the cut: every assignment puts sum(load[cut]) on it.
+            confined = sum(self.load[g] for g in cut)
+            level = max(level + 1, -(-confined // len(cut)))
+
+
+def _improve(
+    loads: Sequence[int],
+    num_ranks: int,
+    slots: Sequence[int],
+    moves: Sequence[tuple[int, int, int]],
+    low: int,
+    stop: int,
+) -> tuple[int, list[tuple[int, int]]]:
+    """Local search from the greedy's moves ``(expert, rank, pairs)`` (its replicas; its split
+    only warm-starts the flows): the first single change that pays, while one does.
+
+    The objective, lowest first: the exact peak K of the replica set, then the pairs that stay
+    above K - 1 (how far the set is from the next lower peak; without it no single change helps
+    when several ranks share the peak). A round tries, in this order, adding a replica of expert
+    e on rank g where g has a free slot (experts hottest first, then ranks by fixed-ownership
+    load, lowest first; ties to the lower id), then exchanging one of g's replicas for e where g
+    is full (the same order, dropped replica ascending; the peak must not rise), and takes the
+    first change that lowers the excess above K - 1. It stops when none does, once the peak is
+    at most ``stop`` (``low``, the lower bound, plus the caller's tolerance), or after
+    :data:`IMPROVE_MAX_ROUNDS` changes. This finds the chains the greedy
+    misses (rank A sheds to B while B sheds to C): the greedy never gives a replica to a rank at
+    or above its threshold.
+
+    Only changes that give an expert held only inside the cut R of :meth:`_Excess.excess` at
+    ``K - 1`` a holder outside R are tried: every other change leaves ``load(R) - (K - 1) |R|``
+    where it is, so it cannot lower the excess (:func:`reference_improve` tries them all).
+
+    Returns:
+        The peak reached and the replicas ``(expert, rank)``, sorted.
+    """
+    local = len(loads) // num_ranks
+    hot_first = sorted((e for e in range(len(loads)) if loads[e]), key=lambda e: (-loads[e], e))
+    fixed = [sum(loads[g * local : (g + 1) * local]) for g in range(num_ranks)]
+    coolest = sorted(range(num_ranks), key=lambda g: (fixed[g], g))
+    replicas = sorted((e, g) for e, g, _ in moves)
+    state = _Excess(loads, num_ranks, replicas, moves)
+    held = set(replicas)
+    peak = state.peak(low)
+    for _ in range(IMPROVE_MAX_ROUNDS):
+        if peak <= stop:
+            break
+        excess, cut = state.excess(peak - 1)
+        inside = set(cut)
+        confined = [
+            e for e in hot_first if all(g in inside for g in state.split.get(e, (e // local,)))
+        ]
+        # Adding a replica of a confined expert on rank g lowers the excess exactly when g can
+        # pass pairs on to a rank below the level (its pairs can then leave the cut through g),
+        # so adds need no trial flow; exchanges do (the dropped pairs go back to their owner).
+        useful = state.feeders(peak - 1)
+        full = [sum(h == g for _, h in held) >= slots[g] for g in range(num_ranks)]
+        found = None
+        target = next((g for g in coolest if useful[g] and not full[g]), None)
+        if confined and target is not None:
+            trial = state.copy()
+            trial.add(confined[0], target)
+            found = (trial.excess(peak - 1)[0], trial, (confined[0], target), None)
+        for e, g in itertools.product(confined if found is None else (), coolest):
+            if g in inside or not full[g]:
+                continue
+            for drop in sorted(f for f, h in held if h == g):
+                trial = state.copy()
+                trial.remove(drop, g)
+                trial.add(e, g)
+                score = trial.excess(peak - 1)[0]
+                if score < excess and not trial.excess(peak)[0]:
+                    found = (score, trial, (e, g), drop)
+                    break
+            if found:
+                break
+        if found is None:
+            break
+        score, state, move, drop = found
+        held.discard((drop, move[1]))
+        held.add(move)
+        if not score:
+            peak = state.peak(low)
+    return peak, sorted(held)
+
+
+def reference_improve(
+    loads: Sequence[int],
+    num_ranks: int,
+    slots: Sequence[int],
+    moves: Sequence[tuple[int, int, int]],
+    low: int,
+    stop: int,
+) -> tuple[int, list[tuple[int, int]]]:
+    """The slow, obvious :func:`_improve`: every change tried, each scored from scratch by the
+    rank-set formula (the excess above T is the largest ``load(R) - T |R|``, at least 0, over
+    every rank set R; the peak the smallest T where it is 0). Tests compare the two."""
+    local = len(loads) // num_ranks
+
+    def excess(chosen: set[tuple[int, int]], level: int) -> int:
+        holders = [{e // local} | {g for f, g in chosen if f == e} for e in range(len(loads))]
+        worst = 0
+        for mask in range(1, 1 << num_ranks):
+            inside = {g for g in range(num_ranks) if mask >> g & 1}
+            confined = sum(x for x, h in zip(loads, holders) if h <= inside)
+            worst = max(worst, confined - level * len(inside))
+        return worst
+
+    def peak_of(chosen: set[tuple[int, int]]) -> int:
+        holders = [{e // local} | {g for f, g in chosen if f == e} for e in range(len(loads))]
+        level = low
+        for mask in range(1, 1 << num_ranks):
+            inside = {g for g in range(num_ranks) if mask >> g & 1}
+            confined = sum(x for x, h in zip(loads, holders) if h <= inside)
+            level = max(level, -(-confined // len(inside)))
+        return level
+
+    hot_first = sorted(range(len(loads)), key=lambda e: (-loads[e], e))
+    fixed = [sum(loads[g * local : (g + 1) * local]) for g in range(num_ranks)]
+    coolest = sorted(range(num_ranks), key=lambda g: (fixed[g], g))
+    held = {(e, g) for e, g, _ in moves}
+    peak = peak_of(held)
+    for _ in range(IMPROVE_MAX_ROUNDS):
+        if peak <= stop:
+            break
+        current = excess(held, peak - 1)
+        full = [sum(h == g for _, h in held) >= slots[g] for g in range(num_ranks)]
+        candidates = [
+            (e, g) for e in hot_first for g in coolest if e // local != g and (e, g) not in held
+        ]
+        changes = [(held | {(e, g)}, None) for e, g in candidates if not full[g]] + [
+            ((held - {(drop, g)}) | {(e, g)}, drop)
+            for e, g in candidates
+            if full[g]
+            for drop in sorted(f for f, h in held if h == g)
+        ]
+        for trial, drop in changes:
+            score = excess(trial, peak - 1)
+            if score < current and (drop is None or not excess(trial, peak)):
+                held = trial
+                break
+        else:
+            break
+        if not score:
+            peak = peak_of(held)
+    return peak, sorted(held)
+
+
 def _slots_at(slots: Slots, threshold: int, num_ranks: int) -> list[int]:
     if callable(slots):
         return [int(s) for s in slots(threshold)]
@@ -246,7 +553,8 @@ def place_replicas(
         slots: Replicas per rank: an int for every rank, a ``[P]`` sequence, or a function of the
             threshold T returning one (the controller's memory budget makes slots depend on T).
         tolerance: Stop bisecting once the bracket is within ``max(1, tolerance * T)``; 0 finds
-            the smallest T the greedy reaches to the unit.
+            the smallest T the greedy reaches to the unit. The local search after the greedy
+            stops within ``tolerance`` of the lower bound.
 
     Returns:
         The placement; no replicas when none lower the peak.
@@ -299,12 +607,62 @@ def place_replicas(
                 bad = trial
             else:
                 best_t, best = trial, moves
+    changes = 0
+    if num_ranks * num_experts <= IMPROVE_MAX_PAIRS:
+        stop = low + int(tolerance * low)
+        best_t, best, changes = _polish(loads, num_ranks, rank_load, best_t, best, slots, low, stop)
     if not best:
         return Placement(top, empty, empty, empty, runs)
     arr = np.fromiter(itertools.chain.from_iterable(best), np.int64, 3 * len(best)).reshape(-1, 3)
     order = np.lexsort((arr[:, 1], arr[:, 0]))
     arr = arr[order]
-    return Placement(best_t, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), runs)
+    return Placement(best_t, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), runs, changes)
+
+
+def _polish(
+    loads: list[int],
+    num_ranks: int,
+    rank_load: list[int],
+    threshold: int,
+    moves: list[tuple[int, int, int]],
+    slots: Slots,
+    low: int,
+    stop: int,
+) -> tuple[int, list[tuple[int, int, int]], int]:
+    """The local search (:func:`_improve`) from the greedy's replicas, within the slots at the
+    greedy's threshold; kept only where its exact split's peak is below the greedy's own split.
+    Nothing to do where the greedy's split is within ``stop`` (the lower bound ``low`` plus the
+    search's tolerance).
+
+    Every rank stays at or below the greedy's threshold, so slots that shrink as T grows (the
+    controller's memory budget) still hold.
+
+    Returns:
+        ``(peak bound, moves (expert, rank, pairs), changes made)``: the inputs when the search
+        gains nothing.
+    """
+    load = list(rank_load)
+    local = len(loads) // num_ranks
+    for e, g, amount in moves:
+        load[e // local] -= amount
+        load[g] += amount
+    greedy_peak = max(load)
+    room = _slots_at(slots, threshold, num_ranks)
+    if greedy_peak <= stop or not any(room):
+        return threshold, moves, 0
+    peak, replicas = _improve(loads, num_ranks, room, moves, low, stop)
+    if peak >= greedy_peak:
+        return threshold, moves, 0
+    # The split from the greedy's (not the search's last state): the same whichever search ran.
+    split = _Excess(loads, num_ranks, replicas, moves)
+    split.excess(peak)
+    result = [
+        (e, g, amount)
+        for e, row in sorted(split.split.items())
+        for g, amount in sorted(row.items())
+        if g != e // local and amount > 0
+    ]
+    return peak, result, len(set(replicas) ^ {(e, g) for e, g, _ in moves})
 
 
 def reference_optimal_peak(load: Sequence[int], num_ranks: int, slots: int) -> int:
