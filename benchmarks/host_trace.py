@@ -10,18 +10,23 @@ are upper bounds); ``host ms`` without the profiler is printed beside them.
 
 Per keep ratio it writes ``trace_keep<k>.json`` (Chrome trace) and prints:
     host ms per forward and backward without the profiler (median of ``--iters``);
-    host us per call of each named stage of the op's backward, without the profiler
-        (``perf_counter`` around the stage functions of ``megatron_lrmoe.op``; inclusive, so
-        ``select_kept`` contains the scoring and the selection);
+    host us per call of each named stage, without the profiler (``perf_counter`` around the
+        stage functions of ``megatron_lrmoe.op`` and the forward's router, count exchange and
+        device-to-host sync, plan and op: ``_forward_stages``; inclusive, so ``select_kept``
+        contains the scoring and the selection);
     per phase: the top self-time entries (Python functions, aten ops, runtime calls), the
         number of kernels launched, the GPU busy time (sum of kernel durations, overlaps merged)
-        and the phase's wall time, so "GPU idle" = wall - busy is what the host costs.
+        and the phase's wall time, so "GPU idle" = wall - busy is what the host costs;
+    per phase, the GPU idle gaps of one call (``--gap-us``) with the Python frames that
+        launched the kernel ending each gap: where the GPU waits for the host.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
+import inspect
 import json
 import os
 import statistics
@@ -45,29 +50,53 @@ STAGES = (
 )
 
 
+def _forward_stages() -> list[tuple[Any, str, str]]:
+    """(owner, attribute, label) of the forward's stages, timed by ``--stages`` too."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_lrmoe import layer
+    from megatron_lrmoe.control.plan import CallPlan
+    from megatron_lrmoe.dispatch import dispatcher
+    from megatron_lrmoe.dispatch.permutation import PairPermutation
+
+    return [
+        (TopKRouter, "forward", "fwd.router"),
+        (dispatcher.LRAlltoAllTokenDispatcher, "preprocess", "fwd.preprocess(counts+sync)"),
+        (dispatcher.comm, "all_gather_counts", "fwd.all_gather_counts"),
+        (PairPermutation, "build", "fwd.PairPermutation.build"),
+        (CallPlan, "build", "fwd.CallPlan.build"),
+        (layer, "plan_call", "fwd.plan_call"),
+        (layer.LRMoELayer, "routed_experts_compute", "fwd.routed_experts_compute"),
+        (layer, "lrmoe_experts", "fwd.op"),
+    ]
+
+
 class _StageClock:
-    """Wraps the op module's stage functions with ``perf_counter`` (about 1 us each)."""
+    """Wraps the op's stage functions (and the forward's, see ``_forward_stages``) with
+    ``perf_counter`` (about 1 us each)."""
 
     def __init__(self) -> None:
         from megatron_lrmoe import op
 
-        self.op, self.saved, self.us = op, {}, collections.defaultdict(list)
+        self.saved: list[tuple[Any, str, Any]] = []
+        self.us: dict[str, list[float]] = collections.defaultdict(list)
         self.calls: dict[str, float] = collections.defaultdict(float)
-        for name in STAGES:
-            fn = getattr(op, name, None)
-            if fn is None:
-                continue
-            self.saved[name] = fn
-            setattr(op, name, self._wrap(name, fn))
+        targets = [(op, name, name) for name in STAGES if hasattr(op, name)]
         # The autograd functions' own forward and backward (looked up on the class at run time).
-        self.methods = {}
         for cls in (op.TrimmedMoEFunction, op.ExactMoEFunction):
-            for meth in ("forward", "backward"):
-                fn = cls.__dict__[meth]
-                self.methods[(cls, meth)] = fn
-                setattr(cls, meth, staticmethod(self._wrap(f"{cls.__name__}.{meth}", fn.__func__)))
+            targets += [(cls, meth, f"{cls.__name__}.{meth}") for meth in ("forward", "backward")]
+        targets += _forward_stages()
+        self.labels = [label for _, _, label in targets]
+        for owner, name, label in targets:
+            raw = inspect.getattr_static(owner, name)
+            self.saved.append((owner, name, raw))
+            if isinstance(raw, (staticmethod, classmethod)):
+                setattr(owner, name, type(raw)(self._wrap(label, raw.__func__)))
+            else:
+                setattr(owner, name, self._wrap(label, raw))
 
     def _wrap(self, name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
         def timed(*a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
             try:
@@ -79,15 +108,12 @@ class _StageClock:
 
     def lap(self) -> None:
         """Close one layer call: move the per-call sums into the samples."""
-        names = list(self.saved) + [f"{c.__name__}.{m}" for c, m in self.methods]
-        for name in names:
+        for name in self.labels:
             self.us[name].append(self.calls.pop(name, 0.0))
 
     def restore(self) -> None:
-        for name, fn in self.saved.items():
-            setattr(self.op, name, fn)
-        for (cls, meth), fn in self.methods.items():
-            setattr(cls, meth, fn)
+        for owner, name, raw in reversed(self.saved):
+            setattr(owner, name, raw)
 
 
 def _self_times(events: list[dict], start: float, end: float) -> dict[str, list[float]]:
@@ -139,6 +165,35 @@ def _gpu_busy(events: list[dict], start: float, end: float) -> tuple[float, int]
     return busy, len(spans)
 
 
+def _gaps(events: list[dict], start: float, end: float, min_us: float) -> list[tuple[float, str, str]]:
+    """GPU idle gaps of at least ``min_us`` in ``[start, end)``: (gap us, next kernel, launcher).
+
+    The launcher is the innermost Python frames (of megatron_lrmoe / megatron) around the
+    runtime call that launched the kernel after the gap, found through the trace's
+    ``correlation`` ids; the first gap runs from ``start`` (the phase's host start).
+    """
+    gpu = sorted((e for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"
+                  and start <= e["ts"] < end), key=lambda e: e["ts"])
+    runtime = {e.get("args", {}).get("correlation"): e for e in events
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"}
+    frames = [e for e in events if e.get("cat") == "python_function" and e.get("ph") == "X"
+              and start <= e["ts"] < end]
+    out, busy_until = [], start
+    for e in gpu:
+        if e["ts"] - busy_until >= min_us:
+            launch = runtime.get(e.get("args", {}).get("correlation"))
+            where = ""
+            if launch is not None:
+                stack = sorted((f for f in frames if f["tid"] == launch["tid"]
+                                and f["ts"] <= launch["ts"] <= f["ts"] + f["dur"]
+                                and ("megatron" in f["name"])), key=lambda f: f["ts"])
+                where = " < ".join(f["name"].split("/")[-1] for f in stack[::-1][:4])
+            out.append((e["ts"] - busy_until, e["name"], where))
+        busy_until = max(busy_until, e["ts"] + e["dur"])
+    return out
+
+
 def _kernel_times(events: list[dict], start: float, end: float) -> dict[str, list[float]]:
     """Summed duration (us) and count per kernel / memcpy / memset name starting in the window."""
     out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -165,6 +220,8 @@ def main() -> None:
     parser.add_argument("--profiled", type=int, default=3, help="calls inside the profiler")
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--kernel-rows", type=int, default=25)
+    parser.add_argument("--gap-us", type=float, default=20.0,
+                        help="list GPU idle gaps of at least this many us per phase (0: none)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--trace-dir", default=None, help="where the Chrome traces go (default --out)")
     args = parser.parse_args()
@@ -236,6 +293,7 @@ def main() -> None:
             totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
             ktotals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
             busy = wall = kernels = 0.0
+            gaps: list[tuple[float, str, str]] = []
             for a, b in windows:
                 for k, (t, n) in _self_times(events, a, b).items():
                     totals[k][0] += t
@@ -249,6 +307,8 @@ def main() -> None:
                 for k, (t, c) in _kernel_times(events, a, gpu_end).items():
                     ktotals[k][0] += t
                     ktotals[k][1] += c
+                if args.gap_us > 0 and not gaps:  # the first profiled call's gaps
+                    gaps = _gaps(events, a, gpu_end, args.gap_us)
                 bz, nk = _gpu_busy(events, a, gpu_end)
                 busy += bz
                 wall += gpu_end - a
@@ -262,6 +322,7 @@ def main() -> None:
                 kernels=kernels / n,
                 top=[dict(name=k, self_us=t / n, calls=c / n) for k, (t, c) in top],
                 gpu_top=[dict(name=k, gpu_us=t / n, calls=c / n) for k, (t, c) in ktop],
+                gaps=[dict(gap_us=g, kernel=k, launcher=w) for g, k, w in gaps],
             )
             print(f"--- {phase}: host {host_total:.2f} ms (profiled), GPU busy {busy / n / 1e3:.2f} "
                   f"ms of {wall / n / 1e3:.2f} ms wall, {kernels / n:.0f} kernels/memcpys per call",
@@ -271,6 +332,11 @@ def main() -> None:
             print(f"  GPU kernels of {phase} (summed duration per call):", flush=True)
             for k, (t, c) in ktop:
                 print(f"  {t / n:9.1f} us  {c / n:6.1f}x  gpu {k[:106]}", flush=True)
+            if gaps:
+                print(f"  GPU idle gaps >= {args.gap_us:g} us in {phase} (one call; "
+                      f"{sum(g for g, _, _ in gaps):.0f} us in all):", flush=True)
+                for g, k, w in gaps:
+                    print(f"  {g:9.1f} us  before gpu {k[:60]}  launched in {w[:150]}", flush=True)
         summary["calls"][tag] = rec
     if rank == 0:
         write_json(os.path.join(args.out, "host_trace.json"), summary)
