@@ -170,11 +170,12 @@ def _gaps(events: list[dict], start: float, end: float, min_us: float) -> list[t
 
     The launcher is the innermost Python frames (of megatron_lrmoe / megatron) around the
     runtime call that launched the kernel after the gap, found through the trace's
-    ``correlation`` ids; the first gap runs from ``start`` (the phase's host start).
+    ``correlation`` ids; the first gap runs from ``start`` (the phase's host start), and work
+    queued before the phase that still runs after ``start`` counts as busy.
     """
     gpu = sorted((e for e in events
                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"
-                  and start <= e["ts"] < end), key=lambda e: e["ts"])
+                  and e["ts"] < end and e["ts"] + e["dur"] > start), key=lambda e: e["ts"])
     runtime = {e.get("args", {}).get("correlation"): e for e in events
                if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"}
     frames = [e for e in events if e.get("cat") == "python_function" and e.get("ph") == "X"

@@ -17,7 +17,7 @@ from megatron_lrmoe.dispatch.replicas import ReplicaLayout
 from megatron_lrmoe.experts.module import LRGroupedMLP
 from megatron_lrmoe.experts.replica_weights import ReplicaWeightCache
 from megatron_lrmoe.op import ExpertCall, lrmoe_experts
-from megatron_lrmoe.control.controller import check_budgets, plan_call
+from megatron_lrmoe.control.controller import ControlPlan, check_budgets, plan_call
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.plan import CallPlan
 from megatron_lrmoe.observe.stats import CallStats
@@ -168,78 +168,124 @@ class LRMoELayer(MoELayer):
             ``([T, H] routed experts' output, None)``.
         """
         dispatcher = self.token_dispatcher
-        dispatcher.tokens_per_expert = None
         call_index = self._call_index
         if torch.is_grad_enabled():
             self._call_index += 1
         lrmoe = self.lrmoe_config
         layer_number = int(self.layer_number or 0)
-        layout = replica_weights = None
-        fetched = 0
-        if _uses_controller(lrmoe):
-            # Budgets, replicas, or the save/recompute choice: the controller plans the call
-            # (host only).
-            if lrmoe.max_replicas_per_rank > 0:
-                self._check_controller(lrmoe)  # the config may have been swapped since __init__
-            control = plan_call(dispatcher.global_counts, dispatcher.ep_rank, lrmoe, self._cost_model())
-            plan = CallPlan.from_control(control, layer_number, ())
-            if control.num_replicas > 0:
-                layout = ReplicaLayout.build(control, dispatcher.pair_permutation)
-                # No gradients (evaluation) may run after an optimizer step with the step not yet
-                # announced: fetch afresh then, without touching the cache.
-                step = self._step if torch.is_grad_enabled() else None
-                w1, w2 = self.experts.weights()
-                replica_weights = self._replica_cache.weights(layout, w1, w2, self.ep_group, step)
-                fetched = self._replica_cache.last_fetched
+        # At EP 1 without the controller the forward needs no host integer: launch it before
+        # waiting for the counts (the plan, only the backward needs it, is built behind it).
+        deferred = not _uses_controller(lrmoe) and dispatcher.ep_size == 1
+        if deferred and dispatcher.counts_on_host:  # no wait to check the pair plan (CPU)
+            probs = dispatcher.resolve(probs)
+        if deferred:
+            call = self._expert_call(None, None, None, None)
+            output = self._experts(hidden_states, probs, call)
+            resolved = dispatcher.resolve(probs)
+            if resolved is not probs:  # fewer pairs than T * topk: run it again, rebuilt
+                probs, call = resolved, self._expert_call(None, None, None, None)
+                output = self._experts(hidden_states, probs, call)
+            call.plan_source = self._plan(None)
         else:
-            plan = CallPlan.build(
-                dispatcher.global_counts,
-                ep_rank=dispatcher.ep_rank,
-                num_local_experts=self.num_local_experts,
-                lrmoe=lrmoe,
-                layer_number=layer_number,
-                stream=(),
-            )
-        stats = None
-        if self.lrmoe_config.record_stats:
-            stats = CallStats(
-                layer_number=plan.layer_number,
-                call_index=call_index,
-                total_pairs=int(plan.global_counts.sum()),
-                pairs_sent=int(plan.send_counts.sum()),
-                quota_per_expert=plan.quota.tolist(),
-                tokens_per_expert=plan.global_counts.sum(0).tolist(),
-                control=plan.control,
-            )
-            if plan.control is not None:
-                stats.replicas_placed = plan.control.num_replicas
-                stats.planned_forward_peak = plan.control.forward_peak
-                stats.planned_backward_peak = plan.control.backward_peak
-            rows = plan.tokens_per_local_expert
-            if layout is not None:
-                stats.replica_experts = list(layout.replicas_of[layout.ep_rank])
-                stats.replicas_fetched = fetched
-                rows = layout.rows_per_instance
-                stats.forward_per_replica = rows[layout.num_owned :].tolist()
-            stats.forward_rows = int(rows.sum())
-        call = ExpertCall(
-            plan=plan,
-            lrmoe=self.lrmoe_config,
-            spec=self.experts.spec,
-            group=self.ep_group,
-            perm=dispatcher.pair_permutation,
-            stats=stats,
-            sample_stream=self.next_sample_stream,
-            layout=layout,
-            replica_weights=replica_weights,
-        )
-        w1, w2 = self.experts.weights()
-        output = lrmoe_experts(hidden_states, probs, call, w1, w2)
+            probs = dispatcher.resolve(probs)
+            control = layout = replica_weights = None
+            fetched = 0
+            if _uses_controller(lrmoe):
+                # Budgets, replicas, or the save/recompute choice: the controller plans the
+                # call (host only).
+                if lrmoe.max_replicas_per_rank > 0:
+                    self._check_controller(lrmoe)  # the config may have been swapped since
+                control = plan_call(
+                    dispatcher.global_counts, dispatcher.ep_rank, lrmoe, self._cost_model()
+                )
+                if control.num_replicas > 0:
+                    layout = ReplicaLayout.build(control, dispatcher.pair_permutation)
+                    # No gradients (evaluation) may run after an optimizer step with the step not
+                    # yet announced: fetch afresh then, without touching the cache.
+                    step = self._step if torch.is_grad_enabled() else None
+                    w1, w2 = self.experts.weights()
+                    replica_weights = self._replica_cache.weights(
+                        layout, w1, w2, self.ep_group, step
+                    )
+                    fetched = self._replica_cache.last_fetched
+            call = self._expert_call(self._plan(control), control, layout, replica_weights)
+            output = self._experts(hidden_states, probs, call)
+        # The op reads the statistics only in backward: filled here, behind the forward's work.
+        stats = self._call_stats(call, call_index, 0 if deferred else fetched)
+        call.stats = stats
         self.last_call_stats = stats
         if stats is not None and torch.is_grad_enabled():
             for fn in list(self._stats_listeners.values()):
                 fn(int(self.layer_number or 1), stats)
         return output, None
+
+    def _plan(self, control: Optional[ControlPlan]) -> CallPlan:
+        dispatcher = self.token_dispatcher
+        layer_number = int(self.layer_number or 0)
+        if control is not None:
+            return CallPlan.from_control(control, layer_number, ())
+        return CallPlan.build(
+            dispatcher.global_counts,
+            ep_rank=dispatcher.ep_rank,
+            num_local_experts=self.num_local_experts,
+            lrmoe=self.lrmoe_config,
+            layer_number=layer_number,
+            stream=(),
+        )
+
+    def _expert_call(
+        self,
+        plan: Optional[CallPlan],
+        control: Optional[ControlPlan],
+        layout: Optional[ReplicaLayout],
+        replica_weights: Optional[tuple[torch.Tensor, torch.Tensor]],
+    ) -> ExpertCall:
+        """The op's context; without ``plan`` (deferred) the forward rows come from the device."""
+        dispatcher = self.token_dispatcher
+        return ExpertCall(
+            plan_source=plan,
+            lrmoe=self.lrmoe_config,
+            spec=self.experts.spec,
+            group=self.ep_group,
+            perm=dispatcher.pair_permutation,
+            stats=None,
+            sample_stream=self.next_sample_stream,
+            layout=layout,
+            replica_weights=replica_weights,
+            control=control,
+            device_rows=dispatcher.device_rows_per_local_expert if plan is None else None,
+        )
+
+    def _experts(self, hidden_states: torch.Tensor, probs: torch.Tensor, call: ExpertCall):
+        w1, w2 = self.experts.weights()
+        return lrmoe_experts(hidden_states, probs, call, w1, w2)
+
+    def _call_stats(self, call: ExpertCall, call_index: int, fetched: int) -> Optional[CallStats]:
+        """This call's statistics (``record_stats``), from its plan."""
+        if not self.lrmoe_config.record_stats:
+            return None
+        plan, layout = call.plan, call.layout
+        stats = CallStats(
+            layer_number=plan.layer_number,
+            call_index=call_index,
+            total_pairs=int(plan.global_counts.sum()),
+            pairs_sent=int(plan.send_counts.sum()),
+            quota_per_expert=plan.quota.tolist(),
+            tokens_per_expert=plan.global_counts.sum(0).tolist(),
+            control=plan.control,
+        )
+        if plan.control is not None:
+            stats.replicas_placed = plan.control.num_replicas
+            stats.planned_forward_peak = plan.control.forward_peak
+            stats.planned_backward_peak = plan.control.backward_peak
+        rows = plan.tokens_per_local_expert
+        if layout is not None:
+            stats.replica_experts = list(layout.replicas_of[layout.ep_rank])
+            stats.replicas_fetched = fetched
+            rows = layout.rows_per_instance
+            stats.forward_per_replica = rows[layout.num_owned :].tolist()
+        stats.forward_rows = int(rows.sum())
+        return stats
 
 
 def _uses_controller(lrmoe: LRMoEConfig) -> bool:

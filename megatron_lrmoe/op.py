@@ -45,6 +45,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control.controller import ControlPlan
 from megatron_lrmoe.control.plan import CallPlan
 from megatron_lrmoe.dispatch import comm
 from megatron_lrmoe.dispatch.compaction import (
@@ -78,7 +79,9 @@ class ExpertCall:
     """Everything the op needs besides tensors; one per layer call (not a tensor input).
 
     Attributes:
-        plan: The controller's integer plan for this call (host).
+        plan_source: The integer plan of this call (host), or ``None`` until the layer sets
+            it: at EP 1 without the controller the forward runs before the host has the counts
+            (it needs none) and the layer fills the plan in behind it; read it as :attr:`plan`.
         lrmoe: The layer's LRMoE configuration.
         spec: Expert activation.
         group: The expert-parallel process group.
@@ -90,9 +93,13 @@ class ExpertCall:
             ``None`` (send order is pair order).
         replica_weights: ``(w1 [n, F1, H], w2 [n, H, F])`` this rank's replicas (detached, in
             ``layout.replicas_of[rank]`` order) when ``layout`` is set.
+        control: The controller's plan when the controller planned this call (the same as
+            ``plan.control``, known before the plan is).
+        device_rows: ``[L]`` forward rows per local expert on the device, for a forward that
+            runs before the plan exists (EP 1; the grouped GEMMs take device offsets).
     """
 
-    plan: CallPlan
+    plan_source: Optional[CallPlan]
     lrmoe: LRMoEConfig
     spec: GluSpec
     group: Optional[torch.distributed.ProcessGroup]
@@ -101,8 +108,22 @@ class ExpertCall:
     sample_stream: Optional[Callable[[], tuple[int, ...]]] = None
     layout: Optional[ReplicaLayout] = None
     replica_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    control: Optional[ControlPlan] = None
+    device_rows: Optional[torch.Tensor] = None
     _indices: dict = field(default_factory=dict)
     _groups: Optional[GroupSizes] = None
+
+    @property
+    def plan(self) -> CallPlan:
+        """The call's integer plan (set by the layer before the backward can run)."""
+        if self.plan_source is None:
+            raise RuntimeError("ExpertCall.plan read before the layer set it")
+        return self.plan_source
+
+    @cached_property
+    def ep_size(self) -> int:
+        """P, the size of the expert-parallel group."""
+        return comm.group_size(self.group)
 
     def reorder(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Reorder ``rows`` laid out as an a-major ``counts[A, B]`` chunk grid to b-major.
@@ -121,13 +142,13 @@ class ExpertCall:
     def exact(self) -> bool:
         """Every pair is kept: the exact (keep 1) path. Budgets can trim even at keep ratio 1,
         so a controller plan decides when there is one."""
-        control = self.plan.control
+        control = self.control
         return control.keeps_all if control is not None else self.lrmoe.is_exact
 
     @property
     def activation_mode(self) -> str:
         """``"save"`` or ``"recompute"`` for this call (the controller resolves ``"auto"``)."""
-        control = self.plan.control
+        control = self.control
         return control.activation_mode if control is not None else self.lrmoe.activation_mode
 
     @property
@@ -135,9 +156,12 @@ class ExpertCall:
         """Rows per local expert (per instance, with replicas) in forward (offsets built once
         per call)."""
         if self._groups is None:
-            rows = self.plan.tokens_per_local_expert
             if self.layout is not None:
                 rows = self.layout.rows_per_instance
+            elif self.device_rows is not None:
+                rows = self.device_rows
+            else:
+                rows = self.plan.tokens_per_local_expert
             self._groups = GroupSizes(rows)
         return self._groups
 
@@ -175,12 +199,16 @@ class ExpertCall:
 
     def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
         """Send-order rows of this rank -> expert-order rows of its experts (forward split)."""
+        if self.ep_size == 1:  # send order is expert order; no plan needed
+            return rows
         send, recv = self._splits()
         rows = comm.all_to_all_rows(rows, send, recv, self.group)
         return self.reorder(rows, self.recv_counts)
 
     def to_sources(self, rows: torch.Tensor) -> torch.Tensor:
         """Expert-order rows of this rank's experts -> send-order rows of their sources."""
+        if self.ep_size == 1:
+            return rows
         send, recv = self._splits()
         rows = self.reorder(rows, self.recv_counts.t())
         return comm.all_to_all_rows(rows, recv, send, self.group)
@@ -387,7 +415,6 @@ class TrimmedMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
-        plan = call.plan
         save = call.activation_mode == "save"
         x = call.to_experts(hidden.index_select(0, call.token_of_send))
         z, h = expert_forward_parts(
@@ -398,7 +425,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
         ctx.call = call
         h = h if save else None
         # At EP 1 every received row is a local token: read it from ``hidden`` instead.
-        x = x if save and plan.ep_size > 1 else None
+        x = x if save and call.ep_size > 1 else None
         ctx.stashed = not _saved_tensor_hooks_active()
         if ctx.stashed:
             ctx.save_for_backward(hidden, probs, w1, w2)

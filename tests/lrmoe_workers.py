@@ -32,7 +32,7 @@ def _forced_routing(name: str, num_experts: int, ep_rank: int, ep: int):
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         logits = logits.view(-1, num_experts)
         t = logits.shape[0]
-        routing_map = torch.zeros(t, num_experts, dtype=torch.bool)
+        routing_map = torch.zeros(t, num_experts, dtype=torch.bool, device=logits.device)
         if name == "one_expert":  # every token of every rank to expert 0; the rest get nothing
             routing_map[:, 0] = True
         elif name == "stay_home":  # each rank routes only to its own experts: sends nothing away
@@ -361,3 +361,46 @@ def controller_cases(rank: int, world: int, ep: int) -> list[dict[str, Any]]:
         dict(keep_ratio=0.5, memory_budget_bytes=1),
     ]
     return [lrmoe_vs_dense_reference(pg, ep, kw, dict(moe_aux_loss_coeff=0.0)) for kw in cases]
+
+
+def cuda_partial_routing_vs_cpu(rank: int, world: int) -> dict[str, Any]:
+    """EP 1 on the GPU with a partial routing map ("stay_home": fewer than topk pairs per
+    token) against the same layer on the CPU; and the dispatcher's full-routing flag after two
+    calls each of a partial and of a full map."""
+    pg = init_megatron_parallel(ep=1)
+    cfg = _config(1, moe_aux_loss_coeff=0.0)
+    out: dict[str, Any] = {}
+    results = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(3)
+        lr = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=1.0))(
+            config=cfg, pg_collection=pg, layer_number=1
+        )
+        if device == "cuda":
+            lr.load_state_dict(cpu_state)
+            lr = lr.cuda()
+        else:
+            cpu_state = {k: v.clone() for k, v in lr.state_dict().items()}
+        _apply_routing(lr.router, "stay_home", cfg.num_moe_experts, 0, 1)
+        x, up = _inputs(0, cfg.hidden_size)
+        res = _run(lr, x.to(device), up.to(device))
+        res["router"] = lr.router.weight.grad
+        res["fc1"], res["fc2"] = (w.grad for w in lr.experts.weights())
+        results.append({k: v.detach().float().cpu() for k, v in res.items()})
+        if device == "cuda":
+            flags = [lr.token_dispatcher.expect_full_routing]
+            _run(lr, x.cuda(), up.cuda())
+            flags.append(lr.token_dispatcher.expect_full_routing)
+            out["flags"] = flags
+            full = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=1.0))(
+                config=cfg, pg_collection=pg, layer_number=1
+            ).cuda()
+            full_flags = []
+            for _ in range(2):
+                _run(full, x.cuda(), up.cuda())
+                full_flags.append(full.token_dispatcher.expect_full_routing)
+            out["full_flags"] = full_flags
+    for key in ("out", "dx", "router", "fc1", "fc2"):
+        out[key] = (results[0][key] - results[1][key]).abs().max().item()
+        out[f"scale_{key}"] = results[0][key].abs().max().item()
+    return out

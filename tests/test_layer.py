@@ -167,6 +167,34 @@ def test_degenerate_routing() -> None:
                 assert d["quota"] == [int(x > 0) for x in n.tolist()]
 
 
+EP1_PARTIAL_CASES = [
+    # Fewer pairs than T * topk at EP 1, where the forward runs before the plan exists.
+    (dict(keep_ratio=0.5), dict(moe_aux_loss_coeff=0.0), "stay_home"),
+    (dict(keep_ratio=1.0), dict(moe_aux_loss_coeff=0.0), "stay_home"),
+    (dict(keep_ratio=0.6, selection="topk"), dict(moe_aux_loss_coeff=0.0), "first_rank_only"),
+    (dict(keep_ratio=0.5, selection="topk"), dict(moe_aux_loss_coeff=0.0), None),
+]
+
+
+def test_partial_routing_map_at_ep1() -> None:
+    """EP 1 runs the forward before the call's plan is built (from device-side rows per
+    expert); maps with fewer pairs than T * topk still match the reference."""
+    results = run_distributed(w.lrmoe_vs_dense_reference_cases, 1, 1, EP1_PARTIAL_CASES)
+    _assert_matches_reference(results)
+    _check_counts(results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (counts copied async)")
+def test_cuda_partial_routing_map_reruns_the_forward() -> None:
+    """On the GPU the pair plan is built for T * topk pairs before the counts reach the host;
+    a map with fewer pairs is caught after the forward was queued, the forward runs again on
+    the rebuilt plan (the result equals the CPU layer's) and later calls wait for the counts."""
+    d = run_distributed(w.cuda_partial_routing_vs_cpu, 1)[0]
+    for key in ("out", "dx", "router", "fc1", "fc2"):
+        assert d[key] <= 1e-4 * max(d[f"scale_{key}"], 1e-12), (key, d)
+    assert d["flags"] == [False, False] and d["full_flags"] == [True, True], d
+
+
 def test_selection_deterministic_across_runs_and_ranks() -> None:
     """Same seed and inputs -> bit-identical selection on every rank and every run."""
     cases = [

@@ -22,6 +22,32 @@ def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class HostCounts:
+    """A small device tensor on its way to the host: the copy is queued, not waited for.
+
+    The copy goes into pinned memory behind everything queued so far; :meth:`wait` blocks only
+    until the copy itself is done, not until work queued after it is (a plain ``.cpu()`` would
+    also wait at once, before the caller could queue anything else).
+    """
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if t.device.type == "cpu":
+            self._host = t
+            return
+        self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once the copy has landed."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
 def exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     """``[n] -> [n]``: start offset of each chunk."""
     return torch.cumsum(counts, 0) - counts

@@ -2,9 +2,15 @@
 
 Shape legend: T tokens on this rank, E experts, P EP ranks, L local experts, S pairs.
 
-Stage 1 (``dispatch_preprocess``) gathers the ``[P, E]`` pair counts (the controller's input,
-one device-to-host copy, as stock's split sizes need) and builds the token <-> pair index plan
-(``permutation.py``), but moves no rows: the op in ``op.py`` takes the ``[T, H]`` tokens and
+Stage 1 (``dispatch_preprocess``) gathers the ``[P, E]`` pair counts (the controller's input)
+and starts their device-to-host copy without waiting for it, then builds the token <-> pair index
+plan (``permutation.py``) on the device, but moves no rows. The host waits for the counts only
+where it needs them (:meth:`LRAlltoAllTokenDispatcher.resolve`): the layer's plan and the split
+sizes of the all-to-alls; at EP 1 without the controller that is after the whole forward is
+queued, so the forward has no host round trip in front of the expert GEMMs. The pair plan is
+built for ``T * topk`` pairs (every router of Megatron's that LRMoE accepts routes each token to
+exactly ``topk`` experts: it is dropless); ``resolve`` checks that against the counts and
+rebuilds it if a routing map had fewer pairs. the op in ``op.py`` takes the ``[T, H]`` tokens and
 does the permutation, both all-to-alls, the experts and the un-permutation itself, because its
 backward must differ from the autograd of those steps (the trimmed backward never materialises
 a ``[S, H]`` gradient). Stages 2-5 are pass-throughs that only drive the shared-expert overlap
@@ -18,26 +24,56 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_lrmoe.dispatch import comm
+from megatron_lrmoe.dispatch.compaction import HostCounts
 from megatron_lrmoe.dispatch.permutation import PairPermutation, permute_probs
 
 
 class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Alltoall dispatcher whose exchanges are done by LRMoE's fused expert op."""
 
-    global_counts: torch.Tensor | None = None
+    _pending: "HostCounts | None" = None
+    _global_counts: torch.Tensor | None = None
+    # Build the pair plan for T * topk pairs before the counts reach the host; turned off for
+    # good the first time a routing map has fewer pairs (then every call waits first).
+    expect_full_routing: bool = True
 
-    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
-        """Gather the global pair counts and set the stock split metadata from them.
+    def preprocess(self, routing_map: torch.Tensor) -> None:
+        """Gather the global pair counts on the device and start copying them to the host.
 
-        Returns:
-            ``[L]`` host int64: pairs each local expert receives.
+        Nothing waits here; :meth:`resolve` (or reading :attr:`global_counts`) does.
         """
         num_local_tokens_per_expert = routing_map.sum(dim=0).long()  # [E]
-        global_counts = comm.all_gather_counts(num_local_tokens_per_expert, self.ep_group)
-        # NOTE: device-to-host sync: split sizes and the quota plan are host integers (stock
-        # syncs for its split sizes too; this is the one sync of the forward metadata).
-        global_counts = global_counts.cpu()
-        self.global_counts = global_counts
+        counts = comm.all_gather_counts(num_local_tokens_per_expert, self.ep_group)  # [P, E]
+        lo = self.local_expert_indices[0]
+        # Forward rows per local expert, on the device: what the grouped GEMMs need at EP 1.
+        self.device_rows_per_local_expert = counts[:, lo : lo + self.num_local_experts].sum(0)
+        self._pending = HostCounts(counts)
+        self._global_counts = None
+        if counts.device.type == "cpu":
+            self.global_counts  # noqa: B018 (already on the host: nothing to wait for)
+
+    @property
+    def counts_on_host(self) -> bool:
+        """Whether the host already has this call's counts (no wait to read them)."""
+        return self._global_counts is not None
+
+    @property
+    def global_counts(self) -> torch.Tensor | None:
+        """``[P, E]`` host int64 pair counts of the current call (waits for them once).
+
+        Reading them also sets stock's split metadata (``input_splits``, ``output_splits``,
+        ``num_global_tokens_per_local_expert``, ``num_out_tokens``) from them.
+        """
+        if self._global_counts is None and self._pending is not None:
+            # NOTE: device-to-host sync: split sizes and the quota plan are host integers
+            # (stock syncs for its split sizes too; this is the one sync of the forward).
+            global_counts = self._pending.wait()
+            self._pending = None
+            self._set_stock_metadata(global_counts)
+            self._global_counts = global_counts
+        return self._global_counts
+
+    def _set_stock_metadata(self, global_counts: torch.Tensor) -> None:
         lo = self.local_expert_indices[0]
         local = global_counts[:, lo : lo + self.num_local_experts].contiguous()
         self.num_out_tokens = int(global_counts[self.ep_rank].sum())
@@ -47,12 +83,11 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.output_splits = local.sum(1).numpy()
         self.output_splits_tp = self.output_splits.sum(keepdims=True)
         self.num_global_tokens_per_local_expert = local
-        return local.sum(0)
 
     def dispatch_preprocess(
         self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     ):
-        """Stage 1: metadata (one host sync, in ``preprocess``) and the pair index plan.
+        """Stage 1: counts (their host copy started, not waited for) and the pair index plan.
 
         Returns:
             ``[T, H]`` token rows (not permuted: the op gathers them) and the ``[S]`` routing
@@ -62,13 +97,38 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.probs = probs
         self.routing_map = routing_map
         hidden = hidden_states.view(-1, self.hidden_shape[-1])
-        self.tokens_per_expert = self.preprocess(routing_map)
+        self.preprocess(routing_map)
+        self.tokens_per_expert = None
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden.view(self.hidden_shape))
         self.hidden_shape_before_permute = hidden.shape
-        perm = PairPermutation.build(routing_map, self.num_out_tokens, self.config.moe_router_topk)
-        self.pair_permutation = perm
-        return hidden, permute_probs(probs, perm)
+        topk = self.config.moe_router_topk
+        if self.expect_full_routing and not self.counts_on_host:
+            num_pairs = routing_map.shape[0] * topk
+        else:
+            num_pairs = int(self.global_counts[self.ep_rank].sum())
+        self.pair_permutation = PairPermutation.build(routing_map, num_pairs, topk)
+        return hidden, permute_probs(probs, self.pair_permutation)
+
+    def resolve(self, probs: torch.Tensor) -> torch.Tensor:
+        """Wait for the counts and check the pair plan against them.
+
+        Args:
+            probs: ``[S]`` the routing weights ``dispatch_preprocess`` returned.
+
+        Returns:
+            ``probs``, or, when the routing map had fewer than ``T * topk`` pairs, the routing
+            weights of the rebuilt pair plan (``pair_permutation`` is replaced; later calls
+            wait for the counts before building it).
+        """
+        num_pairs = int(self.global_counts[self.ep_rank].sum())
+        if num_pairs == self.pair_permutation.num_pairs:
+            return probs
+        self.expect_full_routing = False
+        self.pair_permutation = PairPermutation.build(
+            self.routing_map, num_pairs, self.config.moe_router_topk
+        )
+        return permute_probs(self.probs, self.pair_permutation)
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Stage 6: the op already summed each token's pairs; shared-expert output added."""
@@ -86,9 +146,11 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return hidden_states, permuted_probs
 
     def dispatch_postprocess(self, hidden_states, probs):
-        """Stage 3, pass-through: the op sorts rows by local expert itself."""
-        tokens_per_expert = self.tokens_per_expert
-        self.tokens_per_expert = None
+        """Stage 3, pass-through: the op sorts rows by local expert itself.
+
+        Returns stock's ``tokens_per_expert`` (host ``[L]`` rows per local expert) third.
+        """
+        tokens_per_expert = self.global_counts[:, self.local_expert_indices].sum(0)
         return hidden_states, tokens_per_expert, probs
 
     def combine_preprocess(self, hidden_states):
