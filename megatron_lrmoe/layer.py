@@ -185,7 +185,7 @@ class LRMoELayer(MoELayer):
             if resolved is not probs:  # fewer pairs than T * topk: run it again, rebuilt
                 probs, call = resolved, self._expert_call(None, None, None, None)
                 output = self._experts(hidden_states, probs, call)
-            call.plan_source = self._plan(None)
+            call.set_plan(self._plan(None))
         else:
             probs = dispatcher.resolve(probs)
             control = layout = replica_weights = None

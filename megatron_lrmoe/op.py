@@ -120,6 +120,17 @@ class ExpertCall:
             raise RuntimeError("ExpertCall.plan read before the layer set it")
         return self.plan_source
 
+    def set_plan(self, plan: CallPlan) -> None:
+        """Give a call whose forward ran from device rows its plan.
+
+        The backward then groups rows by the plan's host counts again: with device counts the
+        weight-gradient GEMMs would have to mask the whole ``[L, F1, H]`` output to zero the
+        empty experts' slices instead of touching only those.
+        """
+        self.plan_source = plan
+        self.device_rows = None
+        self._groups = None
+
     @cached_property
     def ep_size(self) -> int:
         """P, the size of the expert-parallel group."""

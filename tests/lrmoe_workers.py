@@ -380,7 +380,9 @@ def cuda_partial_routing_vs_cpu(rank: int, world: int) -> dict[str, Any]:
             lr.load_state_dict(cpu_state)
             lr = lr.cuda()
         else:
-            cpu_state = {k: v.clone() for k, v in lr.state_dict().items()}
+            cpu_state = {
+                k: v.clone() if torch.is_tensor(v) else v for k, v in lr.state_dict().items()
+            }
         _apply_routing(lr.router, "stay_home", cfg.num_moe_experts, 0, 1)
         x, up = _inputs(0, cfg.hidden_size)
         res = _run(lr, x.to(device), up.to(device))
