@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.dispatch.dispatcher import LRAlltoAllTokenDispatcher
 from megatron_lrmoe.dispatch.replicas import ReplicaLayout
+from megatron_lrmoe.experts.grouped_gemm import grouped_mm_backend
 from megatron_lrmoe.experts.module import LRGroupedMLP
 from megatron_lrmoe.experts.replica_weights import ReplicaWeightCache
 from megatron_lrmoe.op import ExpertCall, lrmoe_experts
@@ -173,9 +174,14 @@ class LRMoELayer(MoELayer):
             self._call_index += 1
         lrmoe = self.lrmoe_config
         layer_number = int(self.layer_number or 0)
-        # At EP 1 without the controller the forward needs no host integer: launch it before
-        # waiting for the counts (the plan, only the backward needs it, is built behind it).
-        deferred = not _uses_controller(lrmoe) and dispatcher.ep_size == 1
+        # At EP 1 without the controller the forward needs no host integer when its grouped
+        # GEMMs take device offsets: launch it before waiting for the counts (the plan, which
+        # only the backward needs, is built behind it). The per-expert loop reads host sizes.
+        deferred = (
+            not _uses_controller(lrmoe)
+            and dispatcher.ep_size == 1
+            and self._gemms_take_device_offsets(hidden_states)
+        )
         if deferred and dispatcher.counts_on_host:  # no wait to check the pair plan (CPU)
             probs = dispatcher.resolve(probs)
         if deferred:
@@ -218,6 +224,15 @@ class LRMoELayer(MoELayer):
             for fn in list(self._stats_listeners.values()):
                 fn(int(self.layer_number or 1), stats)
         return output, None
+
+    def _gemms_take_device_offsets(self, hidden_states: torch.Tensor) -> bool:
+        """Whether both forward grouped GEMMs run as torch's grouped_mm (no host group sizes)."""
+        w1, w2 = self.experts.weights()
+        act = hidden_states.new_empty((0, w2.shape[2]))  # the fc2 row operand's layout
+        return (
+            grouped_mm_backend(hidden_states, w1) == "torch_grouped_mm"
+            and grouped_mm_backend(act, w2) == "torch_grouped_mm"
+        )
 
     def _plan(self, control: Optional[ControlPlan]) -> CallPlan:
         dispatcher = self.token_dispatcher

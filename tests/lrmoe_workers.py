@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+from megatron_lrmoe.experts.grouped_gemm import grouped_mm_backend
 from megatron_lrmoe.testing import (
     init_megatron_parallel,
     moe_transformer_config,
@@ -363,24 +364,26 @@ def controller_cases(rank: int, world: int, ep: int) -> list[dict[str, Any]]:
     return [lrmoe_vs_dense_reference(pg, ep, kw, dict(moe_aux_loss_coeff=0.0)) for kw in cases]
 
 
-def cuda_partial_routing_rerun(rank: int, world: int) -> dict[str, Any]:
+def cuda_partial_routing_rerun(rank: int, world: int, bf16: bool) -> dict[str, Any]:
     """EP 1 on the GPU with a partial routing map ("stay_home": fewer than topk pairs per
     token; Megatron's own dispatcher cannot take one): the first call reruns its forward on the
     rebuilt pair plan, the second waits for the counts and builds the plan once. Returns the
     largest difference between the two calls' results (same inputs, weights and math), and
     the dispatcher's full-routing flag after each call and after a call with a full map."""
     pg = init_megatron_parallel(ep=1)
-    cfg = _config(1, moe_aux_loss_coeff=0.0)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    cfg = _config(1, moe_aux_loss_coeff=0.0, bf16=bf16, params_dtype=dtype)
+    # The test config initialises on the CPU (Megatron's router moves its own weight later).
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def layer():
         return get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=1.0))(
             config=cfg, pg_collection=pg, layer_number=1
-        )
+        ).to(device)
 
     lr = layer()
     _apply_routing(lr.router, "stay_home", cfg.num_moe_experts, 0, 1)
-    device = lr.router.weight.device
-    x, up = (t.to(device) for t in _inputs(0, cfg.hidden_size))
+    x, up = (t.to(device, dtype) for t in _inputs(0, cfg.hidden_size))
     runs, flags = [], []
     for _ in range(2):
         for p in lr.parameters():
@@ -394,4 +397,10 @@ def cuda_partial_routing_rerun(rank: int, world: int) -> dict[str, Any]:
     _run(full, x, up)
     flags.append(full.token_dispatcher.expect_full_routing)
     diff = max((runs[0][k] - runs[1][k]).abs().max().item() for k in runs[0])
-    return {"diff": diff, "flags": flags, "device": str(device)}
+    return {
+        "diff": diff,
+        "flags": flags,
+        "device": str(device),
+        "backend": grouped_mm_backend(x, lr.experts.weights()[0]),
+        "deferred": lr._gemms_take_device_offsets(x),
+    }

@@ -185,13 +185,16 @@ def test_partial_routing_map_at_ep1() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (counts copied async)")
-def test_cuda_partial_routing_map_reruns_the_forward() -> None:
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-grouped_mm", "fp32-loop"])
+def test_cuda_partial_routing_map_reruns_the_forward(bf16: bool) -> None:
     """On the GPU the pair plan is built for T * topk pairs before the counts reach the host;
     a map with fewer pairs is caught after the forward was queued and the forward runs again
     on the rebuilt plan: the same result as a call that waits for the counts first (the next
-    one), bit for bit. A full map keeps the speculation on."""
-    d = run_distributed(w.cuda_partial_routing_rerun, 1)[0]
+    one), bit for bit. A full map keeps the speculation on. In fp32 the grouped GEMMs loop
+    over experts with host sizes, so the layer waits for the counts before its forward."""
+    d = run_distributed(w.cuda_partial_routing_rerun, 1, bf16)[0]
     assert d["device"].startswith("cuda"), d["device"]
+    assert d["deferred"] == bf16 and (d["backend"] == "torch_grouped_mm") == bf16, d
     assert d["diff"] == 0.0, d
     assert d["flags"] == [False, False, True], d["flags"]
 
