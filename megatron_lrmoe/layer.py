@@ -173,7 +173,6 @@ class LRMoELayer(MoELayer):
         if torch.is_grad_enabled():
             self._call_index += 1
         lrmoe = self.lrmoe_config
-        layer_number = int(self.layer_number or 0)
         # At EP 1 without the controller the forward needs no host integer when its grouped
         # GEMMs take device offsets: launch it before waiting for the counts (the plan, which
         # only the backward needs, is built behind it). The per-expert loop reads host sizes.
@@ -182,9 +181,9 @@ class LRMoELayer(MoELayer):
             and dispatcher.ep_size == 1
             and self._gemms_take_device_offsets(hidden_states)
         )
-        if deferred and dispatcher.counts_on_host:  # no wait to check the pair plan (CPU)
-            probs = dispatcher.resolve(probs)
         if deferred:
+            if dispatcher.counts_on_host:  # nothing to wait for (CPU): check the pair plan now
+                probs = dispatcher.resolve(probs)
             call = self._expert_call(None, None, None, None)
             output = self._experts(hidden_states, probs, call)
             resolved = dispatcher.resolve(probs)
