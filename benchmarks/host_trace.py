@@ -195,14 +195,30 @@ def _gaps(events: list[dict], start: float, end: float, min_us: float) -> list[t
     return out
 
 
-def _kernel_times(events: list[dict], start: float, end: float) -> dict[str, list[float]]:
-    """Summed duration (us) and count per kernel / memcpy / memset name starting in the window."""
-    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+def _launched_in(events: list[dict], start: float, end: float) -> list[dict]:
+    """Kernel / memcpy / memset events whose launching runtime call ran in ``[start, end)``.
+
+    Attributes GPU work to the phase that queued it (a forward's GEMMs that run after the
+    backward's host start stay the forward's); work without a launch record (none expected)
+    goes by its own start time.
+    """
+    launch = {e.get("args", {}).get("correlation"): e["ts"] for e in events
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"}
+    out = []
     for e in events:
-        if (e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"
-                and start <= e["ts"] < end):
-            out[e["name"]][0] += e["dur"]
-            out[e["name"]][1] += 1
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X":
+            ts = launch.get(e.get("args", {}).get("correlation"), e["ts"])
+            if start <= ts < end:
+                out.append(e)
+    return out
+
+
+def _kernel_times(gpu: list[dict]) -> dict[str, list[float]]:
+    """Summed duration (us) and count per kernel / memcpy / memset name."""
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for e in gpu:
+        out[e["name"]][0] += e["dur"]
+        out[e["name"]][1] += 1
     return out
 
 
@@ -299,13 +315,11 @@ def main() -> None:
                 for k, (t, n) in _self_times(events, a, b).items():
                     totals[k][0] += t
                     totals[k][1] += n
-                # GPU work of this phase: from its start until the next phase's start (the
-                # queue drains after the host returns).
-                nxt = min([w[0] for p in PHASES for w in _phase_window(events, p) if w[0] > a]
-                          + [float("inf")])
-                gpu_end = max([e["ts"] + e["dur"] for e in events
-                               if e.get("cat") == "kernel" and a <= e["ts"] < nxt] + [b])
-                for k, (t, c) in _kernel_times(events, a, gpu_end).items():
+                # GPU work of this phase: what its host window launched, until the last of it
+                # ends (the queue drains after the host returns).
+                launched = _launched_in(events, a, b)
+                gpu_end = max([e["ts"] + e["dur"] for e in launched] + [b])
+                for k, (t, c) in _kernel_times(launched).items():
                     ktotals[k][0] += t
                     ktotals[k][1] += c
                 if args.gap_us > 0 and not gaps:  # the first profiled call's gaps

@@ -121,3 +121,28 @@ def test_replica_bench_runs_at_ep2(tmp_path: Path) -> None:
     assert plain["fwd_rows_max"] == rows["stock MoELayer"]["fwd_rows_max"]
     assert replicated["fwd_rows_max"] == replicated["plan_forward_peak"]
     assert replicated["goals"]["peak"] in ("PASS", "MISS")
+
+
+def _trace_event(cat: str, name: str, ts: float, dur: float, corr: int, tid: int = 1) -> dict:
+    return dict(cat=cat, name=name, ph="X", ts=ts, dur=dur, tid=tid, args=dict(correlation=corr))
+
+
+def test_host_trace_attributes_kernels_to_the_phase_that_launched_them() -> None:
+    """A kernel the forward queued that still runs after the backward's host start is the
+    forward's; the backward's idle gap ends at its first kernel, named with its launcher."""
+    from benchmarks.host_trace import _gaps, _kernel_times, _launched_in
+
+    events = [
+        _trace_event("cuda_runtime", "cudaLaunchKernel", 10, 2, 1),  # forward launch
+        _trace_event("kernel", "fwd_gemm", 15, 100, 1),  # runs into the backward window
+        _trace_event("python_function", "megatron_lrmoe/op.py(1): backward", 60, 100, 0),
+        _trace_event("cuda_runtime", "cudaLaunchKernel", 150, 2, 2),  # backward launch
+        _trace_event("kernel", "bwd_gather", 155, 10, 2),
+    ]
+    backward = _launched_in(events, 50, 200)
+    assert [e["name"] for e in backward] == ["bwd_gather"]
+    assert dict(_kernel_times(backward)) == {"bwd_gather": [10, 1]}
+    gaps = _gaps(events, 50, 200, min_us=20)
+    # Busy with the forward's GEMM until 115, idle until the gather starts at 155.
+    assert [(g, k) for g, k, _ in gaps] == [(40, "bwd_gather")]
+    assert "op.py(1): backward" in gaps[0][2]
