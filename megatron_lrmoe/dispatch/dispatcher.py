@@ -45,8 +45,10 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         num_local_tokens_per_expert = routing_map.sum(dim=0).long()  # [E]
         counts = comm.all_gather_counts(num_local_tokens_per_expert, self.ep_group)  # [P, E]
         lo = self.local_expert_indices[0]
-        # Forward rows per local expert, on the device: what the grouped GEMMs need at EP 1.
-        self.device_rows_per_local_expert = counts[:, lo : lo + self.num_local_experts].sum(0)
+        # Forward rows per local expert, on the device: what the grouped GEMMs need at EP 1
+        # (there a view of this rank's counts; no kernel).
+        local = counts[:, lo : lo + self.num_local_experts]
+        self.device_rows_per_local_expert = local[0] if local.shape[0] == 1 else local.sum(0)
         self._pending = HostCounts(counts)
         self._global_counts = None
         if counts.device.type == "cpu":

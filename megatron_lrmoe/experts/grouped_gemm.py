@@ -137,7 +137,7 @@ class GroupSizes:
             offs = host_to_device(torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).int(), device)
         else:
             assert self._device_counts is not None
-            offs = self._device_counts.to(device).cumsum(0).to(torch.int32).contiguous()
+            offs = torch.cumsum(self._device_counts.to(device), 0, dtype=torch.int32)
         self._offs_cache[device] = offs
         return offs
 
