@@ -108,16 +108,26 @@ def threshold_greedy(
 
 class _RankOrder:
     """Ranks by load, both ways (ties to the lower rank), built once per search: every greedy
-    run takes the ranks above T from the front of one and those below T from the other."""
+    run takes the ranks above T from the front of one and those below T from the other.
+
+    A rank below T enters the greedy's heap as the single integer ``load << bits | rank``
+    (``2**bits >= P``): the least load (the most slack below any T) first, ties to the lower
+    rank, whatever T is; an integer compares several times faster than a tuple, and a move of
+    ``a`` pairs to the rank adds ``a << bits`` to its key.
+    """
 
     def __init__(self, rank_load: Sequence[int]) -> None:
         load = np.asarray(rank_load, dtype=np.int64)
-        descending = np.argsort(-load, kind="stable")
-        ascending = np.argsort(load, kind="stable")
-        self.descending: list[int] = descending.tolist()
-        self.descending_key: list[int] = (-load[descending]).tolist()  # non-decreasing
-        self.ascending: list[int] = ascending.tolist()
-        self.ascending_load: list[int] = load[ascending].tolist()
+        self.num_ranks = num_ranks = int(load.size)
+        self.total = int(load.sum())
+        self.bits = bits = max(num_ranks - 1, 1).bit_length()
+        rank = np.arange(num_ranks, dtype=np.int64)
+        ascending = np.sort((load << bits) | rank)  # keys are distinct: any sort is stable
+        descending = np.sort((-load << bits) | rank)  # (-load, rank) ascending
+        self.ascending_key: list[int] = ascending.tolist()
+        self.ascending_load: list[int] = (ascending >> bits).tolist()
+        self.descending: list[int] = (descending & ((1 << bits) - 1)).tolist()
+        self.descending_key: list[int] = (descending >> bits).tolist()  # -load, non-decreasing
 
 
 def _greedy(
@@ -134,17 +144,24 @@ def _greedy(
         return []
     free = list(slots)
     under = bisect.bisect_left(order.ascending_load, threshold)
-    # Max-heap on slack (-slack, rank): the ranks below T by (load, rank) ascending are already
-    # in heap order. A rank leaves it when it takes a move and comes back after the current
-    # expert, so every entry is current (no stale entries to skip).
-    heap = [
-        (x - threshold, g)
-        for x, g in zip(order.ascending_load[:under], order.ascending[:under])
-        if free[g] > 0
-    ]
+    bits = order.bits
+    mask = (1 << bits) - 1
+    # Min-heap of load << bits | rank (see _RankOrder): the most slack first, ties to the lower
+    # rank; the ranks below T in that order are already a heap. A rank leaves it when it takes
+    # a move and comes back after the current expert, so every entry is current.
     # Slack on ranks with a free slot minus the pairs still to move: each move lowers both
-    # alike, except that a rank's last slot strands the slack it leaves.
-    margin = threshold * len(over) - sum([rank_load[g] for g in over]) - sum([s for s, _ in heap])
+    # alike, except that a rank's last slot strands the slack it leaves. Over all ranks, slack
+    # minus excess is P * T - total.
+    margin = order.num_ranks * threshold - order.total
+    if 0 in free:
+        heap = []
+        for key in order.ascending_key[:under]:
+            if free[key & mask]:
+                heap.append(key)
+            else:
+                margin -= threshold - (key >> bits)  # stranded: no slot to use it
+    else:
+        heap = order.ascending_key[:under]
     if margin < 0:
         return None
     pop, push = heapq.heappop, heapq.heappush
@@ -153,24 +170,24 @@ def _greedy(
         need = rank_load[r] - threshold
         for e in experts_hot_first[r]:
             left = expert_load[e]
-            used: list[tuple[int, int]] = []  # (slack, rank) of this expert's targets
+            used: list[int] = []  # heap keys of this expert's targets
             while left and heap:
-                room, g = pop(heap)
-                room = -room
+                key = pop(heap)
+                g = key & mask
+                room = threshold - (key >> bits)
                 amount = need if need < left else left
                 if room < amount:
                     amount = room
                 moves.append((e, g, amount))
-                room -= amount
                 free[g] -= 1
                 need -= amount
                 left -= amount
                 if not free[g]:
-                    margin -= room
+                    margin -= room - amount
                     if margin < 0:
                         return None
-                elif room:
-                    used.append((-room, g))  # eligible again after this expert
+                elif room > amount:
+                    used.append(key + (amount << bits))  # eligible again after this expert
                 if not need:
                     break
             for entry in used:
@@ -563,17 +580,20 @@ def place_replicas(
     local = num_experts // max(num_ranks, 1)
     empty = np.zeros(0, dtype=np.int64)
     by_rank = expert_load.reshape(max(num_ranks, 1), local)
-    rank_load = by_rank.sum(1).tolist()
+    rank_array = by_rank.sum(1)
+    rank_load = rank_array.tolist()
     top = max(rank_load, default=0)
     total = sum(rank_load)
-    low = max(-(-total // max(num_ranks, 1)), int((-(-expert_load // num_ranks)).max(initial=0)))
+    hottest = int(expert_load.max(initial=0))
+    low = max(-(-total // max(num_ranks, 1)), -(-hottest // max(num_ranks, 1)))
     if num_ranks <= 1 or top <= low:
         return Placement(top, empty, empty, empty, 0)
     loads = expert_load.tolist()
     # Owned experts hottest first (stable: ties to the lower id), as global ids.
-    order = np.argsort(-by_rank, axis=1, kind="stable") + np.arange(num_ranks)[:, None] * local
+    order = np.argsort(-by_rank, axis=1, kind="stable")
+    order += np.arange(0, num_experts, local)[:, None]
     hot_first = order.tolist()
-    rank_order = _RankOrder(rank_load)
+    rank_order = _RankOrder(rank_array)
     runs = 0
 
     def attempt(threshold: int) -> Optional[list[tuple[int, int, int]]]:
@@ -613,10 +633,9 @@ def place_replicas(
         best_t, best, changes = _polish(loads, num_ranks, rank_load, best_t, best, slots, low, stop)
     if not best:
         return Placement(top, empty, empty, empty, runs)
-    arr = np.fromiter(itertools.chain.from_iterable(best), np.int64, 3 * len(best)).reshape(-1, 3)
-    order = np.lexsort((arr[:, 1], arr[:, 0]))
-    arr = arr[order]
-    return Placement(best_t, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), runs, changes)
+    # At most one move per (expert, rank): sorting the tuples sorts by (expert, rank).
+    expert, rank, pairs = np.array(sorted(best), dtype=np.int64).T
+    return Placement(best_t, expert.copy(), rank.copy(), pairs.copy(), runs, changes)
 
 
 def _polish(
