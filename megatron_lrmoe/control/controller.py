@@ -534,6 +534,20 @@ def check_budgets(
 # --------------------------------------------------------------------------------------------- #
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(num_sources: int, num_experts: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-shape constants, shared by every call of that shape (read-only arrays): L, the
+    ``[E]`` owner of every expert, the flat index ``e * P + owner[e]`` of every (expert, owner)
+    entry of an ``[E, P]`` matrix, and the first expert of every rank."""
+    local = num_experts // num_sources
+    owner = np.arange(num_experts) // local
+    diagonal = np.arange(num_experts) * num_sources + owner
+    owned_starts = np.arange(0, num_experts, max(local, 1))
+    for array in (owner, diagonal, owned_starts):
+        array.setflags(write=False)
+    return local, owner, diagonal, owned_starts
+
+
 class _Holders:
     """Forward holders of the replicated experts (the flexible items of both assignments).
 
@@ -613,10 +627,7 @@ class _Call:
         self.n, self.w, self.lrmoe, self.cost, self.mode, self.q0 = n, w, lrmoe, cost, mode, q0
         self.exact_forward = exact_forward
         self.num_sources, self.num_experts = n.shape
-        self.local = self.num_experts // self.num_sources
-        self.owner = np.arange(self.num_experts) // self.local
-        self.diagonal = (np.arange(self.num_experts), self.owner)  # (expert, owner) index
-        self.owned_starts = np.arange(0, self.num_experts, max(self.local, 1))
+        self.local, self.owner, self.diagonal, self.owned_starts = _layout(*n.shape)
         self.memory_budget = lrmoe.memory_budget_bytes if cost is not None else None
         self.exchange_budget = (
             lrmoe.exchange_budget_bytes if cost is not None and self.num_sources > 1 else None
@@ -669,25 +680,29 @@ class _Call:
             self.threshold = placement.threshold
             if placement.replica_expert.size:
                 self.holders = self._polish(placement, self.exact_forward)
-        forward = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
+        # [E, P] matrices filled through flat indices (e * P + g): one 1-D write each.
+        forward = np.zeros(self.num_experts * self.num_sources, dtype=np.int64)
         forward[self.diagonal] = w
-        self.holds = np.zeros(forward.shape, dtype=bool)
-        self.holds[self.diagonal] = True
+        holds = np.zeros(forward.size, dtype=bool)
+        holds[self.diagonal] = True
         holders = self.holders
         self.rigid = np.ones(self.num_experts, dtype=bool)  # experts with one holder
         if len(holders):
             # Replica entries always carry pairs; an owner entry may be empty (still a holder).
-            replica = holders.rank != self.owner[holders.expert]
-            forward[holders.expert, holders.rank] = holders.forward
-            self.holds[holders.expert, holders.rank] = True  # owners: already True
+            self.holder_flat = holders.expert * self.num_sources + holders.rank
+            forward[self.holder_flat] = holders.forward
+            holds[self.holder_flat] = True  # owners: already True
             self.rigid[holders.experts] = False
-            self.forward_rank_load = self.per_owner(w * self.rigid)
-            np.add.at(self.forward_rank_load, holders.rank, holders.forward)
+            self.forward_rank_load = self.per_owner(w * self.rigid) + np.bincount(
+                holders.rank, holders.forward, minlength=self.num_sources
+            ).astype(np.int64)  # float64 sums of int64 pairs below 2**53: exact
+            replica = holders.rank != self.owner[holders.expert]
             self.replicas_per_rank = np.bincount(holders.rank[replica], minlength=self.num_sources)
         else:
             self.forward_rank_load = self.fixed_rank_load
             self.replicas_per_rank = np.zeros(self.num_sources, dtype=np.int64)
-        self.forward_load = forward
+        self.forward_load = forward.reshape(self.num_experts, self.num_sources)
+        self.holds = holds.reshape(self.num_experts, self.num_sources)
 
     def per_owner(self, values: np.ndarray) -> np.ndarray:
         """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
@@ -844,18 +859,20 @@ class _Call:
         caps = self.rank_caps(quota) if with_caps else None
         if caps is not None and self._rules_out(quota, caps):
             return None
-        load = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
+        load = np.zeros(self.num_experts * self.num_sources, dtype=np.int64)
         load[self.diagonal] = quota
+        shape = (self.num_experts, self.num_sources)
         if caps is None and not len(holders):
             # Fixed ownership, nothing to balance: every kept pair on its owner.
-            return self._finish(_Backward(quota, load, self.per_owner(quota), None, None))
+            plan = _Backward(quota, load.reshape(shape), self.per_owner(quota), None, None)
+            return self._finish(plan)
         result = self.min_max(quota, None if caps is None else caps.tolist())
         if result is None:
             return None
-        flat, rank_load = result
+        amounts, rank_load = result
         if len(holders):
-            load[holders.expert, holders.rank] = flat
-        plan = _Backward(quota, load, np.asarray(rank_load, dtype=np.int64), None, None)
+            load[self.holder_flat] = amounts
+        plan = _Backward(quota, load.reshape(shape), np.array(rank_load), None, None)
         return self._finish(plan)
 
     def min_max(
