@@ -1,8 +1,8 @@
 """The controller's fast paths against their slow, obvious references, bit for bit, on many
 random loads: the placement greedies (most slack and best fit, early exit), the local search,
 the flat holders, the starting split and the exact assignment on the flat holder graph, the
-single-rank cuts, the budget search (feasibility without the min-max part, cuts, the cut-guided search under a memory
-budget) and the whole plan.
+single-rank cuts, the budget search (feasibility without the min-max part, cuts, the cut-guided
+search under a memory budget) and the whole plan.
 
 Shapes: P ranks, E experts, N[r, e] pairs from source r to expert e.
 """
@@ -290,6 +290,12 @@ def test_single_rank_load_matches_the_dense_cuts(mode: str) -> None:
             got = call.single_rank_load(quota)
             assert np.array_equal(got, call.reference_single_rank_load(quota))
             loaded += bool(got.any())
+        # What the holders outside a rank set can take (the budget search's cuts), for the
+        # empty set, every rank, one rank and random sets.
+        masks = [np.zeros(num_ranks, bool), np.ones(num_ranks, bool), np.arange(num_ranks) == 0]
+        masks += [np.array([rng.random() < 0.4 for _ in range(num_ranks)]) for _ in range(3)]
+        for inside in masks:
+            assert np.array_equal(call.outside(inside), call.reference_outside(inside))
     assert loaded > 200
 
 

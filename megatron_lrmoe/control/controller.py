@@ -721,11 +721,23 @@ class _Call:
         first = np.concatenate(([0], first))
         experts = replica_expert[first]
         kept_home = w[experts] - np.add.reduceat(placement.replica_pairs, first)
-        expert = np.concatenate([replica_expert, experts])
-        rank = np.concatenate([placement.replica_rank, owner[experts]])
-        forward = np.concatenate([placement.replica_pairs, kept_home])
-        order = np.lexsort((rank, expert))
-        holders = _holders_from(expert[order], rank[order], forward[order])
+        # Entries sorted by (expert, rank) are sorted by their distinct flat index e * P + g.
+        num_ranks = self.num_sources
+        flat = np.concatenate(
+            (
+                replica_expert * num_ranks + placement.replica_rank,
+                experts * num_ranks + owner[experts],
+            )
+        )
+        order = np.argsort(flat)
+        flat = flat[order]
+        expert = flat // num_ranks
+        rank = flat - expert * num_ranks
+        forward = np.concatenate((placement.replica_pairs, kept_home))[order]
+        # Item i: its replicas and its owner.
+        size = np.diff(np.append(first, replica_expert.size)) + 1
+        bounds = np.concatenate(([0], np.cumsum(size)))
+        holders = _Holders(expert, rank, forward, bounds)
         if not exact:
             return holders
         rigid = np.ones(self.num_experts, dtype=bool)
@@ -1028,12 +1040,32 @@ class _Call:
         inside[ranks] = True
         key = inside.tobytes()
         if key not in self.cuts:
-            if self.mode == "save":
-                outside = self.w - self.forward_load[:, inside].sum(1)
-            else:
-                outside = np.where((self.holds & ~inside[None, :]).any(1), self.w, 0)
-            self.cuts[key] = (outside, inside)
+            self.cuts[key] = (self.outside(inside), inside)
         return self.cuts[key]
+
+    def outside(self, inside: np.ndarray) -> np.ndarray:
+        """``[E]`` what each expert's holders outside the rank set ``inside`` (``[P]`` mask) can
+        take (:meth:`reference_outside`) from the holder entries: an expert with one holder
+        all its pairs unless its owner is inside; a replicated one, in save mode, the forward
+        pairs of its holders outside, in recompute mode all its pairs if any holder is
+        outside."""
+        outside = np.where(inside[self.owner], 0, self.w)
+        holders = self.holders
+        if len(holders):
+            out = ~inside[holders.rank]
+            if self.mode == "save":
+                taken = np.add.reduceat(holders.forward * out, holders.heads)
+            else:
+                reach = np.logical_or.reduceat(out, holders.heads)
+                taken = np.where(reach, self.w[holders.experts], 0)
+            outside[holders.experts] = taken
+        return outside
+
+    def reference_outside(self, inside: np.ndarray) -> np.ndarray:
+        """The slow, obvious :meth:`outside` from the ``[E, P]`` forward split and holders."""
+        if self.mode == "save":
+            return self.w - self.forward_load[:, inside].sum(1)
+        return np.where((self.holds & ~inside[None, :]).any(1), self.w, 0)
 
     def solve(self) -> tuple[_Backward, Optional[int], tuple[str, ...], tuple[str, ...]]:
         """Quotas under the budgets: ``(plan, cap, binding budgets, unmet budgets)``.

@@ -131,11 +131,11 @@ class _RankOrder:
         rank = np.arange(num_ranks, dtype=np.int64)
         ascending = np.sort((load << bits) | rank)  # keys are distinct: any sort is stable
         descending = np.sort((-load << bits) | rank)  # (-load, rank) ascending
+        # Bisecting ``T << bits`` in ``ascending_key`` finds the first rank with load >= T;
+        # bisecting ``-T << bits`` in ``descending_key`` the first with load <= T.
         self.ascending_key: list[int] = ascending.tolist()
-        self.ascending_load: list[int] = (ascending >> bits).tolist()
-        self.descending_rank_key: list[int] = descending.tolist()
+        self.descending_key: list[int] = descending.tolist()
         self.descending: list[int] = (descending & ((1 << bits) - 1)).tolist()
-        self.descending_key: list[int] = (descending >> bits).tolist()  # -load, non-decreasing
 
 
 def _greedy(
@@ -147,11 +147,11 @@ def _greedy(
     order: _RankOrder,
 ) -> Optional[list[tuple[int, int, int]]]:
     """:func:`threshold_greedy` with the rank orders precomputed."""
-    over = order.descending[: bisect.bisect_left(order.descending_key, -threshold)]
+    over = order.descending[: bisect.bisect_left(order.descending_key, -threshold << order.bits)]
     if not over:
         return []
     free = list(slots)
-    under = bisect.bisect_left(order.ascending_load, threshold)
+    under = bisect.bisect_left(order.ascending_key, threshold << order.bits)
     bits = order.bits
     mask = (1 << bits) - 1
     # Min-heap of load << bits | rank (see _RankOrder): the most slack first, ties to the lower
@@ -297,27 +297,27 @@ def _best_fit(
     order: _RankOrder,
 ) -> Optional[list[tuple[int, int, int]]]:
     """:func:`best_fit_greedy` with the rank orders precomputed."""
-    over = order.descending[: bisect.bisect_left(order.descending_key, -threshold)]
+    over = order.descending[: bisect.bisect_left(order.descending_key, -threshold << order.bits)]
     if not over:
         return []
     free = list(slots)
     bits = order.bits
     mask = (1 << bits) - 1
     # Ranks below T as slack << bits | rank, ascending (least slack first, ties to the lower
-    # rank): ``T << bits`` plus the (-load, rank) keys of ``descending`` past the ranks at or
+    # rank): ``T << bits`` plus the (-load, rank) keys of ``descending_key`` past the ranks at or
     # above T. The list stays sorted; a target leaves it for the current expert's moves.
     shift = threshold << bits
-    first = bisect.bisect_right(order.descending_key, -threshold)
+    first = bisect.bisect_left(order.descending_key, (1 - threshold) << bits)  # load < T
     margin = order.num_ranks * threshold - order.total  # as in _greedy
     if 0 in free:
         avail = []
-        for key in order.descending_rank_key[first:]:
+        for key in order.descending_key[first:]:
             if free[key & mask]:
                 avail.append(shift + key)
             else:
                 margin -= (shift + key) >> bits  # stranded: no slot to use it
     else:
-        avail = [shift + key for key in order.descending_rank_key[first:]]
+        avail = [shift + key for key in order.descending_key[first:]]
     if margin < 0:
         return None
     find, insort = bisect.bisect_left, bisect.insort
