@@ -231,6 +231,16 @@ def test_holders_match_the_placement(mode: str) -> None:
         replicas = sorted(map(tuple, held[held[:, 1] != owner[held[:, 0]]].tolist()))
         flat = zip(holders.expert.tolist(), holders.rank.tolist())
         assert replicas == sorted((e, g) for e, g in flat if g != owner[e])
+        # Built in Python from the moves: the same entries as the numpy reference, and the
+        # host lists the holder graph reads match the arrays.
+        tolerance = controller.PLACEMENT_TOLERANCE
+        placement_ = placement.place_replicas(call.w, counts.shape[0], 2, tolerance)
+        reference = call.reference_holders(placement_)
+        for name in ("expert", "rank", "forward", "bounds", "experts", "item"):
+            assert np.array_equal(getattr(holders, name), getattr(reference, name)), name
+        assert holders.rank_list == reference.rank.tolist()
+        assert holders.bounds_list == reference.bounds.tolist()
+        assert holders.forward_list == reference.forward.tolist()
     assert checked > 40
 
 

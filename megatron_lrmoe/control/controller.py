@@ -46,7 +46,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -593,6 +593,61 @@ class _Holders:
         """``[K]`` item of every entry."""
         return np.searchsorted(self.experts, self.expert)  # both ascending
 
+    # Host-int copies for the holder graph (pre-filled when the holders are built in Python).
+    @cached_property
+    def rank_list(self) -> list[int]:
+        return self.rank.tolist()
+
+    @cached_property
+    def bounds_list(self) -> list[int]:
+        return self.bounds.tolist()
+
+    @cached_property
+    def forward_list(self) -> list[int]:
+        return self.forward.tolist()
+
+    @staticmethod
+    def of_moves(
+        moves: Sequence[tuple[int, int, int]], expert_load: np.ndarray, local: int
+    ) -> "_Holders":
+        """The holders of a placement's moves ``(expert, rank, pairs)`` (sorted by (expert,
+        rank), every expert's replicas together): each replicated expert gains an owner entry
+        with the pairs the moves left there, in rank order. Built in Python: a few dozen
+        entries cost less as list appends than as a dozen small numpy calls.
+        """
+        expert: list[int] = []
+        rank: list[int] = []
+        forward: list[int] = []
+        bounds = [0]
+        i, count = 0, len(moves)
+        while i < count:
+            e = moves[i][0]
+            owner = e // local
+            j, sent = i, 0
+            while j < count and moves[j][0] == e:
+                sent += moves[j][2]
+                j += 1
+            home = int(expert_load[e]) - sent
+            for _, g, amount in moves[i:j]:
+                if owner is not None and g > owner:
+                    expert.append(e)
+                    rank.append(owner)
+                    forward.append(home)
+                    owner = None
+                expert.append(e)
+                rank.append(g)
+                forward.append(amount)
+            if owner is not None:
+                expert.append(e)
+                rank.append(owner)
+                forward.append(home)
+            bounds.append(len(rank))
+            i = j
+        columns = np.array([expert, rank, forward], dtype=np.int64)
+        holders = _Holders(columns[0], columns[1], columns[2], np.array(bounds, dtype=np.int64))
+        holders.__dict__.update(rank_list=rank, bounds_list=bounds, forward_list=forward)
+        return holders
+
 
 def _holders_from(expert: np.ndarray, rank: np.ndarray, forward: np.ndarray) -> _Holders:
     """Holders from entries sorted by (expert, rank), each expert with two or more."""
@@ -678,8 +733,10 @@ class _Call:
             slots = self.slots if self.memory_budget is not None else self.slots(0)[0]
             placement = place_replicas(w, self.num_sources, slots, PLACEMENT_TOLERANCE)
             self.threshold = placement.threshold
-            if placement.replica_expert.size:
-                self.holders = self._polish(placement, self.exact_forward)
+            if placement.moves:
+                self.holders = _Holders.of_moves(placement.moves, w, self.local)
+                if self.exact_forward:
+                    self.holders = self._exact_split(self.holders)
         # [E, P] matrices filled through flat indices (e * P + g): one 1-D write each.
         forward = np.zeros(self.num_experts * self.num_sources, dtype=np.int64)
         forward[self.diagonal] = w
@@ -710,36 +767,25 @@ class _Call:
             return np.zeros(self.num_sources, dtype=np.int64)
         return np.add.reduceat(values, self.owned_starts)  # faster than a sum over [P, L]
 
-    def _polish(self, placement: Any, exact: bool) -> _Holders:
-        """The greedy's forward split, or (``exact``) the exact min-max split over its holders
-        with the replicas it leaves idle dropped."""
+    def reference_holders(self, placement: Any) -> _Holders:
+        """The slow, obvious :meth:`_Holders.of_moves`: the placement's replica arrays with an
+        owner entry per replicated expert, sorted by (expert, rank) with numpy."""
         w, owner = self.w, self.owner
-        # Replicas come sorted by (expert, rank); each replicated expert gains an owner entry
-        # with the pairs the greedy left there.
         replica_expert = placement.replica_expert
         first = (replica_expert[1:] != replica_expert[:-1]).nonzero()[0] + 1
         first = np.concatenate(([0], first))
         experts = replica_expert[first]
         kept_home = w[experts] - np.add.reduceat(placement.replica_pairs, first)
-        # Entries sorted by (expert, rank) are sorted by their distinct flat index e * P + g.
-        num_ranks = self.num_sources
-        flat = np.concatenate(
-            (
-                replica_expert * num_ranks + placement.replica_rank,
-                experts * num_ranks + owner[experts],
-            )
-        )
-        order = np.argsort(flat)
-        flat = flat[order]
-        expert = flat // num_ranks
-        rank = flat - expert * num_ranks
-        forward = np.concatenate((placement.replica_pairs, kept_home))[order]
-        # Item i: its replicas and its owner.
-        size = np.diff(np.append(first, replica_expert.size)) + 1
-        bounds = np.concatenate(([0], np.cumsum(size)))
-        holders = _Holders(expert, rank, forward, bounds)
-        if not exact:
-            return holders
+        expert = np.concatenate([replica_expert, experts])
+        rank = np.concatenate([placement.replica_rank, owner[experts]])
+        forward = np.concatenate([placement.replica_pairs, kept_home])
+        order = np.lexsort((rank, expert))
+        return _holders_from(expert[order], rank[order], forward[order])
+
+    def _exact_split(self, holders: _Holders) -> _Holders:
+        """The exact min-max forward split over the greedy's holders, with the replicas it
+        leaves idle dropped."""
+        w, owner, experts = self.w, self.owner, holders.experts
         rigid = np.ones(self.num_experts, dtype=bool)
         rigid[experts] = False
         base = self.per_owner(w * rigid)
@@ -747,7 +793,7 @@ class _Call:
             base.tolist(), w[experts].tolist(), holders.ranks, holders.forward_lists
         )
         assert result is not None  # no capacities: always feasible
-        amounts = np.fromiter(itertools.chain.from_iterable(result[0]), np.int64, rank.size)
+        amounts = np.fromiter(itertools.chain.from_iterable(result[0]), np.int64, holders.rank.size)
         keep = (amounts > 0) | (holders.rank == owner[holders.expert])
         alone = np.add.reduceat(keep.astype(np.int64), holders.bounds[:-1]) == 1  # owner only
         keep &= ~np.repeat(alone, holders.bounds[1:] - holders.heads)
@@ -799,9 +845,9 @@ class _Call:
         holders = self.holders
         return HolderGraph(
             self.num_sources,
-            holders.rank.tolist(),
-            holders.bounds.tolist(),
-            holders.forward.tolist() if self.mode == "save" else None,
+            holders.rank_list,
+            holders.bounds_list,
+            holders.forward_list if self.mode == "save" else None,
         )
 
     @cached_property

@@ -66,22 +66,37 @@ class Placement:
     Attributes:
         threshold: The peak load of this split: the smallest T (within the search's tolerance)
             at which the greedy succeeded, or the lower exact peak the local search reached.
-        replica_expert: ``[M]`` int64 expert of each replica, sorted by (expert, rank).
-        replica_rank: ``[M]`` int64 rank hosting it (never the expert's owner).
-        replica_pairs: ``[M]`` int64 pairs computed there (all positive): the greedy's split,
-            or after a local search that paid the exact min-max split over its replicas.
+        moves: ``(expert, rank, pairs)`` of every replica, sorted by (expert, rank); the rank
+            is never the expert's owner, the pairs (all positive) are the greedy's split, or
+            after a local search that paid the exact min-max split over its replicas. Host
+            ints: the controller reads them in Python (a few dozen entries).
         greedy_runs: How many greedy runs the search made, both kinds (planner cost
             diagnostics).
         changes: Replicas the local search after the greedy added or dropped (0: the greedy's
             placement as it was).
+        replica_expert, replica_rank, replica_pairs: (properties) ``[M]`` int64 columns of
+            ``moves``.
     """
 
     threshold: int
-    replica_expert: np.ndarray
-    replica_rank: np.ndarray
-    replica_pairs: np.ndarray
+    moves: tuple[tuple[int, int, int], ...]
     greedy_runs: int
     changes: int = 0
+
+    def _column(self, j: int) -> np.ndarray:
+        return np.array([move[j] for move in self.moves], dtype=np.int64)
+
+    @property
+    def replica_expert(self) -> np.ndarray:
+        return self._column(0)
+
+    @property
+    def replica_rank(self) -> np.ndarray:
+        return self._column(1)
+
+    @property
+    def replica_pairs(self) -> np.ndarray:
+        return self._column(2)
 
 
 def threshold_greedy(
@@ -124,18 +139,19 @@ class _RankOrder:
     """
 
     def __init__(self, rank_load: Sequence[int]) -> None:
-        load = np.asarray(rank_load, dtype=np.int64)
-        self.num_ranks = num_ranks = int(load.size)
-        self.total = int(load.sum())
+        # Host ints and two list sorts: for P <= a few hundred cheaper than numpy's calls.
+        self.num_ranks = num_ranks = len(rank_load)
+        self.total = sum(rank_load)
         self.bits = bits = max(num_ranks - 1, 1).bit_length()
-        rank = np.arange(num_ranks, dtype=np.int64)
-        ascending = np.sort((load << bits) | rank)  # keys are distinct: any sort is stable
-        descending = np.sort((-load << bits) | rank)  # (-load, rank) ascending
         # Bisecting ``T << bits`` in ``ascending_key`` finds the first rank with load >= T;
-        # bisecting ``-T << bits`` in ``descending_key`` the first with load <= T.
-        self.ascending_key: list[int] = ascending.tolist()
-        self.descending_key: list[int] = descending.tolist()
-        self.descending: list[int] = (descending & ((1 << bits) - 1)).tolist()
+        # bisecting ``-T << bits`` in ``descending_key`` (keys of (-load, rank)) the first with
+        # load <= T. Keys are distinct: any sort is stable.
+        self.ascending_key: list[int] = sorted([x << bits | g for g, x in enumerate(rank_load)])
+        self.descending_key: list[int] = sorted(
+            [(-x << bits) | g for g, x in enumerate(rank_load)]
+        )
+        mask = (1 << bits) - 1
+        self.descending: list[int] = [key & mask for key in self.descending_key]
 
 
 def _greedy(
@@ -742,7 +758,6 @@ def place_replicas(
     """
     num_experts = int(expert_load.shape[0])
     local = num_experts // max(num_ranks, 1)
-    empty = np.zeros(0, dtype=np.int64)
     by_rank = expert_load.reshape(max(num_ranks, 1), local)
     rank_array = by_rank.sum(1)
     rank_load = rank_array.tolist()
@@ -751,13 +766,13 @@ def place_replicas(
     hottest = int(expert_load.max(initial=0))
     low = max(-(-total // max(num_ranks, 1)), -(-hottest // max(num_ranks, 1)))
     if num_ranks <= 1 or top <= low:
-        return Placement(top, empty, empty, empty, 0)
+        return Placement(top, (), 0)
     loads = expert_load.tolist()
     # Owned experts hottest first (stable: ties to the lower id), as global ids.
     order = np.argsort(-by_rank, axis=1, kind="stable")
     order += np.arange(0, num_experts, local)[:, None]
     hot_first = order.tolist()
-    rank_order = _RankOrder(rank_array)
+    rank_order = _RankOrder(rank_load)
     runs = 0
 
     def attempt(threshold: int) -> Optional[list[tuple[int, int, int]]]:
@@ -802,10 +817,9 @@ def place_replicas(
         stop = low + int(tolerance * low)
         best_t, best, changes = _polish(loads, num_ranks, rank_load, best_t, best, slots, low, stop)
     if not best:
-        return Placement(top, empty, empty, empty, runs)
+        return Placement(top, (), runs)
     # At most one move per (expert, rank): sorting the tuples sorts by (expert, rank).
-    expert, rank, pairs = np.array(sorted(best), dtype=np.int64).T
-    return Placement(best_t, expert.copy(), rank.copy(), pairs.copy(), runs, changes)
+    return Placement(best_t, tuple(sorted(best)), runs, changes)
 
 
 def _polish(
