@@ -194,8 +194,8 @@ def test_place_replicas_same_with_the_reference_search(monkeypatch: pytest.Monke
 def test_largest_cap_matches_reference() -> None:
     rng = np.random.default_rng(7)
     bounded = 0
-    for _ in range(2000):
-        num = int(rng.integers(1, 12))
+    for case in range(2000):
+        num = int(rng.integers(1, 12)) if case % 4 else int(rng.integers(40, 120))
         uncapped = rng.integers(0, 30, num)
         if rng.random() < 0.7:
             outside = rng.integers(0, 35, num)
