@@ -730,7 +730,9 @@ def reference_improve(
 
 def _slots_at(slots: Slots, threshold: int, num_ranks: int) -> list[int]:
     if callable(slots):
-        return [int(s) for s in slots(threshold)]
+        room = slots(threshold)
+        # The controller's slots come as a list of host ints already.
+        return room if type(room) is list else [int(s) for s in room]
     if isinstance(slots, int):
         return [slots] * num_ranks
     return [int(s) for s in slots]
