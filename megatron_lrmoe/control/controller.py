@@ -612,8 +612,9 @@ class _Holders:
     ) -> "_Holders":
         """The holders of a placement's moves ``(expert, rank, pairs)`` (sorted by (expert,
         rank), every expert's replicas together): each replicated expert gains an owner entry
-        with the pairs the moves left there, in rank order. Built in Python: a few dozen
-        entries cost less as list appends than as a dozen small numpy calls.
+        with the pairs the moves left there, in rank order. Built on host ints (a few dozen
+        entries: about the cost of the dozen small numpy calls it replaces), so the holder graph
+        gets its lists without converting arrays back.
         """
         expert: list[int] = []
         rank: list[int] = []
@@ -930,7 +931,7 @@ class _Call:
         amounts, rank_load = result
         if len(holders):
             load[self.holder_flat] = amounts
-        plan = _Backward(quota, load.reshape(shape), np.array(rank_load), None, None)
+        plan = _Backward(quota, load.reshape(shape), np.array(rank_load, np.int64), None, None)
         return self._finish(plan)
 
     def min_max(

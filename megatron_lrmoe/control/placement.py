@@ -134,12 +134,12 @@ class _RankOrder:
 
     A rank below T enters the greedy's heap as the single integer ``load << bits | rank``
     (``2**bits >= P``): the least load (the most slack below any T) first, ties to the lower
-    rank, whatever T is; an integer compares several times faster than a tuple, and a move of
-    ``a`` pairs to the rank adds ``a << bits`` to its key.
+    rank, whatever T is; an integer compares faster than a tuple, and a move of ``a`` pairs to
+    the rank adds ``a << bits`` to its key.
     """
 
     def __init__(self, rank_load: Sequence[int]) -> None:
-        # Host ints and two list sorts: for P <= a few hundred cheaper than numpy's calls.
+        # Host ints and two list sorts: for P up to a few hundred cheaper than numpy's calls.
         self.num_ranks = num_ranks = len(rank_load)
         self.total = sum(rank_load)
         self.bits = bits = max(num_ranks - 1, 1).bit_length()
@@ -294,8 +294,8 @@ def best_fit_greedy(
     Why: the greedy fails when the slack it strands exceeds the margin ``P * T - total`` (a rank
     whose last slot takes a move that does not fill it strands the rest). Most-slack-first puts
     the small end of an excess or an expert on the emptiest rank and strands much of it; best
-    fit puts it where it fills a gap. On Zipf loads at EP 64 it succeeds 100-250 pairs below the
-    most-slack greedy, but not always: :func:`place_replicas` tries this one first and the
+    fit puts it where it fills a gap. On Zipf loads at EP 64 it succeeds up to 250 pairs below
+    the most-slack greedy, but not always: :func:`place_replicas` tries this one first and the
     most-slack greedy where it fails. :func:`reference_best_fit_greedy` is the slow twin.
 
     Args and returns: as :func:`threshold_greedy`.
