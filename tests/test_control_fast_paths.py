@@ -1,8 +1,8 @@
 """The controller's fast paths against their slow, obvious references, bit for bit, on many
-random loads: the placement greedy (early exit), its local search, the flat holders, the
-starting split and the exact assignment on the flat holder graph, the single-rank cuts, the
-budget search (feasibility without the min-max part, cuts, the cut-guided search under a memory
-budget) and the whole plan.
+random loads: the placement greedies (most slack and best fit, early exit), the local search,
+the flat holders, the starting split and the exact assignment on the flat holder graph, the
+single-rank cuts, the budget search (feasibility without the min-max part, cuts, the cut-guided
+search under a memory budget) and the whole plan.
 
 Shapes: P ranks, E experts, N[r, e] pairs from source r to expert e.
 """
@@ -74,7 +74,23 @@ def _same(a: ControlPlan, b: ControlPlan) -> None:
             assert torch.equal(getattr(a.memory, g.name), getattr(b.memory, g.name)), g.name
 
 
-def test_threshold_greedy_matches_reference() -> None:
+def _reference_greedies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both greedies of the placement search replaced by their slow references."""
+    monkeypatch.setattr(
+        placement, "_greedy", lambda *a: placement.reference_threshold_greedy(*a[:5])
+    )
+    monkeypatch.setattr(
+        placement, "_best_fit", lambda *a: placement.reference_best_fit_greedy(*a[:5])
+    )
+
+
+@pytest.mark.parametrize("best_fit", [False, True])
+def test_threshold_greedy_matches_reference(best_fit: bool) -> None:
+    fast, slow = (
+        (placement.best_fit_greedy, placement.reference_best_fit_greedy)
+        if best_fit
+        else (placement.threshold_greedy, placement.reference_threshold_greedy)
+    )
     rng = random.Random(5)
     outcomes = {True: 0, False: 0}
     for case in range(400):
@@ -95,8 +111,8 @@ def test_threshold_greedy_matches_reference() -> None:
             else:
                 slots = [rng.choice([1, 2])] * num_ranks
             args = (load.tolist(), rank_load, hot.tolist(), threshold, slots)
-            moves = placement.threshold_greedy(*args)
-            assert moves == placement.reference_threshold_greedy(*args)
+            moves = fast(*args)
+            assert moves == slow(*args)
             outcomes[moves is None] += 1
     assert min(outcomes.values()) > 100  # both regimes covered
 
@@ -109,9 +125,7 @@ def test_place_replicas_same_with_the_reference_greedy(monkeypatch: pytest.Monke
         slots = rng.choice([1, 2, 3, list(range(counts.shape[0]))])
         cases.append((counts.sum(0), counts.shape[0], slots, rng.choice([0.0, 1 / 512, 0.05])))
     fast = [placement.place_replicas(*c) for c in cases]
-    monkeypatch.setattr(
-        placement, "_greedy", lambda *a: placement.reference_threshold_greedy(*a[:5])
-    )
+    _reference_greedies(monkeypatch)
     replicated = 0
     for c, got in zip(cases, fast):
         ref = placement.place_replicas(*c)
@@ -180,8 +194,8 @@ def test_place_replicas_same_with_the_reference_search(monkeypatch: pytest.Monke
 def test_largest_cap_matches_reference() -> None:
     rng = np.random.default_rng(7)
     bounded = 0
-    for _ in range(2000):
-        num = int(rng.integers(1, 12))
+    for case in range(2000):
+        num = int(rng.integers(1, 12)) if case % 4 else int(rng.integers(40, 120))
         uncapped = rng.integers(0, 30, num)
         if rng.random() < 0.7:
             outside = rng.integers(0, 35, num)
@@ -217,6 +231,16 @@ def test_holders_match_the_placement(mode: str) -> None:
         replicas = sorted(map(tuple, held[held[:, 1] != owner[held[:, 0]]].tolist()))
         flat = zip(holders.expert.tolist(), holders.rank.tolist())
         assert replicas == sorted((e, g) for e, g in flat if g != owner[e])
+        # Built in Python from the moves: the same entries as the numpy reference, and the
+        # host lists the holder graph reads match the arrays.
+        tolerance = controller.PLACEMENT_TOLERANCE
+        placement_ = placement.place_replicas(call.w, counts.shape[0], 2, tolerance)
+        reference = call.reference_holders(placement_)
+        for name in ("expert", "rank", "forward", "bounds", "experts", "item"):
+            assert np.array_equal(getattr(holders, name), getattr(reference, name)), name
+        assert holders.rank_list == reference.rank.tolist()
+        assert holders.bounds_list == reference.bounds.tolist()
+        assert holders.forward_list == reference.forward.tolist()
     assert checked > 40
 
 
@@ -276,6 +300,12 @@ def test_single_rank_load_matches_the_dense_cuts(mode: str) -> None:
             got = call.single_rank_load(quota)
             assert np.array_equal(got, call.reference_single_rank_load(quota))
             loaded += bool(got.any())
+        # What the holders outside a rank set can take (the budget search's cuts), for the
+        # empty set, every rank, one rank and random sets.
+        masks = [np.zeros(num_ranks, bool), np.ones(num_ranks, bool), np.arange(num_ranks) == 0]
+        masks += [np.array([rng.random() < 0.4 for _ in range(num_ranks)]) for _ in range(3)]
+        for inside in masks:
+            assert np.array_equal(call.outside(inside), call.reference_outside(inside))
     assert loaded > 200
 
 
@@ -354,9 +384,7 @@ def test_plans_match_the_reference_paths(monkeypatch: pytest.MonkeyPatch) -> Non
             lrmoe = LRMoEConfig(keep_ratio=0.5, activation_mode=mode, max_replicas_per_rank=2)
         cases.append((counts, lrmoe, rng.random() < 0.2))
     fast = [plan_call(c, 0, lrmoe, COST, exact_forward=x) for c, lrmoe, x in cases]
-    monkeypatch.setattr(
-        placement, "_greedy", lambda *a: placement.reference_threshold_greedy(*a[:5])
-    )
+    _reference_greedies(monkeypatch)
     monkeypatch.setattr(controller._Call, "fits", controller._Call.reference_fits)
     monkeypatch.setattr(controller._Call, "memory_cap", controller._Call.bisect_cap)
     monkeypatch.setattr(controller._Call, "min_max", controller._Call.reference_min_max)

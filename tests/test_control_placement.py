@@ -16,6 +16,7 @@ from megatron_lrmoe.control import placement as placement_module
 from megatron_lrmoe.control.balance import balance_over_replicas
 from megatron_lrmoe.control.placement import (
     _Excess,
+    best_fit_greedy,
     place_replicas,
     reference_optimal_peak,
     threshold_greedy,
@@ -199,3 +200,20 @@ def test_threshold_greedy_hand_case() -> None:
     assert threshold_greedy(loads, rank_load, hot, 40, [1, 0, 0]) is None
     # Below the mean no threshold is reachable.
     assert threshold_greedy(loads, rank_load, hot, 34, [9, 9, 9]) is None
+
+
+def test_best_fit_greedy_hand_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ranks own one expert each. Over a threshold of 7: rank 0 by 8, rank 2 by 3; ranks 1, 3, 4
+    # have slack 2, 7, 7 and one slot each.
+    loads = [15, 5, 10, 0, 0]
+    hot = [[0], [1], [2], [3], [4]]
+    # Most slack first: rank 0 sends 7 to rank 3 and its last pair to rank 4, stranding 6 there;
+    # rank 2's 3 pairs then fit nowhere.
+    assert threshold_greedy(loads, loads, hot, 7, [1] * 5) is None
+    # Best fit: the last pair goes to rank 1 (the least slack that takes it), rank 2's to rank 4.
+    assert best_fit_greedy(loads, loads, hot, 7, [1] * 5) == [(0, 3, 7), (0, 1, 1), (2, 4, 3)]
+    # The search tries both at every threshold: 7 is reached (6, the lower bound, by neither).
+    monkeypatch.setattr(placement_module, "IMPROVE_MAX_PAIRS", 0)  # the greedy search alone
+    placement = place_replicas(np.array(loads, dtype=np.int64), 5, 1)
+    assert placement.threshold == 7 and placement.replica_rank.tolist() == [1, 3, 4]
+    assert placement.greedy_runs == 3  # 6: both fail; 7: best fit succeeds

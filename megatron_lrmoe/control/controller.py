@@ -46,7 +46,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -534,6 +534,20 @@ def check_budgets(
 # --------------------------------------------------------------------------------------------- #
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(num_sources: int, num_experts: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-shape constants, shared by every call of that shape (read-only arrays): L, the
+    ``[E]`` owner of every expert, the flat index ``e * P + owner[e]`` of every (expert, owner)
+    entry of an ``[E, P]`` matrix, and the first expert of every rank."""
+    local = num_experts // num_sources
+    owner = np.arange(num_experts) // local
+    diagonal = np.arange(num_experts) * num_sources + owner
+    owned_starts = np.arange(0, num_experts, max(local, 1))
+    for array in (owner, diagonal, owned_starts):
+        array.setflags(write=False)
+    return local, owner, diagonal, owned_starts
+
+
 class _Holders:
     """Forward holders of the replicated experts (the flexible items of both assignments).
 
@@ -579,6 +593,62 @@ class _Holders:
         """``[K]`` item of every entry."""
         return np.searchsorted(self.experts, self.expert)  # both ascending
 
+    # Host-int copies for the holder graph (pre-filled when the holders are built in Python).
+    @cached_property
+    def rank_list(self) -> list[int]:
+        return self.rank.tolist()
+
+    @cached_property
+    def bounds_list(self) -> list[int]:
+        return self.bounds.tolist()
+
+    @cached_property
+    def forward_list(self) -> list[int]:
+        return self.forward.tolist()
+
+    @staticmethod
+    def of_moves(
+        moves: Sequence[tuple[int, int, int]], expert_load: np.ndarray, local: int
+    ) -> "_Holders":
+        """The holders of a placement's moves ``(expert, rank, pairs)`` (sorted by (expert,
+        rank), every expert's replicas together): each replicated expert gains an owner entry
+        with the pairs the moves left there, in rank order. Built on host ints (a few dozen
+        entries: about the cost of the dozen small numpy calls it replaces), so the holder graph
+        gets its lists without converting arrays back.
+        """
+        expert: list[int] = []
+        rank: list[int] = []
+        forward: list[int] = []
+        bounds = [0]
+        i, count = 0, len(moves)
+        while i < count:
+            e = moves[i][0]
+            owner = e // local
+            j, sent = i, 0
+            while j < count and moves[j][0] == e:
+                sent += moves[j][2]
+                j += 1
+            home = int(expert_load[e]) - sent
+            for _, g, amount in moves[i:j]:
+                if owner is not None and g > owner:
+                    expert.append(e)
+                    rank.append(owner)
+                    forward.append(home)
+                    owner = None
+                expert.append(e)
+                rank.append(g)
+                forward.append(amount)
+            if owner is not None:
+                expert.append(e)
+                rank.append(owner)
+                forward.append(home)
+            bounds.append(len(rank))
+            i = j
+        columns = np.array([expert, rank, forward], dtype=np.int64)
+        holders = _Holders(columns[0], columns[1], columns[2], np.array(bounds, dtype=np.int64))
+        holders.__dict__.update(rank_list=rank, bounds_list=bounds, forward_list=forward)
+        return holders
+
 
 def _holders_from(expert: np.ndarray, rank: np.ndarray, forward: np.ndarray) -> _Holders:
     """Holders from entries sorted by (expert, rank), each expert with two or more."""
@@ -613,10 +683,7 @@ class _Call:
         self.n, self.w, self.lrmoe, self.cost, self.mode, self.q0 = n, w, lrmoe, cost, mode, q0
         self.exact_forward = exact_forward
         self.num_sources, self.num_experts = n.shape
-        self.local = self.num_experts // self.num_sources
-        self.owner = np.arange(self.num_experts) // self.local
-        self.diagonal = (np.arange(self.num_experts), self.owner)  # (expert, owner) index
-        self.owned_starts = np.arange(0, self.num_experts, max(self.local, 1))
+        self.local, self.owner, self.diagonal, self.owned_starts = _layout(*n.shape)
         self.memory_budget = lrmoe.memory_budget_bytes if cost is not None else None
         self.exchange_budget = (
             lrmoe.exchange_budget_bytes if cost is not None and self.num_sources > 1 else None
@@ -667,27 +734,33 @@ class _Call:
             slots = self.slots if self.memory_budget is not None else self.slots(0)[0]
             placement = place_replicas(w, self.num_sources, slots, PLACEMENT_TOLERANCE)
             self.threshold = placement.threshold
-            if placement.replica_expert.size:
-                self.holders = self._polish(placement, self.exact_forward)
-        forward = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
+            if placement.moves:
+                self.holders = _Holders.of_moves(placement.moves, w, self.local)
+                if self.exact_forward:
+                    self.holders = self._exact_split(self.holders)
+        # [E, P] matrices filled through flat indices (e * P + g): one 1-D write each.
+        forward = np.zeros(self.num_experts * self.num_sources, dtype=np.int64)
         forward[self.diagonal] = w
-        self.holds = np.zeros(forward.shape, dtype=bool)
-        self.holds[self.diagonal] = True
+        holds = np.zeros(forward.size, dtype=bool)
+        holds[self.diagonal] = True
         holders = self.holders
         self.rigid = np.ones(self.num_experts, dtype=bool)  # experts with one holder
         if len(holders):
             # Replica entries always carry pairs; an owner entry may be empty (still a holder).
-            replica = holders.rank != self.owner[holders.expert]
-            forward[holders.expert, holders.rank] = holders.forward
-            self.holds[holders.expert, holders.rank] = True  # owners: already True
+            self.holder_flat = holders.expert * self.num_sources + holders.rank
+            forward[self.holder_flat] = holders.forward
+            holds[self.holder_flat] = True  # owners: already True
             self.rigid[holders.experts] = False
-            self.forward_rank_load = self.per_owner(w * self.rigid)
-            np.add.at(self.forward_rank_load, holders.rank, holders.forward)
+            self.forward_rank_load = self.per_owner(w * self.rigid) + np.bincount(
+                holders.rank, holders.forward, minlength=self.num_sources
+            ).astype(np.int64)  # float64 sums of int64 pairs below 2**53: exact
+            replica = holders.rank != self.owner[holders.expert]
             self.replicas_per_rank = np.bincount(holders.rank[replica], minlength=self.num_sources)
         else:
             self.forward_rank_load = self.fixed_rank_load
             self.replicas_per_rank = np.zeros(self.num_sources, dtype=np.int64)
-        self.forward_load = forward
+        self.forward_load = forward.reshape(self.num_experts, self.num_sources)
+        self.holds = holds.reshape(self.num_experts, self.num_sources)
 
     def per_owner(self, values: np.ndarray) -> np.ndarray:
         """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
@@ -695,12 +768,10 @@ class _Call:
             return np.zeros(self.num_sources, dtype=np.int64)
         return np.add.reduceat(values, self.owned_starts)  # faster than a sum over [P, L]
 
-    def _polish(self, placement: Any, exact: bool) -> _Holders:
-        """The greedy's forward split, or (``exact``) the exact min-max split over its holders
-        with the replicas it leaves idle dropped."""
+    def reference_holders(self, placement: Any) -> _Holders:
+        """The slow, obvious :meth:`_Holders.of_moves`: the placement's replica arrays with an
+        owner entry per replicated expert, sorted by (expert, rank) with numpy."""
         w, owner = self.w, self.owner
-        # Replicas come sorted by (expert, rank); each replicated expert gains an owner entry
-        # with the pairs the greedy left there.
         replica_expert = placement.replica_expert
         first = (replica_expert[1:] != replica_expert[:-1]).nonzero()[0] + 1
         first = np.concatenate(([0], first))
@@ -710,9 +781,12 @@ class _Call:
         rank = np.concatenate([placement.replica_rank, owner[experts]])
         forward = np.concatenate([placement.replica_pairs, kept_home])
         order = np.lexsort((rank, expert))
-        holders = _holders_from(expert[order], rank[order], forward[order])
-        if not exact:
-            return holders
+        return _holders_from(expert[order], rank[order], forward[order])
+
+    def _exact_split(self, holders: _Holders) -> _Holders:
+        """The exact min-max forward split over the greedy's holders, with the replicas it
+        leaves idle dropped."""
+        w, owner, experts = self.w, self.owner, holders.experts
         rigid = np.ones(self.num_experts, dtype=bool)
         rigid[experts] = False
         base = self.per_owner(w * rigid)
@@ -720,7 +794,7 @@ class _Call:
             base.tolist(), w[experts].tolist(), holders.ranks, holders.forward_lists
         )
         assert result is not None  # no capacities: always feasible
-        amounts = np.fromiter(itertools.chain.from_iterable(result[0]), np.int64, rank.size)
+        amounts = np.fromiter(itertools.chain.from_iterable(result[0]), np.int64, holders.rank.size)
         keep = (amounts > 0) | (holders.rank == owner[holders.expert])
         alone = np.add.reduceat(keep.astype(np.int64), holders.bounds[:-1]) == 1  # owner only
         keep &= ~np.repeat(alone, holders.bounds[1:] - holders.heads)
@@ -772,9 +846,9 @@ class _Call:
         holders = self.holders
         return HolderGraph(
             self.num_sources,
-            holders.rank.tolist(),
-            holders.bounds.tolist(),
-            holders.forward.tolist() if self.mode == "save" else None,
+            holders.rank_list,
+            holders.bounds_list,
+            holders.forward_list if self.mode == "save" else None,
         )
 
     @cached_property
@@ -844,18 +918,20 @@ class _Call:
         caps = self.rank_caps(quota) if with_caps else None
         if caps is not None and self._rules_out(quota, caps):
             return None
-        load = np.zeros((self.num_experts, self.num_sources), dtype=np.int64)
+        load = np.zeros(self.num_experts * self.num_sources, dtype=np.int64)
         load[self.diagonal] = quota
+        shape = (self.num_experts, self.num_sources)
         if caps is None and not len(holders):
             # Fixed ownership, nothing to balance: every kept pair on its owner.
-            return self._finish(_Backward(quota, load, self.per_owner(quota), None, None))
+            plan = _Backward(quota, load.reshape(shape), self.per_owner(quota), None, None)
+            return self._finish(plan)
         result = self.min_max(quota, None if caps is None else caps.tolist())
         if result is None:
             return None
-        flat, rank_load = result
+        amounts, rank_load = result
         if len(holders):
-            load[holders.expert, holders.rank] = flat
-        plan = _Backward(quota, load, np.asarray(rank_load, dtype=np.int64), None, None)
+            load[self.holder_flat] = amounts
+        plan = _Backward(quota, load.reshape(shape), np.array(rank_load, np.int64), None, None)
         return self._finish(plan)
 
     def min_max(
@@ -1011,12 +1087,32 @@ class _Call:
         inside[ranks] = True
         key = inside.tobytes()
         if key not in self.cuts:
-            if self.mode == "save":
-                outside = self.w - self.forward_load[:, inside].sum(1)
-            else:
-                outside = np.where((self.holds & ~inside[None, :]).any(1), self.w, 0)
-            self.cuts[key] = (outside, inside)
+            self.cuts[key] = (self.outside(inside), inside)
         return self.cuts[key]
+
+    def outside(self, inside: np.ndarray) -> np.ndarray:
+        """``[E]`` what each expert's holders outside the rank set ``inside`` (``[P]`` mask) can
+        take (:meth:`reference_outside`) from the holder entries: an expert with one holder
+        all its pairs unless its owner is inside; a replicated one, in save mode, the forward
+        pairs of its holders outside, in recompute mode all its pairs if any holder is
+        outside."""
+        outside = np.where(inside[self.owner], 0, self.w)
+        holders = self.holders
+        if len(holders):
+            out = ~inside[holders.rank]
+            if self.mode == "save":
+                taken = np.add.reduceat(holders.forward * out, holders.heads)
+            else:
+                reach = np.logical_or.reduceat(out, holders.heads)
+                taken = np.where(reach, self.w[holders.experts], 0)
+            outside[holders.experts] = taken
+        return outside
+
+    def reference_outside(self, inside: np.ndarray) -> np.ndarray:
+        """The slow, obvious :meth:`outside` from the ``[E, P]`` forward split and holders."""
+        if self.mode == "save":
+            return self.w - self.forward_load[:, inside].sum(1)
+        return np.where((self.holds & ~inside[None, :]).any(1), self.w, 0)
 
     def solve(self) -> tuple[_Backward, Optional[int], tuple[str, ...], tuple[str, ...]]:
         """Quotas under the budgets: ``(plan, cap, binding budgets, unmet budgets)``.

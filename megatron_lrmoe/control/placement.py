@@ -13,11 +13,15 @@ experts hottest first, moving pairs to the rank with the most slack that has a f
 not hold that expert yet, as much as the excess, the expert and the slack allow; one replica per
 move. T is feasible when every excess is moved; a run gives up as soon as the excess left exceeds
 the slack left on ranks with a free slot (:func:`reference_threshold_greedy` is the same greedy
-without that shortcut). :func:`place_replicas` searches the smallest feasible T: it starts at the
-lower bound ``max(ceil(total / P), max_e ceil(W[e] / P))``, gallops up in doubling steps and
-bisects back (every T it returns was verified, so the search is correct even where the greedy is
-not monotone in T). The greedy's own split of pairs is only a starting point:
-the controller then computes the exact min-max assignment over the chosen replicas.
+without that shortcut). :func:`best_fit_greedy` walks the same way but sends each move to the
+rank with the least slack that takes all it could carry (else the most slack): it strands less
+slack on ranks whose last slot a move does not fill, so it usually reaches a lower T, though not
+always. T is feasible when either greedy succeeds (best fit first). :func:`place_replicas`
+searches the smallest feasible T: it starts at the lower bound
+``max(ceil(total / P), max_e ceil(W[e] / P))``, gallops up in doubling steps and bisects back
+(every T it returns was verified, so the search is correct even where the greedy is not monotone
+in T). The greedy's own split of pairs is only a starting point: the controller then computes the
+exact min-max assignment over the chosen replicas.
 
 The greedy never gives a replica to a rank at or above T, so it misses chains (rank A sheds to B
 while B sheds to C) and, on small layers, can end well above the optimum. On layers with
@@ -43,7 +47,9 @@ import numpy as np
 
 __all__ = [
     "Placement",
+    "best_fit_greedy",
     "place_replicas",
+    "reference_best_fit_greedy",
     "reference_improve",
     "reference_optimal_peak",
     "reference_threshold_greedy",
@@ -60,21 +66,37 @@ class Placement:
     Attributes:
         threshold: The peak load of this split: the smallest T (within the search's tolerance)
             at which the greedy succeeded, or the lower exact peak the local search reached.
-        replica_expert: ``[M]`` int64 expert of each replica, sorted by (expert, rank).
-        replica_rank: ``[M]`` int64 rank hosting it (never the expert's owner).
-        replica_pairs: ``[M]`` int64 pairs computed there (all positive): the greedy's split,
-            or after a local search that paid the exact min-max split over its replicas.
-        greedy_runs: How many thresholds were tried (planner cost diagnostics).
+        moves: ``(expert, rank, pairs)`` of every replica, sorted by (expert, rank); the rank
+            is never the expert's owner, the pairs (all positive) are the greedy's split, or
+            after a local search that paid the exact min-max split over its replicas. Host
+            ints: the controller reads them in Python (a few dozen entries).
+        greedy_runs: How many greedy runs the search made, both kinds (planner cost
+            diagnostics).
         changes: Replicas the local search after the greedy added or dropped (0: the greedy's
             placement as it was).
+        replica_expert, replica_rank, replica_pairs: (properties) ``[M]`` int64 columns of
+            ``moves``.
     """
 
     threshold: int
-    replica_expert: np.ndarray
-    replica_rank: np.ndarray
-    replica_pairs: np.ndarray
+    moves: tuple[tuple[int, int, int], ...]
     greedy_runs: int
     changes: int = 0
+
+    def _column(self, j: int) -> np.ndarray:
+        return np.array([move[j] for move in self.moves], dtype=np.int64)
+
+    @property
+    def replica_expert(self) -> np.ndarray:
+        return self._column(0)
+
+    @property
+    def replica_rank(self) -> np.ndarray:
+        return self._column(1)
+
+    @property
+    def replica_pairs(self) -> np.ndarray:
+        return self._column(2)
 
 
 def threshold_greedy(
@@ -108,16 +130,28 @@ def threshold_greedy(
 
 class _RankOrder:
     """Ranks by load, both ways (ties to the lower rank), built once per search: every greedy
-    run takes the ranks above T from the front of one and those below T from the other."""
+    run takes the ranks above T from the front of one and those below T from the other.
+
+    A rank below T enters the greedy's heap as the single integer ``load << bits | rank``
+    (``2**bits >= P``): the least load (the most slack below any T) first, ties to the lower
+    rank, whatever T is; an integer compares faster than a tuple, and a move of ``a`` pairs to
+    the rank adds ``a << bits`` to its key.
+    """
 
     def __init__(self, rank_load: Sequence[int]) -> None:
-        load = np.asarray(rank_load, dtype=np.int64)
-        descending = np.argsort(-load, kind="stable")
-        ascending = np.argsort(load, kind="stable")
-        self.descending: list[int] = descending.tolist()
-        self.descending_key: list[int] = (-load[descending]).tolist()  # non-decreasing
-        self.ascending: list[int] = ascending.tolist()
-        self.ascending_load: list[int] = load[ascending].tolist()
+        # Host ints and two list sorts: for P up to a few hundred cheaper than numpy's calls.
+        self.num_ranks = num_ranks = len(rank_load)
+        self.total = sum(rank_load)
+        self.bits = bits = max(num_ranks - 1, 1).bit_length()
+        # Bisecting ``T << bits`` in ``ascending_key`` finds the first rank with load >= T;
+        # bisecting ``-T << bits`` in ``descending_key`` (keys of (-load, rank)) the first with
+        # load <= T. Keys are distinct: any sort is stable.
+        self.ascending_key: list[int] = sorted([x << bits | g for g, x in enumerate(rank_load)])
+        self.descending_key: list[int] = sorted(
+            [(-x << bits) | g for g, x in enumerate(rank_load)]
+        )
+        mask = (1 << bits) - 1
+        self.descending: list[int] = [key & mask for key in self.descending_key]
 
 
 def _greedy(
@@ -129,22 +163,29 @@ def _greedy(
     order: _RankOrder,
 ) -> Optional[list[tuple[int, int, int]]]:
     """:func:`threshold_greedy` with the rank orders precomputed."""
-    over = order.descending[: bisect.bisect_left(order.descending_key, -threshold)]
+    over = order.descending[: bisect.bisect_left(order.descending_key, -threshold << order.bits)]
     if not over:
         return []
     free = list(slots)
-    under = bisect.bisect_left(order.ascending_load, threshold)
-    # Max-heap on slack (-slack, rank): the ranks below T by (load, rank) ascending are already
-    # in heap order. A rank leaves it when it takes a move and comes back after the current
-    # expert, so every entry is current (no stale entries to skip).
-    heap = [
-        (x - threshold, g)
-        for x, g in zip(order.ascending_load[:under], order.ascending[:under])
-        if free[g] > 0
-    ]
+    under = bisect.bisect_left(order.ascending_key, threshold << order.bits)
+    bits = order.bits
+    mask = (1 << bits) - 1
+    # Min-heap of load << bits | rank (see _RankOrder): the most slack first, ties to the lower
+    # rank; the ranks below T in that order are already a heap. A rank leaves it when it takes
+    # a move and comes back after the current expert, so every entry is current.
     # Slack on ranks with a free slot minus the pairs still to move: each move lowers both
-    # alike, except that a rank's last slot strands the slack it leaves.
-    margin = threshold * len(over) - sum([rank_load[g] for g in over]) - sum([s for s, _ in heap])
+    # alike, except that a rank's last slot strands the slack it leaves. Over all ranks, slack
+    # minus excess is P * T - total.
+    margin = order.num_ranks * threshold - order.total
+    if 0 in free:
+        heap = []
+        for key in order.ascending_key[:under]:
+            if free[key & mask]:
+                heap.append(key)
+            else:
+                margin -= threshold - (key >> bits)  # stranded: no slot to use it
+    else:
+        heap = order.ascending_key[:under]
     if margin < 0:
         return None
     pop, push = heapq.heappop, heapq.heappush
@@ -153,24 +194,24 @@ def _greedy(
         need = rank_load[r] - threshold
         for e in experts_hot_first[r]:
             left = expert_load[e]
-            used: list[tuple[int, int]] = []  # (slack, rank) of this expert's targets
+            used: list[int] = []  # heap keys of this expert's targets
             while left and heap:
-                room, g = pop(heap)
-                room = -room
+                key = pop(heap)
+                g = key & mask
+                room = threshold - (key >> bits)
                 amount = need if need < left else left
                 if room < amount:
                     amount = room
                 moves.append((e, g, amount))
-                room -= amount
                 free[g] -= 1
                 need -= amount
                 left -= amount
                 if not free[g]:
-                    margin -= room
+                    margin -= room - amount
                     if margin < 0:
                         return None
-                elif room:
-                    used.append((-room, g))  # eligible again after this expert
+                elif room > amount:
+                    used.append(key + (amount << bits))  # eligible again after this expert
                 if not need:
                     break
             for entry in used:
@@ -232,6 +273,162 @@ def reference_threshold_greedy(
                 if slack[g] > 0 and free[g] > 0:
                     heapq.heappush(heap, (-slack[g], g))
             if not heap and need > 0:
+                return None
+        if need > 0:
+            return None
+    return moves
+
+
+def best_fit_greedy(
+    expert_load: Sequence[int],
+    rank_load: Sequence[int],
+    experts_hot_first: Sequence[Sequence[int]],
+    threshold: int,
+    slots: Sequence[int],
+) -> Optional[list[tuple[int, int, int]]]:
+    """:func:`threshold_greedy` with best-fit targets: the same walk over the ranks above
+    ``threshold`` and their experts, but each move goes to the rank with the least slack that
+    takes all the pairs it could carry (``min(excess left, expert's pairs left)``), else (none
+    does) to the rank with the most slack; ties to the lower rank.
+
+    Why: the greedy fails when the slack it strands exceeds the margin ``P * T - total`` (a rank
+    whose last slot takes a move that does not fill it strands the rest). Most-slack-first puts
+    the small end of an excess or an expert on the emptiest rank and strands much of it; best
+    fit puts it where it fills a gap. On Zipf loads at EP 64 it succeeds up to 250 pairs below
+    the most-slack greedy, but not always: :func:`place_replicas` tries this one first and the
+    most-slack greedy where it fails. :func:`reference_best_fit_greedy` is the slow twin.
+
+    Args and returns: as :func:`threshold_greedy`.
+    """
+    order = _RankOrder(rank_load)
+    return _best_fit(expert_load, rank_load, experts_hot_first, threshold, slots, order)
+
+
+def _best_fit(
+    expert_load: Sequence[int],
+    rank_load: Sequence[int],
+    experts_hot_first: Sequence[Sequence[int]],
+    threshold: int,
+    slots: Sequence[int],
+    order: _RankOrder,
+) -> Optional[list[tuple[int, int, int]]]:
+    """:func:`best_fit_greedy` with the rank orders precomputed."""
+    over = order.descending[: bisect.bisect_left(order.descending_key, -threshold << order.bits)]
+    if not over:
+        return []
+    free = list(slots)
+    bits = order.bits
+    mask = (1 << bits) - 1
+    # Ranks below T as slack << bits | rank, ascending (least slack first, ties to the lower
+    # rank): ``T << bits`` plus the (-load, rank) keys of ``descending_key`` past the ranks at or
+    # above T. The list stays sorted; a target leaves it for the current expert's moves.
+    shift = threshold << bits
+    first = bisect.bisect_left(order.descending_key, (1 - threshold) << bits)  # load < T
+    margin = order.num_ranks * threshold - order.total  # as in _greedy
+    if 0 in free:
+        avail = []
+        for key in order.descending_key[first:]:
+            if free[key & mask]:
+                avail.append(shift + key)
+            else:
+                margin -= (shift + key) >> bits  # stranded: no slot to use it
+    else:
+        avail = [shift + key for key in order.descending_key[first:]]
+    if margin < 0:
+        return None
+    find, insort = bisect.bisect_left, bisect.insort
+    moves: list[tuple[int, int, int]] = []
+    for r in over:
+        need = rank_load[r] - threshold
+        for e in experts_hot_first[r]:
+            left = expert_load[e]
+            used: list[int] = []  # keys of this expert's targets
+            while left and avail:
+                want = need if need < left else left
+                i = find(avail, want << bits)  # least slack >= want, lowest rank
+                if i == len(avail):  # none takes it all: the most slack, lowest rank
+                    i = find(avail, avail[-1] >> bits << bits)
+                key = avail.pop(i)
+                g = key & mask
+                room = key >> bits
+                amount = want if want < room else room
+                moves.append((e, g, amount))
+                free[g] -= 1
+                need -= amount
+                left -= amount
+                if not free[g]:
+                    margin -= room - amount
+                    if margin < 0:
+                        return None
+                elif room > amount:
+                    used.append(key - (amount << bits))  # eligible again after this expert
+                if not need:
+                    break
+            for entry in used:
+                insort(avail, entry)
+            if not need:
+                break
+            if not avail:
+                return None
+        if need:
+            return None
+    return moves
+
+
+def reference_best_fit_greedy(
+    expert_load: Sequence[int],
+    rank_load: Sequence[int],
+    experts_hot_first: Sequence[Sequence[int]],
+    threshold: int,
+    slots: Sequence[int],
+) -> Optional[list[tuple[int, int, int]]]:
+    """The slow, obvious :func:`best_fit_greedy` (every target chosen by a scan over the ranks,
+    every over rank run to the end; tests compare the two)."""
+    num_ranks = len(rank_load)
+    slack = [max(threshold - x, 0) for x in rank_load]
+    free = list(slots)
+    over = sorted(
+        (g for g in range(num_ranks) if rank_load[g] > threshold),
+        key=lambda g: (threshold - rank_load[g], g),
+    )
+    if not over:
+        return []
+    if sum(rank_load[g] - threshold for g in over) > sum(
+        slack[g] for g in range(num_ranks) if free[g] > 0
+    ):
+        return None
+    moves: list[tuple[int, int, int]] = []
+    for r in over:
+        need = rank_load[r] - threshold
+        for e in experts_hot_first[r]:
+            if need == 0:
+                break
+            left = expert_load[e]
+            used: set[int] = set()  # targets of this expert: not eligible for it again
+            while need > 0 and left > 0:
+                targets = [
+                    g
+                    for g in range(num_ranks)
+                    if slack[g] > 0 and free[g] > 0 and g not in used
+                ]
+                if not targets:
+                    break
+                want = min(need, left)
+                fits = [g for g in targets if slack[g] >= want]
+                if fits:
+                    g = min(fits, key=lambda h: (slack[h], h))
+                else:
+                    g = min(targets, key=lambda h: (-slack[h], h))
+                amount = min(want, slack[g])
+                moves.append((e, g, amount))
+                slack[g] -= amount
+                free[g] -= 1
+                need -= amount
+                left -= amount
+                used.add(g)
+            if need > 0 and not any(
+                slack[g] > 0 and free[g] > 0 for g in range(num_ranks)
+            ):
                 return None
         if need > 0:
             return None
@@ -533,7 +730,9 @@ def reference_improve(
 
 def _slots_at(slots: Slots, threshold: int, num_ranks: int) -> list[int]:
     if callable(slots):
-        return [int(s) for s in slots(threshold)]
+        room = slots(threshold)
+        # The controller's slots come as a list of host ints already.
+        return room if type(room) is list else [int(s) for s in room]
     if isinstance(slots, int):
         return [slots] * num_ranks
     return [int(s) for s in slots]
@@ -561,17 +760,19 @@ def place_replicas(
     """
     num_experts = int(expert_load.shape[0])
     local = num_experts // max(num_ranks, 1)
-    empty = np.zeros(0, dtype=np.int64)
     by_rank = expert_load.reshape(max(num_ranks, 1), local)
-    rank_load = by_rank.sum(1).tolist()
+    rank_array = by_rank.sum(1)
+    rank_load = rank_array.tolist()
     top = max(rank_load, default=0)
     total = sum(rank_load)
-    low = max(-(-total // max(num_ranks, 1)), int((-(-expert_load // num_ranks)).max(initial=0)))
+    hottest = int(expert_load.max(initial=0))
+    low = max(-(-total // max(num_ranks, 1)), -(-hottest // max(num_ranks, 1)))
     if num_ranks <= 1 or top <= low:
-        return Placement(top, empty, empty, empty, 0)
+        return Placement(top, (), 0)
     loads = expert_load.tolist()
     # Owned experts hottest first (stable: ties to the lower id), as global ids.
-    order = np.argsort(-by_rank, axis=1, kind="stable") + np.arange(num_ranks)[:, None] * local
+    order = np.argsort(-by_rank, axis=1, kind="stable")
+    order += np.arange(0, num_experts, local)[:, None]
     hot_first = order.tolist()
     rank_order = _RankOrder(rank_load)
     runs = 0
@@ -582,7 +783,13 @@ def place_replicas(
         room = _slots_at(slots, threshold, num_ranks)
         if not any(room):
             return None
-        return _greedy(loads, rank_load, hot_first, threshold, room, rank_order)
+        # Best fit first; the most-slack greedy where it fails (T is feasible when either
+        # succeeds; the pair fails at fewer T than either alone).
+        moves = _best_fit(loads, rank_load, hot_first, threshold, room, rank_order)
+        if moves is None:
+            runs += 1
+            moves = _greedy(loads, rank_load, hot_first, threshold, room, rank_order)
+        return moves
 
     best_t, best = top, []
     moves = attempt(low)
@@ -612,11 +819,9 @@ def place_replicas(
         stop = low + int(tolerance * low)
         best_t, best, changes = _polish(loads, num_ranks, rank_load, best_t, best, slots, low, stop)
     if not best:
-        return Placement(top, empty, empty, empty, runs)
-    arr = np.fromiter(itertools.chain.from_iterable(best), np.int64, 3 * len(best)).reshape(-1, 3)
-    order = np.lexsort((arr[:, 1], arr[:, 0]))
-    arr = arr[order]
-    return Placement(best_t, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), runs, changes)
+        return Placement(top, (), runs)
+    # At most one move per (expert, rank): sorting the tuples sorts by (expert, rank).
+    return Placement(best_t, tuple(sorted(best)), runs, changes)
 
 
 def _polish(

@@ -98,6 +98,8 @@ def largest_cap(uncapped: np.ndarray, outside: np.ndarray, room: int) -> Optiona
         return None
     if room < 0:
         return -1
+    if start.size <= _FEW_SEGMENTS:
+        return _largest_cap_walk(start.tolist(), end.tolist(), room)
     points = np.concatenate([start, end])
     steps = np.concatenate([np.ones(start.size, np.int64), np.full(end.size, -1, np.int64)])
     order = np.argsort(points, kind="stable")
@@ -106,6 +108,25 @@ def largest_cap(uncapped: np.ndarray, outside: np.ndarray, room: int) -> Optiona
     value = np.concatenate([[0], np.cumsum(slope[:-1] * np.diff(points))])  # at points[k]
     k = int(np.searchsorted(value, room, side="right")) - 1
     return int(points[k] + (room - value[k]) // slope[k])
+
+
+# Up to this many experts with pairs a cut must hold (typical: a cut of a few ranks), the
+# breakpoints are walked in Python: a few dozen host ints cost less than a dozen array calls.
+_FEW_SEGMENTS = 48
+
+
+def _largest_cap_walk(start: list[int], end: list[int], room: int) -> int:
+    """:func:`largest_cap`'s crossing by a walk over the sorted breakpoints (``0 <= room <
+    sum(end - start)``): the held amount grows with slope ``#{e: start[e] < c <= end[e]}``."""
+    events = sorted([(x, 1) for x in start] + [(x, -1) for x in end])
+    value, slope, before = 0, 0, events[0][0]
+    for point, step in events:
+        reached = value + slope * (point - before)
+        if reached > room:  # crosses room on [before, point): slope > 0 there
+            return before + (room - value) // slope
+        value, before = reached, point
+        slope += step
+    raise AssertionError("sum(end - start) > room: the walk crosses room")
 
 
 def reference_largest_cap(uncapped: np.ndarray, outside: np.ndarray, room: int) -> Optional[int]:
