@@ -184,11 +184,11 @@ class LRMoELayer(MoELayer):
         if deferred:
             if dispatcher.counts_on_host:  # nothing to wait for (CPU): check the pair plan now
                 probs = dispatcher.resolve(probs)
-            call = self._expert_call(None, None, None, None)
+            call = self._expert_call()
             output = self._experts(hidden_states, probs, call)
             resolved = dispatcher.resolve(probs)
             if resolved is not probs:  # fewer pairs than T * topk: run it again, rebuilt
-                probs, call = resolved, self._expert_call(None, None, None, None)
+                probs, call = resolved, self._expert_call()
                 output = self._experts(hidden_states, probs, call)
             call.set_plan(self._plan(None))
         else:
@@ -213,7 +213,7 @@ class LRMoELayer(MoELayer):
                         layout, w1, w2, self.ep_group, step
                     )
                     fetched = self._replica_cache.last_fetched
-            call = self._expert_call(self._plan(control), control, layout, replica_weights)
+            call = self._expert_call(self._plan(control), layout, replica_weights)
             output = self._experts(hidden_states, probs, call)
         # The op reads the statistics only in backward: filled here, behind the forward's work.
         stats = self._call_stats(call, call_index, 0 if deferred else fetched)
@@ -249,10 +249,9 @@ class LRMoELayer(MoELayer):
 
     def _expert_call(
         self,
-        plan: Optional[CallPlan],
-        control: Optional[ControlPlan],
-        layout: Optional[ReplicaLayout],
-        replica_weights: Optional[tuple[torch.Tensor, torch.Tensor]],
+        plan: Optional[CallPlan] = None,
+        layout: Optional[ReplicaLayout] = None,
+        replica_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> ExpertCall:
         """The op's context; without ``plan`` (deferred) the forward rows come from the device."""
         dispatcher = self.token_dispatcher
@@ -266,7 +265,6 @@ class LRMoELayer(MoELayer):
             sample_stream=self.next_sample_stream,
             layout=layout,
             replica_weights=replica_weights,
-            control=control,
             device_rows=dispatcher.device_rows_per_local_expert if plan is None else None,
         )
 

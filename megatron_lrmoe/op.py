@@ -93,8 +93,6 @@ class ExpertCall:
             ``None`` (send order is pair order).
         replica_weights: ``(w1 [n, F1, H], w2 [n, H, F])`` this rank's replicas (detached, in
             ``layout.replicas_of[rank]`` order) when ``layout`` is set.
-        control: The controller's plan when the controller planned this call (the same as
-            ``plan.control``, known before the plan is).
         device_rows: ``[L]`` forward rows per local expert on the device, for a forward that
             runs before the plan exists (EP 1; the grouped GEMMs take device offsets).
     """
@@ -108,7 +106,6 @@ class ExpertCall:
     sample_stream: Optional[Callable[[], tuple[int, ...]]] = None
     layout: Optional[ReplicaLayout] = None
     replica_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-    control: Optional[ControlPlan] = None
     device_rows: Optional[torch.Tensor] = None
     _indices: dict = field(default_factory=dict)
     _groups: Optional[GroupSizes] = None
@@ -119,6 +116,12 @@ class ExpertCall:
         if self.plan_source is None:
             raise RuntimeError("ExpertCall.plan read before the layer set it")
         return self.plan_source
+
+    @property
+    def control(self) -> Optional[ControlPlan]:
+        """The controller's plan, if the controller planned this call (a call whose plan comes
+        later never is: the layer defers only without the controller)."""
+        return self.plan_source.control if self.plan_source is not None else None
 
     def set_plan(self, plan: CallPlan) -> None:
         """Give a call whose forward ran from device rows its plan.

@@ -57,6 +57,19 @@ def _call(counts: np.ndarray, lrmoe: LRMoEConfig, mode: str) -> controller._Call
     return call
 
 
+def _degenerate_call(
+    rng: random.Random, case: int, mode: str, replicas: list[int]
+) -> tuple[np.ndarray, controller._Call]:
+    """Degenerate counts and a placed controller call at a random keep ratio and replica limit."""
+    counts = _degenerate_counts(rng, case)
+    lrmoe = LRMoEConfig(
+        keep_ratio=rng.choice([0.3, 0.5, 1.0]),
+        activation_mode=mode,
+        max_replicas_per_rank=rng.choice(replicas),
+    )
+    return counts, _call(counts, lrmoe, mode)
+
+
 def _same(a: ControlPlan, b: ControlPlan) -> None:
     for f in dataclasses.fields(ControlPlan):
         if f.name in ("planner_time_s", "memory_builder", "source_split"):
@@ -253,13 +266,7 @@ def test_start_and_assignment_match_the_list_references(mode: str) -> None:
     compared = {"assignment": 0, "infeasible": 0, "cut": 0}
     empty_owner = 0
     for case in range(150):
-        counts = _degenerate_counts(rng, case)
-        lrmoe = LRMoEConfig(
-            keep_ratio=rng.choice([0.3, 0.5, 1.0]),
-            activation_mode=mode,
-            max_replicas_per_rank=rng.choice([1, 2, 3]),
-        )
-        call = _call(counts, lrmoe, mode)
+        counts, call = _degenerate_call(rng, case, mode, [1, 2, 3])
         num_ranks = counts.shape[0]
         empty_owner += bool((call.holders.forward == 0).any())  # the start skips it in save
         for quota in (call.q0, water_fill_np(call.q0, int(call.q0.max(initial=0)) // 3)):
@@ -285,13 +292,7 @@ def test_single_rank_load_matches_the_dense_cuts(mode: str) -> None:
     rng = random.Random(13)
     loaded = 0
     for case in range(150):
-        counts = _degenerate_counts(rng, case)
-        lrmoe = LRMoEConfig(
-            keep_ratio=rng.choice([0.3, 0.5, 1.0]),
-            activation_mode=mode,
-            max_replicas_per_rank=rng.choice([0, 1, 2]),
-        )
-        call = _call(counts, lrmoe, mode)
+        counts, call = _degenerate_call(rng, case, mode, [0, 1, 2])
         num_ranks, num_experts = counts.shape
         owned = call.w.reshape(num_ranks, num_experts // num_ranks).sum(1)
         assert np.array_equal(call.per_owner(call.w), owned)

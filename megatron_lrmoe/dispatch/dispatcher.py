@@ -51,8 +51,8 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.device_rows_per_local_expert = local[0] if local.shape[0] == 1 else local.sum(0)
         self._pending = HostCounts(counts)
         self._global_counts = None
-        if counts.device.type == "cpu":
-            self.global_counts  # noqa: B018 (already on the host: nothing to wait for)
+        if counts.device.type == "cpu":  # already on the host: nothing to wait for
+            self._counts_to_host()
 
     @property
     def counts_on_host(self) -> bool:
@@ -66,6 +66,10 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         Reading them also sets stock's split metadata (``input_splits``, ``output_splits``,
         ``num_global_tokens_per_local_expert``, ``num_out_tokens``) from them.
         """
+        self._counts_to_host()
+        return self._global_counts
+
+    def _counts_to_host(self) -> None:
         if self._global_counts is None and self._pending is not None:
             # NOTE: device-to-host sync: split sizes and the quota plan are host integers
             # (stock syncs for its split sizes too; this is the one sync of the forward).
@@ -73,7 +77,6 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._pending = None
             self._set_stock_metadata(global_counts)
             self._global_counts = global_counts
-        return self._global_counts
 
     def _set_stock_metadata(self, global_counts: torch.Tensor) -> None:
         lo = self.local_expert_indices[0]
