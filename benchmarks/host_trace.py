@@ -75,7 +75,7 @@ class _StageClock:
     """Wraps the op's stage functions (and the forward's, see ``_forward_stages``) with
     ``perf_counter`` (about 1 us each)."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
         from megatron_lrmoe import op
 
         self.saved: list[tuple[Any, str, Any]] = []
@@ -86,6 +86,7 @@ class _StageClock:
         for cls in (op.TrimmedMoEFunction, op.ExactMoEFunction):
             targets += [(cls, meth, f"{cls.__name__}.{meth}") for meth in ("forward", "backward")]
         targets += _forward_stages()
+        targets += [_resolve(spec) for spec in extra]
         self.labels = [label for _, _, label in targets]
         for owner, name, label in targets:
             raw = inspect.getattr_static(owner, name)
@@ -114,6 +115,18 @@ class _StageClock:
     def restore(self) -> None:
         for owner, name, raw in reversed(self.saved):
             setattr(owner, name, raw)
+
+
+def _resolve(spec: str) -> tuple[Any, str, str]:
+    """``"package.module:Name.attr"`` -> (owner, attribute, label) for ``--time``."""
+    import importlib
+
+    module, _, qual = spec.partition(":")
+    owner: Any = importlib.import_module(module)
+    *path, name = qual.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name, qual
 
 
 def _self_times(events: list[dict], start: float, end: float) -> dict[str, list[float]]:
@@ -239,6 +252,11 @@ def main() -> None:
     parser.add_argument("--kernel-rows", type=int, default=25)
     parser.add_argument("--gap-us", type=float, default=20.0,
                         help="list GPU idle gaps of at least this many us per phase (0: none)")
+    parser.add_argument(
+        "--time", nargs="*", default=[], metavar="MODULE:NAME",
+        help="more functions for the stage clock, e.g. megatron_lrmoe.select.kernels:_host_table "
+        "or megatron_lrmoe.select.kernels:_Captured.run (looked up by name at call time)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--trace-dir", default=None, help="where the Chrome traces go (default --out)")
     args = parser.parse_args()
@@ -280,7 +298,7 @@ def main() -> None:
         host = [step(False) for _ in range(args.iters)]
         fwd_ms = statistics.median(h[0] for h in host)
         bwd_ms = statistics.median(h[1] for h in host)
-        clock = _StageClock()
+        clock = _StageClock(tuple(args.time))
         try:
             for _ in range(args.iters):
                 step(False)
