@@ -14,10 +14,12 @@ from typing import Any, Literal, Optional
 Selection = Literal["sample", "topk"]
 Scope = Literal["local", "global"]
 ActivationMode = Literal["save", "recompute", "auto"]
+GradAccumulationFusion = Literal["auto", "on", "off"]
 
 SELECTIONS: tuple[str, ...] = ("sample", "topk")
 SCOPES: tuple[str, ...] = ("local", "global")
 ACTIVATION_MODES: tuple[str, ...] = ("save", "recompute", "auto")
+GRAD_ACCUMULATION_FUSIONS: tuple[str, ...] = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,15 @@ class LRMoEConfig:
             balance the load (placed per call by the controller; weights fetched from the owner
             once per training step, gradients added into the owner's). Needs ``scope="local"``.
             0 (default): fixed ownership, as stock Megatron.
+        grad_accumulation_fusion: Where the expert weight gradients go under Megatron's DDP.
+            ``"on"``: the weight-gradient GEMMs add into the parameters' fp32 ``main_grad``
+            themselves (one fused kernel per projection; the bf16 gradient and DDP's
+            ``main_grad += grad`` are skipped), like TE's and apex's linear layers with
+            Megatron's ``gradient_accumulation_fusion``. ``"off"``: the layer returns the bf16
+            gradient and DDP adds it. ``"auto"`` (default): follow the Megatron config's
+            ``gradient_accumulation_fusion``, so the experts accumulate as stock's do. Calls
+            with replicas, parameters without ``main_grad`` and fp64 weights always take the
+            unfused path.
     """
 
     keep_ratio: float = 1.0
@@ -79,6 +90,7 @@ class LRMoEConfig:
     memory_budget_bytes: Optional[int] = None
     exchange_budget_bytes: Optional[int] = None
     max_replicas_per_rank: int = 0
+    grad_accumulation_fusion: GradAccumulationFusion = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_ratio, (int, float)) or not math.isfinite(self.keep_ratio):
@@ -91,6 +103,9 @@ class LRMoEConfig:
         _check_choice("selection", self.selection, SELECTIONS)
         _check_choice("scope", self.scope, SCOPES)
         _check_choice("activation_mode", self.activation_mode, ACTIVATION_MODES)
+        _check_choice(
+            "grad_accumulation_fusion", self.grad_accumulation_fusion, GRAD_ACCUMULATION_FUSIONS
+        )
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"LRMoEConfig.seed ({self.seed!r}) must be a non-negative int")
         for name in ("memory_budget_bytes", "exchange_budget_bytes"):
@@ -104,6 +119,14 @@ class LRMoEConfig:
                 f"LRMoEConfig.max_replicas_per_rank ({self.max_replicas_per_rank!r}) must be an "
                 "int >= 0 (0: fixed ownership)"
             )
+
+    def fuses_grad_accumulation(self, config: Any) -> bool:
+        """Whether the expert weight gradients add into ``main_grad`` in their GEMMs, given the
+        layer's Megatron ``TransformerConfig`` (``grad_accumulation_fusion="auto"`` follows its
+        ``gradient_accumulation_fusion``)."""
+        if self.grad_accumulation_fusion == "auto":
+            return bool(getattr(config, "gradient_accumulation_fusion", False))
+        return self.grad_accumulation_fusion == "on"
 
     @property
     def is_exact(self) -> bool:

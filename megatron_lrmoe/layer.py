@@ -266,6 +266,7 @@ class LRMoELayer(MoELayer):
             layout=layout,
             replica_weights=replica_weights,
             device_rows=dispatcher.device_rows_per_local_expert if plan is None else None,
+            fuse_grad_accumulation=self.lrmoe_config.fuses_grad_accumulation(self.config),
         )
 
     def _experts(self, hidden_states: torch.Tensor, probs: torch.Tensor, call: ExpertCall):

@@ -95,6 +95,8 @@ class ExpertCall:
             ``layout.replicas_of[rank]`` order) when ``layout`` is set.
         device_rows: ``[L]`` forward rows per local expert on the device, for a forward that
             runs before the plan exists (EP 1; the grouped GEMMs take device offsets).
+        fuse_grad_accumulation: Add the expert weight gradients into the weights' ``main_grad``
+            in the weight-gradient GEMMs (``LRMoEConfig.fuses_grad_accumulation``).
     """
 
     plan_source: Optional[CallPlan]
@@ -107,6 +109,7 @@ class ExpertCall:
     layout: Optional[ReplicaLayout] = None
     replica_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     device_rows: Optional[torch.Tensor] = None
+    fuse_grad_accumulation: bool = False
     _indices: dict = field(default_factory=dict)
     _groups: Optional[GroupSizes] = None
 
@@ -327,11 +330,12 @@ class ExactMoEFunction(torch.autograd.Function):
             call.sample_stream()  # every backward advances the stream, exact or not
         g = grad_out.contiguous()
         dz = call.to_experts(g.index_select(0, call.token_of_send))
+        into = _main_grad_targets(call, w1, w2)
         dx, dw1, dw2, dp_e = expert_backward_parts(
             dz, x, h, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec,
-            probs=p_e, need_dx=ctx.needs_input_grad[0],
+            probs=p_e, need_dx=ctx.needs_input_grad[0], wgrad_into=into,
         )
-        dw1, dw2 = call.fold_grads(dw1, dw2)
+        dw1, dw2 = call.fold_grads(dw1, dw2) if into is None else _fused_weight_grads(w1, w2)
         d_probs = call.to_pair_order(call.to_sources(dp_e).to(p_e.dtype))
         d_hidden = None
         if dx is not None:
@@ -478,12 +482,13 @@ class TrimmedMoEFunction(torch.autograd.Function):
         h, h_rows = ctx.h, (kept.kept_positions if ctx.h is not None else None)
         ctx.h = ctx.x = None
         kept_groups = GroupSizes(kept.rows_per_instance)
+        into = _main_grad_targets(call, w1, w2)
         dx_k, dw1, dw2, _ = expert_backward_parts(
             dz, x_k, h, call.weight_stacks(w1, w2), call.stack_counts(kept_groups), call.spec,
-            need_dx=ctx.needs_input_grad[0], h_rows=h_rows,
+            need_dx=ctx.needs_input_grad[0], h_rows=h_rows, wgrad_into=into,
         )
         del h
-        dw1, dw2 = call.fold_grads(dw1, dw2)
+        dw1, dw2 = call.fold_grads(dw1, dw2) if into is None else _fused_weight_grads(w1, w2)
         d_hidden = return_dx(call, kept, dx_k) if dx_k is not None else None
 
         # Non-finite scores must reach Megatron's NaN check, never hide in a selection: the
@@ -493,6 +498,43 @@ class TrimmedMoEFunction(torch.autograd.Function):
         if stats is not None:
             _record_trimmed(call, g, kept, timer)
         return d_hidden, d_probs, None, dw1, dw2
+
+
+def _main_grad_targets(
+    call: ExpertCall, w1: torch.Tensor, w2: torch.Tensor
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The weights' ``main_grad`` (Megatron's DDP) when this call adds the expert weight
+    gradients into them in its GEMMs (``LRMoEConfig.grad_accumulation_fusion``), else ``None``.
+
+    Calls with replicas fold replica gradients into the owners' first (``fold_grads``), so they
+    return gradients; so do weights without a ``main_grad`` of their own shape, and fp64 ones.
+    """
+    if not call.fuse_grad_accumulation or call.layout is not None:
+        return None
+    targets = (getattr(w1, "main_grad", None), getattr(w2, "main_grad", None))
+    for w, acc in zip((w1, w2), targets):
+        if acc is None or acc.shape != w.shape or w.dtype == torch.float64:
+            return None
+    return targets
+
+
+def _fused_weight_grads(w1: torch.Tensor, w2: torch.Tensor) -> list[Optional[torch.Tensor]]:
+    """What autograd gets for weights whose gradient already went into ``main_grad``.
+
+    Megatron's protocol (its linear layers with ``gradient_accumulation_fusion``): mark the
+    weight ``grad_added_to_main_grad`` and hand autograd an uninitialised (``zero_out_wgrad``:
+    zero) gradient, so that DDP's hook still fires once per backward (bucket readiness, overlap)
+    but does not add it. A weight without that attribute gets no gradient at all.
+    """
+    grads: list[Optional[torch.Tensor]] = []
+    for w in (w1, w2):
+        if not hasattr(w, "grad_added_to_main_grad"):
+            grads.append(None)
+            continue
+        w.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+        grads.append(make(w.shape, dtype=w.dtype, device=w.device))
+    return grads
 
 
 def _saved_tensor_hooks_active() -> bool:

@@ -146,3 +146,42 @@ def test_host_trace_attributes_kernels_to_the_phase_that_launched_them() -> None
     # Busy with the forward's GEMM until 115, idle until the gather starts at 155.
     assert [(g, k) for g, k, _ in gaps] == [(40, "bwd_gather")]
     assert "op.py(1): backward" in gaps[0][2]
+
+
+def _megatron_log(iterations: list[tuple[int, float, float, float, float]]) -> str:
+    """A log in Megatron's format: (iteration, ms, forward-backward, optimizer, moe layers)."""
+    lines = []
+    for it, ms, fb, opt, moe in iterations:
+        lines.append(
+            f" [2026-12-01 05:00:00.0] iteration {it:8d}/     300 | consumed samples: {4 * it:12d} "
+            f"| elapsed time per iteration (ms): {ms:.1f} | lm loss: 8.0E+00 |"
+        )
+        lines.append("(min, max) time across ranks (ms):")
+        for name, value in (("forward-backward", fb), ("optimizer", opt)):
+            lines.append(f"    {(name + ' ').ljust(48, '.')}: ({value - 1:.2f}, {value:.2f})")
+        lines.append(f" [2026-12-01 05:00:00.1] iteration {it:8d}/     300 | moe layers: {moe:.1f} ms/iter |")
+    return "\n".join(lines)
+
+
+def test_train_timers_reads_megatron_timer_blocks(tmp_path: Path) -> None:
+    from benchmarks.train_timers import parse, summarize
+
+    its = [(1, 9000.0, 8000.0, 900.0, 5000.0)] + [
+        (i, 500.0 + i, 200.0 + i, 290.0, 60.0 + i) for i in range(2, 9)
+    ]
+    summary = summarize(parse(_megatron_log(its)), skip=1)
+    assert summary["iterations"] == 7
+    assert summary["iteration"] == 505.0  # median of 502..508, the warm-up left out
+    assert summary["forward-backward"] == 205.0  # the max over ranks, not the min
+    assert summary["optimizer"] == 290.0
+    assert summary["moe_layers"] == 65.0
+    assert summary["bound"] == pytest.approx((505.0 - 65.0) / 505.0)
+    log = tmp_path / "train.log"
+    log.write_text(_megatron_log(its))
+    out = subprocess.run(
+        [sys.executable, "benchmarks/train_timers.py", str(log), "--skip", "1", "--json",
+         str(tmp_path / "t.json")],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True,
+    )
+    assert "train.log" in out.stdout
+    assert json.loads((tmp_path / "t.json").read_text())["train.log"]["optimizer"] == 290.0

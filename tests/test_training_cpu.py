@@ -244,8 +244,13 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
 
     pg = init_megatron_parallel(ep=world_size)
     facts: dict[str, Any] = {}
+    configs = [
+        LRMoEConfig(grad_accumulation_fusion=fusion, **keep)
+        for fusion in ("off", "on")
+        for keep in ({}, {"keep_ratio": 0.5, "selection": "topk"})
+    ]
     for overlap in (False, True):
-        for lrmoe in (LRMoEConfig(), LRMoEConfig(keep_ratio=0.5, selection="topk")):
+        for lrmoe in configs:
             cfg = moe_transformer_config(expert_model_parallel_size=world_size)
             layer = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
             w._apply_routing(layer.router, "first_rank_only", cfg.num_moe_experts, rank, world_size)
@@ -269,7 +274,8 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
                 ddp.finish_grad_sync()
             expert_buffer_params = [p for b in ddp.expert_parallel_buffers for p in b.params]
             (scaling,) = {b.gradient_scaling_factor for b in ddp.expert_parallel_buffers}
-            facts[f"overlap={overlap} keep={lrmoe.keep_ratio}"] = {
+            fusion = lrmoe.grad_accumulation_fusion
+            facts[f"overlap={overlap} keep={lrmoe.keep_ratio} fusion={fusion}"] = {
                 "accumulations": accumulations,
                 "expert_buffer_params": len(expert_buffer_params),
                 "buffer_holds_weights": all(
@@ -280,6 +286,14 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
                 "main_grad_equal": [
                     torch.equal(p.main_grad, r * scaling) for p, r in zip(weights, reference)
                 ],
+                # Fused: the GEMMs added into main_grad themselves (another fp32 summation).
+                "main_grad_close": [
+                    torch.allclose(p.main_grad, r * scaling, rtol=1e-5, atol=1e-7)
+                    for p, r in zip(weights, reference)
+                ],
+                "fused": fusion == "on",
+                # Set by the layer when it added into main_grad (DDP resets it per iteration).
+                "grad_added_to_main_grad": [p.grad_added_to_main_grad for p in weights],
                 # Rows of experts that received pairs / of those that did not.
                 "nonzero_experts": [(r.flatten(1).abs().sum(1) > 0).tolist() for r in reference],
                 "grad_left_on_params": [p.grad is not None for p in weights],
@@ -295,15 +309,21 @@ def ddp_facts() -> list[dict[str, Any]]:
 def test_ddp_sees_one_grad_per_projection(ddp_facts: list[dict[str, Any]]) -> None:
     """Megatron's DDP (overlap_grad_reduce off and on) gets exactly one gradient per expert
     projection per backward, also on a rank whose experts received no rows, and reduces it into
-    ``main_grad`` unchanged (expert DP size 1 here), zeros for experts without rows.
+    ``main_grad`` unchanged (expert DP size 1 here), zeros for experts without rows. With
+    ``grad_accumulation_fusion="on"`` the layer adds into ``main_grad`` itself and DDP's hook
+    still fires once per projection and backward (readiness) without adding again.
     """
     for rank, per_rank in enumerate(ddp_facts):
-        assert len(per_rank) == 4
+        assert len(per_rank) == 8
         for case, f in per_rank.items():
             where = f"rank {rank} {case}"
             assert f["accumulations"] == [2, 2], f"{where}: {f['accumulations']}"
             assert f["expert_buffer_params"] == 2 and f["buffer_holds_weights"], where
-            assert f["main_grad_equal"] == [True, True], where
+            assert f["grad_added_to_main_grad"] == [f["fused"]] * 2, where
+            if f["fused"]:
+                assert f["main_grad_close"] == [True, True], where
+            else:
+                assert f["main_grad_equal"] == [True, True], where
             assert f["grad_left_on_params"] == [False, False], where
             # first_rank_only: rank 0's first and last experts receive, nothing else does.
             local = len(f["nonzero_experts"][0])

@@ -576,6 +576,83 @@ def _ms(fn, *args, reps: int = 5) -> float:
     return start.elapsed_time(stop) / reps
 
 
+# The grouped weight gradient accumulated into main_grad (experts/wgrad_triton.py): fp32
+# accumulation either way, so the kernel and the per-group fp32 matmul agree up to summation
+# order (relative to the block's largest magnitude).
+WGRAD_SIZES = [[5, 0, 37, 16, 1], [0, 0, 3], [64, 64]]
+
+
+def _wgrad_case(sizes: list[int], dtype: torch.dtype, device: str = "cpu") -> tuple:
+    g = torch.Generator().manual_seed(sum(sizes) + len(sizes))
+    rows, m, n = sum(sizes), 24, 40
+    a = torch.randn(rows, m, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(rows, n, generator=g).to(device=device, dtype=dtype)
+    base = torch.randn(len(sizes), m, n, generator=g).to(device)
+    return a, b, base
+
+
+@interp
+@pytest.mark.parametrize("sizes", WGRAD_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_interp_grouped_wgrad(sizes: list[int], dtype, accumulate: bool) -> None:
+    from megatron_lrmoe.experts.wgrad_triton import (
+        WgradConfig,
+        grouped_wgrad_reference,
+        grouped_wgrad_triton,
+    )
+
+    a, b, base = _wgrad_case(sizes, dtype)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    got = grouped_wgrad_triton(
+        a, b, offs, base.clone(), accumulate=accumulate, config=WgradConfig(16, 32, 16, 4, 2)
+    )
+    want = grouped_wgrad_reference(a, b, sizes, base.clone(), accumulate=accumulate)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    if accumulate:  # empty groups keep what they held
+        for g, size in enumerate(sizes):
+            if size == 0:
+                assert torch.equal(got[g], base[g])
+
+
+def test_grouped_wgrad_host_path_adds_each_group() -> None:
+    from megatron_lrmoe.experts.wgrad_triton import accumulate_grouped_wgrad
+
+    sizes = WGRAD_SIZES[0]
+    a, b, base = _wgrad_case(sizes, torch.float32)
+    got = accumulate_grouped_wgrad(a, b, torch.tensor(sizes), base.clone())
+    start = 0
+    for g, size in enumerate(sizes):
+        want = base[g] + a[start : start + size].t() @ b[start : start + size]
+        torch.testing.assert_close(got[g], want, rtol=1e-6, atol=1e-5)
+        start += size
+    with pytest.raises(ValueError, match="groups for out"):
+        accumulate_grouped_wgrad(a, b, torch.tensor(sizes[:-1]), base)
+
+
+@cuda
+@pytest.mark.skipif(not triton_kernels.triton_available(), reason="needs triton")
+@pytest.mark.skipif(INTERPRETING, reason="compiled kernels only")
+def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 rows, fp32 accumulator (``main_grad``), the default tiles, ragged groups."""
+    from megatron_lrmoe.experts.wgrad_triton import (
+        accumulate_grouped_wgrad,
+        grouped_wgrad_reference,
+    )
+
+    monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
+    torch.manual_seed(0)
+    sizes = [300, 0, 1, 513, 128, 77]
+    rows, m, n = sum(sizes), 1536, 2048
+    a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    base = torch.randn(len(sizes), m, n, device="cuda")
+    got = accumulate_grouped_wgrad(a, b, torch.tensor(sizes), base.clone())
+    want = grouped_wgrad_reference(a, b, sizes, base.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
+    assert torch.equal(got[1], base[1])
+
+
 @cuda
 @pytest.mark.skipif(not triton_kernels.triton_available(), reason="needs triton")
 @pytest.mark.skipif(INTERPRETING, reason="compiled kernels only")

@@ -53,6 +53,7 @@ from megatron_lrmoe.experts.grouped_gemm import (
     grouped_mm_nt,
     grouped_mm_tn,
 )
+from megatron_lrmoe.experts.wgrad_triton import accumulate_grouped_wgrad
 
 __all__ = [
     "expert_backward",
@@ -120,7 +121,8 @@ def expert_backward(
     probs: torch.Tensor | None = None,
     need_dx: bool = True,
     h_rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`expert_forward` given the gradient of ``z``.
 
     ``h`` is recomputed from ``x`` when ``None`` (recompute mode: one grouped GEMM on the rows
@@ -140,10 +142,14 @@ def expert_backward(
         h_rows: Optional ``[N]`` int64: ``h`` is a larger saved ``[R, F1]`` and row ``i`` of
             the rows at hand is its row ``h_rows[i]`` (read in place by the activation
             backward, never gathered).
+        wgrad_into: Optional ``(acc1 [G, F1, H], acc2 [G, H, F])`` accumulators (the weights'
+            ``main_grad``): the weight gradients are added into them in fp32, in the GEMMs
+            (:func:`accumulate_grouped_wgrad`), and ``dw1``, ``dw2`` come back ``None``.
 
     Returns:
         ``(dx [N, H] or None, dw1 [G, F1, H], dw2 [G, H, F], dprobs [N] fp32 or None)``;
-        weight gradients in the weights' dtype, zero for experts without rows.
+        weight gradients in the weights' dtype, zero for experts without rows (``None`` with
+        ``wgrad_into``).
     """
     _check_shapes(x, w1, w2, spec, "expert_backward")
     if dz.shape != x.shape:
@@ -156,9 +162,16 @@ def expert_backward(
     da = grouped_mm_nn(dz, w2, groups)
     dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True, h_rows=h_rows)
     del da
-    dw2 = grouped_mm_tn(dz, a, groups, out_dtype=w2.dtype)
+    dw1 = dw2 = None
+    if wgrad_into is None:
+        dw2 = grouped_mm_tn(dz, a, groups, out_dtype=w2.dtype)
+    else:
+        accumulate_grouped_wgrad(dz, a, groups, wgrad_into[1])
     del a
-    dw1 = grouped_mm_tn(dh, x, groups, out_dtype=w1.dtype)
+    if wgrad_into is None:
+        dw1 = grouped_mm_tn(dh, x, groups, out_dtype=w1.dtype)
+    else:
+        accumulate_grouped_wgrad(dh, x, groups, wgrad_into[0])
     dx = grouped_mm_nn(dh, w1, groups) if need_dx else None
     return dx, dw1, dw2, dprobs
 
@@ -230,10 +243,12 @@ def expert_backward_parts(
     probs: torch.Tensor | None = None,
     need_dx: bool = True,
     h_rows: torch.Tensor | None = None,
+    wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
     """:func:`expert_backward` over rows whose groups use several weight stacks.
 
-    ``h_rows`` as in :func:`expert_backward` (rows of a larger saved ``h``).
+    ``h_rows`` and ``wgrad_into`` as in :func:`expert_backward` (rows of a larger saved ``h``;
+    accumulators of a single stack's weight gradients, which then come back as ``[None]``).
 
     Returns:
         ``(dx [N, H] or None, [dw1 per stack], [dw2 per stack], dprobs [N] or None)``; one
@@ -241,9 +256,12 @@ def expert_backward_parts(
     """
     if len(weights) == 1:
         dx, dw1, dw2, dprobs = expert_backward(
-            dz, x, h, weights[0][0], weights[0][1], counts[0], spec, probs, need_dx, h_rows
+            dz, x, h, weights[0][0], weights[0][1], counts[0], spec, probs, need_dx, h_rows,
+            wgrad_into,
         )
         return dx, [dw1], [dw2], dprobs
+    if wgrad_into is not None:
+        raise ValueError("expert_backward_parts: wgrad_into needs a single weight stack")
     for w1, w2 in weights:
         _check_shapes(x, w1, w2, spec, "expert_backward_parts")
     if dz.shape != x.shape:

@@ -21,7 +21,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_lrmoe.config import ACTIVATION_MODES, SCOPES, SELECTIONS, LRMoEConfig
+from megatron_lrmoe.config import (
+    ACTIVATION_MODES,
+    GRAD_ACCUMULATION_FUSIONS,
+    SCOPES,
+    SELECTIONS,
+    LRMoEConfig,
+)
 
 __all__ = [
     "LRMOE_FLAGS",
@@ -34,7 +40,12 @@ __all__ = [
 ]
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LRMoEConfig)}
-_CHOICES = {"selection": SELECTIONS, "scope": SCOPES, "activation_mode": ACTIVATION_MODES}
+_CHOICES = {
+    "selection": SELECTIONS,
+    "scope": SCOPES,
+    "activation_mode": ACTIVATION_MODES,
+    "grad_accumulation_fusion": GRAD_ACCUMULATION_FUSIONS,
+}
 
 
 def _flag(field_name: str) -> str:
@@ -102,6 +113,13 @@ _HELP: dict[str, str] = {
         "expert load (placed per call by the controller; replica weights fetched once per step, "
         "their gradients added into the owner's). Needs --lrmoe-scope local. Default: %(def)s "
         "(fixed ownership, as stock Megatron)."
+    ),
+    "grad_accumulation_fusion": (
+        "Expert weight gradients under Megatron's DDP. 'on': the weight-gradient GEMMs add into "
+        "the fp32 main_grad themselves (no bf16 gradient, no separate main_grad += grad), like "
+        "TE's linear layers with --gradient-accumulation-fusion; works without TE and apex. "
+        "'off': DDP adds the bf16 gradient. 'auto': follow --gradient-accumulation-fusion / "
+        "--no-gradient-accumulation-fusion. Default: %(def)s."
     ),
 }
 
