@@ -24,10 +24,15 @@ from megatron_lrmoe.dispatch import pair_plan_kernels
 from megatron_lrmoe.dispatch.permutation import PairPermutation, _build_torch
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 interp = pytest.mark.skipif(
     not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess of this module"
+)
+cuda = pytest.mark.skipif(
+    INTERPRETING or not HAS_CUDA or not triton_kernels.triton_available(),
+    reason="needs a CUDA device and triton",
 )
 
 
@@ -229,3 +234,28 @@ def test_interp_build_takes_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> 
     too_many = r"52 pairs for 17 tokens, more than moe_router_topk \(3\)"
     with pytest.raises(ValueError, match=too_many):
         PairPermutation.build(torch.ones(17, 8, dtype=torch.bool), 52, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA (skipped without a device): the compiled kernels at the model shapes
+# --------------------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("drop", ["none", "some"])
+@pytest.mark.parametrize("t, e, k", [(4096, 128, 8), (1000, 160, 8), (3000, 256, 8), (77, 512, 6)])
+def test_cuda_matches_torch(monkeypatch: pytest.MonkeyPatch, t: int, e: int, k: int, drop: str):
+    monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
+    routing_map = _routing(t, e, k, seed=t + e, drop=drop).cuda()
+    assert pair_plan_kernels.use_pair_plan_kernels(routing_map)
+    s = int(routing_map.sum())
+    perm = PairPermutation.build(routing_map, s, k)
+    _assert_same_plan(
+        (perm.token_of_pair, perm.expert_of_pair, perm.slot_pair), _build_torch(routing_map, s, k)
+    )
+    assert perm.full == (drop == "none")
+    if drop != "none":  # the dispatcher's speculative T * K
+        spec = PairPermutation.build(routing_map, t * k, k)
+        _assert_in_bounds((spec.token_of_pair, spec.expert_of_pair, spec.slot_pair), t, e, t * k)
+        assert torch.equal(spec.token_of_pair[:s], perm.token_of_pair)
+        assert torch.equal(spec.slot_pair, perm.slot_pair)
