@@ -49,7 +49,9 @@ def _synced_us(fn: Callable[[], object], calls: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--calls", type=int, default=500)
     args = parser.parse_args()
 

@@ -45,9 +45,12 @@ from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx
 
 __all__ = ["pair_plan_triton", "use_pair_plan_kernels"]
 
-# Map elements per program tile (BLOCK_T x BLOCK_E): with 8 warps 32 per thread, enough for
-# the two cumsums and the three scattered stores to stay in registers.
-_TILE = 8192
+# Map elements per program tile (BLOCK_T x BLOCK_E), at least 16 tokens: 8 per thread with 8
+# warps. The write kernel keeps per element two ranks, a pair and three store addresses; ptxas
+# (sm_90, triton 3.8) gives it 158 registers at 16 x 128 and 204 at 16 x 256, no spills, where
+# 64 x 128 spills.
+_TILE = 2048
+_MIN_BLOCK_T = 16
 _MAX_BLOCK_E = 256
 _NUM_WARPS = 8
 _FILL_BLOCK = 256
@@ -188,10 +191,11 @@ def use_pair_plan_kernels(routing_map: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=64)
 def _blocks(num_experts: int, topk: int, block_t: int | None, block_e: int | None) -> tuple:
     """``(BLOCK_T, BLOCK_E, BLOCK_K)``: the expert chunk is the next power of two of E up to
-    256 (E = 160 gets one 256 chunk, E = 512 two), the token block fills the tile; overrides
-    (powers of two) are for tests."""
+    256 (E = 160 gets one 256 chunk, E = 512 two), the token block fills the tile (E = 128:
+    16 tokens, so T = 16384 makes 1024 programs and a 128K-entry cumsum); overrides (powers of
+    two) are for tests."""
     be = block_e or min(_next_pow2(num_experts), _MAX_BLOCK_E)
-    bt = block_t or max(16, _TILE // be)
+    bt = block_t or max(_MIN_BLOCK_T, _TILE // be)
     return bt, be, _next_pow2(max(topk, 1))
 
 
