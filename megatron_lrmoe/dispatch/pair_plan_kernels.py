@@ -174,7 +174,9 @@ def _kernels() -> SimpleNamespace:
 
     tl = language
     kernels = SimpleNamespace(
-        count=triton.jit(_pair_count_kernel), write=triton.jit(_pair_write_kernel)
+        count=triton.jit(_pair_count_kernel),
+        # The speculative build (n_pairs = T * K) and the real one (any count) share a binary.
+        write=triton.jit(_pair_write_kernel, do_not_specialize=["n_pairs", "fill_chunk"]),
     )
     kernels.interpreted = not isinstance(kernels.count, JITFunction)
     return kernels
@@ -182,10 +184,14 @@ def _kernels() -> SimpleNamespace:
 
 def use_pair_plan_kernels(routing_map: torch.Tensor) -> bool:
     """Whether :func:`pair_plan_triton` serves this map: the Triton switch
-    (``triton_kernels.use_triton``: CUDA, triton, ``LRMOE_TRITON``), a non-empty map, and
-    positions that fit the kernels' int32 counts."""
+    (``triton_kernels.use_triton``: CUDA, triton, ``LRMOE_TRITON``), a non-empty bool map,
+    and positions that fit the kernels' int32 counts."""
     num_tokens, num_experts = routing_map.shape
-    return 0 < num_tokens * num_experts < 2**31 and triton_kernels.use_triton(routing_map)
+    return (
+        routing_map.dtype == torch.bool
+        and 0 < num_tokens * num_experts < 2**31
+        and triton_kernels.use_triton(routing_map)
+    )
 
 
 @functools.lru_cache(maxsize=64)
