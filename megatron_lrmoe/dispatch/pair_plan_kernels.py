@@ -5,8 +5,8 @@ Shape legend: T tokens, E experts, K top-k (slots per token), S pairs, B token b
 
 Why: the torch plan (a transposed copy of the map, ``nonzero_static``, a division, a modulo, a
 sort key and an ``argsort``) is about 15 small kernels, 280-320 us of host time per MoE layer on
-an H200 while the device work is tiny. Here it is three launches and one allocation per output
-dtype:
+an H200 while the device work is tiny. Here it is two Triton launches, one torch op and two
+allocations (the int64 outputs share one buffer):
 
 1. ``_pair_count_kernel`` (B programs): ``counts[e, b]`` = True entries of column ``e`` in
    token block ``b``, stored expert-major (``[E, B]`` flattened).
