@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lrmoe.dispatch import pair_plan_kernels
+
 
 @dataclass(frozen=True)
 class PairPermutation:
@@ -49,6 +51,11 @@ class PairPermutation:
         """Index plans from a ``[T, E]`` bool routing map with ``num_pairs`` True entries.
 
         ``num_pairs`` is known on the host from the all-gathered counts, so nothing here syncs.
+        On CUDA (Triton available, ``LRMOE_TRITON != "0"``) the plan comes from two Triton
+        kernels and one ``cumsum`` (``pair_plan_kernels.pair_plan_triton``, about 15 kernels
+        fewer than :func:`_build_torch`, the reference and the host path). A speculative
+        ``num_pairs`` above the map's count (``dispatcher.expect_full_routing``) gives a plan
+        with in-bounds indices, to be rebuilt once the real count is known.
         """
         num_tokens, num_experts = routing_map.shape
         if num_pairs > num_tokens * topk:
@@ -56,29 +63,19 @@ class PairPermutation:
                 f"routing map has {num_pairs} pairs for {num_tokens} tokens, more than "
                 f"moe_router_topk ({topk}) per token"
             )
-        flat = routing_map.t().reshape(-1)  # expert-major, token-ascending
-        index = torch.nonzero_static(flat, size=num_pairs).squeeze(1)
-        expert_of_pair = index // num_tokens
-        token_of_pair = index % num_tokens
-        if num_pairs == num_tokens * topk:
-            # Every token has exactly K pairs: listing the pairs token-major (experts ascending
-            # within a token, i.e. slot order) is the whole slot plan. The keys are unique.
-            order = torch.argsort(token_of_pair * num_experts + expert_of_pair)
+        if pair_plan_kernels.use_pair_plan_kernels(routing_map):
+            token_of_pair, expert_of_pair, slot_pair = pair_plan_kernels.pair_plan_triton(
+                routing_map, num_pairs, topk
+            )
             return cls(
                 token_of_pair=token_of_pair,
                 expert_of_pair=expert_of_pair,
-                slot_pair=order.view(num_tokens, topk),
+                slot_pair=slot_pair,
                 num_tokens=num_tokens,
                 topk=topk,
-                full=True,
+                full=num_pairs == num_tokens * topk,
             )
-        return cls(
-            token_of_pair=token_of_pair,
-            expert_of_pair=expert_of_pair,
-            slot_pair=_slot_pair_by_rank(routing_map, token_of_pair, expert_of_pair, topk),
-            num_tokens=num_tokens,
-            topk=topk,
-        )
+        return _build_torch(routing_map, num_pairs, topk)
 
     def slot_rows(self, kept_index: torch.Tensor) -> torch.Tensor:
         """``[T, K]`` position in ``kept_index`` of each slot's pair, ``-1`` if dropped or empty.
@@ -96,6 +93,36 @@ class PairPermutation:
         if not self.full:  # empty slots read the trailing -1
             slots = slots.masked_fill(slots < 0, self.num_pairs)
         return row_of_pair[slots]
+
+
+def _build_torch(routing_map: torch.Tensor, num_pairs: int, topk: int) -> PairPermutation:
+    """:meth:`PairPermutation.build` in torch ops: the reference of the Triton path, and the
+    host path. Pairs past the map's True entries (a speculative ``num_pairs``) read token
+    ``T - 1`` and expert ``E - 1``, as on the Triton path."""
+    num_tokens, num_experts = routing_map.shape
+    flat = routing_map.t().reshape(-1)  # expert-major, token-ascending
+    index = torch.nonzero_static(flat, size=num_pairs, fill_value=flat.numel() - 1).squeeze(1)
+    expert_of_pair = index // num_tokens
+    token_of_pair = index % num_tokens
+    if num_pairs == num_tokens * topk:
+        # Every token has exactly K pairs: listing the pairs token-major (experts ascending
+        # within a token, i.e. slot order) is the whole slot plan. The keys are unique.
+        order = torch.argsort(token_of_pair * num_experts + expert_of_pair)
+        return PairPermutation(
+            token_of_pair=token_of_pair,
+            expert_of_pair=expert_of_pair,
+            slot_pair=order.view(num_tokens, topk),
+            num_tokens=num_tokens,
+            topk=topk,
+            full=True,
+        )
+    return PairPermutation(
+        token_of_pair=token_of_pair,
+        expert_of_pair=expert_of_pair,
+        slot_pair=_slot_pair_by_rank(routing_map, token_of_pair, expert_of_pair, topk),
+        num_tokens=num_tokens,
+        topk=topk,
+    )
 
 
 def _slot_pair_by_rank(

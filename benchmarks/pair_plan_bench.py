@@ -1,0 +1,84 @@
+"""Pair permutation plan on one GPU: Triton (``pair_plan_kernels``) against the torch reference.
+
+    python benchmarks/pair_plan_bench.py [--calls 500]
+
+For each shape (T tokens, E experts, K top-k; K distinct random experts per token) it checks
+that the two plans are equal, then prints the host time to enqueue one ``build`` (the loop is
+not synced, so the GPU never limits it unless its work per call exceeds the host's) and the
+CUDA-event time of one synced call. The Triton path's launches: two kernels and one cumsum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = [(4096, 128, 8), (16384, 128, 8), (8192, 160, 8), (8192, 256, 8), (65536, 512, 8)]
+
+
+def _host_us(fn: Callable[[], object], calls: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def _synced_us(fn: Callable[[], object], calls: int) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--calls", type=int, default=500)
+    args = parser.parse_args()
+
+    import triton
+
+    from megatron_lrmoe.dispatch.permutation import PairPermutation, _build_torch
+
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    for t, e, k in SHAPES:
+        idx = torch.rand(t, e, device="cuda").topk(k, dim=1).indices
+        routing_map = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, idx, True)
+        s = t * k
+        fast, ref = PairPermutation.build(routing_map, s, k), _build_torch(routing_map, s, k)
+        same = all(
+            torch.equal(getattr(fast, n), getattr(ref, n))
+            for n in ("token_of_pair", "expert_of_pair", "slot_pair")
+        )
+        row = f"T={t:6d} E={e:3d} K={k}  equal={same}"
+        for name, fn in (
+            ("triton", lambda: PairPermutation.build(routing_map, s, k)),
+            ("torch", lambda: _build_torch(routing_map, s, k)),
+        ):
+            host = _host_us(fn, args.calls)
+            synced = _synced_us(fn, min(args.calls, 200))
+            row += f"  {name}: host {host:7.1f} us, synced {synced:7.1f} us"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
