@@ -107,5 +107,6 @@ def expert_grads(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_json(path: str, payload: Any) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2)

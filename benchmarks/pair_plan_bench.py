@@ -3,7 +3,7 @@
     python benchmarks/pair_plan_bench.py [--calls 500]
 
 For each shape (T tokens, E experts, K top-k; K distinct random experts per token) it checks
-that the two plans are equal, then prints the host time to enqueue one ``build`` (the loop is
+that the two plans are equal, then prints the host time to enqueue one plan (the loop is
 not synced, so the GPU never limits it unless its work per call exceeds the host's) and the
 CUDA-event time of one synced call. The Triton path's launches: two kernels and one cumsum.
 """
@@ -57,21 +57,24 @@ def main() -> None:
 
     import triton
 
-    from megatron_lrmoe.dispatch.permutation import PairPermutation, _build_torch
+    from megatron_lrmoe.dispatch.pair_plan_kernels import pair_plan_triton
+    from megatron_lrmoe.dispatch.permutation import _build_torch
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
     for t, e, k in SHAPES:
         idx = torch.rand(t, e, device="cuda").topk(k, dim=1).indices
         routing_map = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, idx, True)
         s = t * k
-        fast, ref = PairPermutation.build(routing_map, s, k), _build_torch(routing_map, s, k)
+        # The kernels themselves, also for maps above pair_plan_kernels.MAX_KERNEL_MAP (where
+        # PairPermutation.build takes the torch plan).
+        fast, ref = pair_plan_triton(routing_map, s, k), _build_torch(routing_map, s, k)
         same = all(
-            torch.equal(getattr(fast, n), getattr(ref, n))
-            for n in ("token_of_pair", "expert_of_pair", "slot_pair")
+            torch.equal(a, getattr(ref, n))
+            for a, n in zip(fast, ("token_of_pair", "expert_of_pair", "slot_pair"))
         )
         row = f"T={t:6d} E={e:3d} K={k}  equal={same}"
         for name, fn in (
-            ("triton", lambda: PairPermutation.build(routing_map, s, k)),
+            ("triton", lambda: pair_plan_triton(routing_map, s, k)),
             ("torch", lambda: _build_torch(routing_map, s, k)),
         ):
             host = _host_us(fn, args.calls)

@@ -182,14 +182,23 @@ def _kernels() -> SimpleNamespace:
     return kernels
 
 
+# Largest map (T * E entries) the kernels serve. Measured on an H200 (gpu_run11,
+# benchmarks/pair_plan_bench.py): up to 16384 x 128 and 8192 x 256 they take less than half the
+# host time of the torch plan and less device time; at 65536 x 512 (33.5M entries, 4096 token
+# blocks and a 2M-entry scan) the synced time was 652 us against torch's 469 us. Larger maps
+# than those measured to pay go to the torch plan.
+MAX_KERNEL_MAP = 1 << 22
+
+
 def use_pair_plan_kernels(routing_map: torch.Tensor) -> bool:
     """Whether :func:`pair_plan_triton` serves this map: the Triton switch
-    (``triton_kernels.use_triton``: CUDA, triton, ``LRMOE_TRITON``), a non-empty bool map,
-    and positions that fit the kernels' int32 counts."""
+    (``triton_kernels.use_triton``: CUDA, triton, ``LRMOE_TRITON``), a non-empty bool map of at
+    most ``MAX_KERNEL_MAP`` entries (which also keeps positions within the kernels' int32
+    counts)."""
     num_tokens, num_experts = routing_map.shape
     return (
         routing_map.dtype == torch.bool
-        and 0 < num_tokens * num_experts < 2**31
+        and 0 < num_tokens * num_experts <= MAX_KERNEL_MAP
         and triton_kernels.use_triton(routing_map)
     )
 
