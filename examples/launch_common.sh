@@ -41,6 +41,12 @@ LRMOE_ARGS=()
 if [ "$LRMOE" = 1 ]; then
     LRMOE_ARGS=(--lrmoe --lrmoe-keep-ratio "$KEEP_RATIO" --lrmoe-selection "$SELECTION"
                 --lrmoe-scope "$SCOPE" --lrmoe-activation-mode "$ACTIVATION_MODE")
+    if [ "$TRANSFORMER_IMPL" = local ]; then
+        # Megatron's own layers need apex for --gradient-accumulation-fusion; the LRMoE experts
+        # add their weight gradients into main_grad without it (LRMOE_GRAD_FUSION=off: DDP adds
+        # their bf16 gradients, as for stock's SequentialMLP).
+        LRMOE_ARGS+=(--lrmoe-grad-accumulation-fusion "${LRMOE_GRAD_FUSION:-on}")
+    fi
 fi
 
 ARGS=("${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}"

@@ -25,6 +25,8 @@
 #   TOKENIZER_MODEL ()   HF tokenizer (must match DATA_PREFIX); empty: NullTokenizer with EOD 256
 #                        (byte-level data from examples/make_indexed_dataset.py, or mock data)
 #   TRANSFORMER_IMPL (transformer_engine)   local: no TE/apex (adds the no-fusion flags)
+#   LRMOE_GRAD_FUSION (on)   local only: --lrmoe-grad-accumulation-fusion (the experts add into
+#                        main_grad themselves; with TE, Megatron's --gradient-accumulation-fusion decides)
 #   GPUS_PER_NODE (8) NNODES (4) NODE_RANK (0) MASTER_ADDR (127.0.0.1) MASTER_PORT (6000)
 #   NUM_LAYERS (46) TP (1) PP (4) EP (8) SEQ_LENGTH (4096) MBS (1) GBS (512)
 #   PP_FIRST (11) PP_LAST (11)   decoder layers on the first / last pipeline stage (PP > 1)

@@ -21,6 +21,8 @@
 #   TOKENIZER_MODEL ()   HF tokenizer (must match DATA_PREFIX); empty: NullTokenizer with EOD 256
 #                        (byte-level data from examples/make_indexed_dataset.py, or mock data)
 #   TRANSFORMER_IMPL (transformer_engine)   local: no TE/apex (adds the no-fusion flags)
+#   LRMOE_GRAD_FUSION (on)   local only: --lrmoe-grad-accumulation-fusion (the experts add into
+#                        main_grad themselves; with TE, Megatron's --gradient-accumulation-fusion decides)
 #   GPUS_PER_NODE (8) NNODES (2) NODE_RANK (0) MASTER_ADDR (127.0.0.1) MASTER_PORT (6000)
 #   NUM_LAYERS (48) TP (1) PP (1) EP (8) SEQ_LENGTH (4096) MBS (1) GBS (512)
 #   TRAIN_ITERS (20000) LR (3e-4) MIN_LR (3e-5) WARMUP_ITERS (500) SEED (1234)
