@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -104,6 +105,36 @@ def expert_grads(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     fc1 = torch.stack([e.linear_fc1.weight.grad for e in experts.local_experts])
     fc2 = torch.stack([e.linear_fc2.weight.grad for e in experts.local_experts])
     return fc1, fc2
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int, warmup: int = 10) -> float:
+    """Host microseconds to enqueue one call of ``fn`` (GPU): the loop is not synced, so the
+    device limits it only when its work per call exceeds the host's."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def cuda_median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median CUDA-event milliseconds of ``fn`` started on an idle device, after ``warmup``
+    calls."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for it in range(warmup + iters):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        if it >= warmup:
+            samples.append(start.elapsed_time(stop))
+    return statistics.median(samples)
 
 
 def write_json(path: str, payload: Any) -> None:

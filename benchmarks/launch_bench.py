@@ -12,24 +12,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import host_us_per_call  # noqa: E402
 
-def _per_call_us(fn: Callable[[], object], calls: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+
+def _per_call(fn: Callable[[], object], calls: int) -> float:
+    return host_us_per_call(fn, calls, warmup=20)
+
+
 
 
 def main() -> None:
@@ -56,18 +51,18 @@ def main() -> None:
                                         HAS_INDEX=True, BLOCK_M=8, BLOCK_H=256, num_warps=8)
 
     results = {
-        "torch.mul(out=)": _per_call_us(lambda: torch.mul(a, 2.0, out=b), args.calls),
-        "torch index_select": _per_call_us(lambda: rows_t.index_select(0, index), args.calls),
-        "torch.empty": _per_call_us(lambda: torch.empty(32, 256, device="cuda"), args.calls),
-        "triton kernel[grid](...)": _per_call_us(raw_jit, args.calls),
-        "scale_rows_triton (our wrapper)": _per_call_us(
+        "torch.mul(out=)": _per_call(lambda: torch.mul(a, 2.0, out=b), args.calls),
+        "torch index_select": _per_call(lambda: rows_t.index_select(0, index), args.calls),
+        "torch.empty": _per_call(lambda: torch.empty(32, 256, device="cuda"), args.calls),
+        "triton kernel[grid](...)": _per_call(raw_jit, args.calls),
+        "scale_rows_triton (our wrapper)": _per_call(
             lambda: tk.scale_rows_triton(rows_t, scale, index), args.calls),
-        "rows.scale_rows (dispatching)": _per_call_us(
+        "rows.scale_rows (dispatching)": _per_call(
             lambda: rows.scale_rows(rows_t, scale, index=index), args.calls),
     }
     fast = getattr(tk, "launch", None)
     if fast is not None:
-        results["tk.launch (cached handle)"] = _per_call_us(
+        results["tk.launch (cached handle)"] = _per_call(
             lambda: fast(kernels.scale_rows, grid, (out, rows_t, scale, index, 32, 256, 256, 256),
                          dict(HAS_INDEX=True, BLOCK_M=8, BLOCK_H=256), num_warps=8), args.calls)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")

@@ -13,39 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import cuda_median_ms, host_us_per_call  # noqa: E402
+
 SHAPES = [(4096, 128, 8), (16384, 128, 8), (8192, 160, 8), (8192, 256, 8), (65536, 512, 8)]
-
-
-def _host_us(fn: Callable[[], object], calls: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
-def _synced_us(fn: Callable[[], object], calls: int) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -77,8 +52,8 @@ def main() -> None:
             ("triton", lambda: pair_plan_triton(routing_map, s, k)),
             ("torch", lambda: _build_torch(routing_map, s, k)),
         ):
-            host = _host_us(fn, args.calls)
-            synced = _synced_us(fn, min(args.calls, 200))
+            host = host_us_per_call(fn, args.calls)
+            synced = 1e3 * cuda_median_ms(fn, 0, min(args.calls, 200))
             row += f"  {name}: host {host:7.1f} us, synced {synced:7.1f} us"
         print(row)
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import cuda_median_ms  # noqa: E402
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes, grouped_mm_tn  # noqa: E402
 from megatron_lrmoe.experts.wgrad_triton import WgradConfig, grouped_wgrad_triton  # noqa: E402
 
@@ -37,19 +37,6 @@ CONFIGS = [
     WgradConfig(128, 256, 32, 8, 4),
     WgradConfig(64, 256, 64, 4, 4),
 ]
-
-
-def timed(fn, warmup: int, iters: int) -> float:
-    samples = []
-    for it in range(warmup + iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        if it >= warmup:
-            samples.append(s.elapsed_time(e))
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -82,8 +69,8 @@ def main() -> None:
                 main_grad.add_(grouped_mm_tn(a, b, groups, out_dtype=torch.bfloat16))
 
             row = {"proj": name, "M": m, "N": n, "rows_per_expert": rows, "rows": total,
-                   "gemm_ms": timed(gemm, args.warmup, args.iters),
-                   "gemm_add_ms": timed(gemm_add, args.warmup, args.iters), "fused": {}}
+                   "gemm_ms": cuda_median_ms(gemm, args.warmup, args.iters),
+                   "gemm_add_ms": cuda_median_ms(gemm_add, args.warmup, args.iters), "fused": {}}
             # Correctness on a fresh buffer: fused vs fp32 reference of the first groups.
             check = torch.zeros_like(main_grad)
             grouped_wgrad_triton(a, b, offs, check, accumulate=False)
@@ -92,7 +79,7 @@ def main() -> None:
             row["max_rel_err_group0"] = float((check[0] - ref).abs().max() / ref.abs().max())
             for cfg in CONFIGS:
                 try:
-                    ms = timed(lambda: grouped_wgrad_triton(a, b, offs, main_grad, config=cfg),
+                    ms = cuda_median_ms(lambda: grouped_wgrad_triton(a, b, offs, main_grad, config=cfg),
                                args.warmup, args.iters)
                 except Exception as exc:  # a config that does not compile here
                     row["fused"][str(cfg)] = repr(exc)[:120]

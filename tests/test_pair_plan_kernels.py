@@ -11,10 +11,6 @@ those are skipped and the torch path's own contract is tested.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +18,10 @@ import torch
 from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.dispatch import pair_plan_kernels
 from megatron_lrmoe.dispatch.permutation import PairPermutation, _build_torch
+from megatron_lrmoe.testing.interpreter import run_interpreter_tests
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 interp = pytest.mark.skipif(
     not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess of this module"
@@ -98,24 +94,7 @@ def test_host_maps_take_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter subprocess")
 def test_in_interpreter_subprocess() -> None:
     pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_"]
-    proc = subprocess.run(
-        [*cmd, str(Path(__file__).resolve())],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = proc.stdout + proc.stderr
-    summary = out.strip().splitlines()[-1] if out.strip() else ""
-    assert proc.returncode == 0, f"interpreter run failed (rc {proc.returncode}):\n{out[-6000:]}"
-    passed = re.search(r"(\d+) passed", summary)
-    # Every selected test must have run: a skip would mean the interpreter was not on.
-    assert passed and int(passed.group(1)) >= NUM_INTERP_TESTS, summary
-    assert not re.search(r"skipped|failed|error", summary), summary
+    run_interpreter_tests(__file__, min_passed=NUM_INTERP_TESTS)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import os
 import random
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.select import kernels, scoring
+from megatron_lrmoe.testing.interpreter import run_interpreter_tests
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
 
 interp = pytest.mark.skipif(
@@ -131,24 +127,7 @@ def _check(policy: str, case: Case, **kwargs) -> scoring.Selection:
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter subprocess")
 def test_select_kernels_in_interpreter_subprocess() -> None:
     pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
-    proc = subprocess.run(
-        [*cmd, "-k", "test_interp_", str(Path(__file__).resolve())],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    summary = out.strip().splitlines()[-1] if out.strip() else ""
-    assert proc.returncode == 0, f"interpreter run failed (rc {proc.returncode}):\n{out[-6000:]}"
-    passed = re.search(r"(\d+) passed", summary)
-    # Every selected test must have run: a skip here would mean the interpreter was not on.
-    assert passed and int(passed.group(1)) >= 6, summary
-    assert not re.search(r"skipped|failed|error", summary), summary
+    run_interpreter_tests(__file__, min_passed=6)
 
 
 def test_select_takes_the_torch_path_on_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
