@@ -74,9 +74,9 @@ class LRMoEConfig:
             ``main_grad += grad`` are skipped), like TE's and apex's linear layers with
             Megatron's ``gradient_accumulation_fusion``. ``"off"``: the layer returns the bf16
             gradient and DDP adds it. ``"auto"`` (default): follow the Megatron config's
-            ``gradient_accumulation_fusion``, so the experts accumulate as stock's do. Calls
-            with replicas, parameters without ``main_grad`` and fp64 weights always take the
-            unfused path.
+            ``gradient_accumulation_fusion``, so the experts accumulate as stock's do. With
+            replicas the holders' gradients are added into the owner's ``main_grad`` too.
+            Parameters without ``main_grad`` and fp64 weights always take the unfused path.
     """
 
     keep_ratio: float = 1.0

@@ -253,13 +253,21 @@ class ExpertCall:
         return [sizes[:own], sizes[own:]]
 
     def fold_grads(
-        self, dw1: list[torch.Tensor], dw2: list[torch.Tensor]
+        self,
+        dw1: list[Optional[torch.Tensor]],
+        dw2: list[Optional[torch.Tensor]],
+        into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The parameters' gradients: own, plus (with replicas) every replica's, from its
-        holder, added in a fixed order before autograd sees them."""
+        holder, added in a fixed order before autograd sees them.
+
+        With ``into`` (the weights' ``main_grad``, which already holds the own gradient: fused
+        accumulation) the replicas' gradients are added there instead, and ``into`` returned.
+        """
+        own1, own2 = (dw1[0], dw2[0]) if into is None else into
         if self.layout is None:
-            return dw1[0], dw2[0]
-        return fold_replica_grads(dw1[0], dw2[0], dw1[1], dw2[1], self.layout, self.group)
+            return own1, own2
+        return fold_replica_grads(own1, own2, dw1[1], dw2[1], self.layout, self.group)
 
 
 def lrmoe_experts(
@@ -335,7 +343,9 @@ class ExactMoEFunction(torch.autograd.Function):
             dz, x, h, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec,
             probs=p_e, need_dx=ctx.needs_input_grad[0], wgrad_into=into,
         )
-        dw1, dw2 = call.fold_grads(dw1, dw2) if into is None else _fused_weight_grads(w1, w2)
+        dw1, dw2 = call.fold_grads(dw1, dw2, into)
+        if into is not None:
+            dw1, dw2 = _fused_weight_grads(w1, w2)
         d_probs = call.to_pair_order(call.to_sources(dp_e).to(p_e.dtype))
         d_hidden = None
         if dx is not None:
@@ -488,7 +498,9 @@ class TrimmedMoEFunction(torch.autograd.Function):
             need_dx=ctx.needs_input_grad[0], h_rows=h_rows, wgrad_into=into,
         )
         del h
-        dw1, dw2 = call.fold_grads(dw1, dw2) if into is None else _fused_weight_grads(w1, w2)
+        dw1, dw2 = call.fold_grads(dw1, dw2, into)
+        if into is not None:
+            dw1, dw2 = _fused_weight_grads(w1, w2)
         d_hidden = return_dx(call, kept, dx_k) if dx_k is not None else None
 
         # Non-finite scores must reach Megatron's NaN check, never hide in a selection: the
@@ -506,10 +518,10 @@ def _main_grad_targets(
     """The weights' ``main_grad`` (Megatron's DDP) when this call adds the expert weight
     gradients into them in its GEMMs (``LRMoEConfig.grad_accumulation_fusion``), else ``None``.
 
-    Calls with replicas fold replica gradients into the owners' first (``fold_grads``), so they
-    return gradients; so do weights without a ``main_grad`` of their own shape, and fp64 ones.
+    Replica gradients are then folded into them (``ExpertCall.fold_grads``). Weights without a
+    ``main_grad`` of their own shape, and fp64 ones, return gradients as usual.
     """
-    if not call.fuse_grad_accumulation or call.layout is not None:
+    if not call.fuse_grad_accumulation:
         return None
     targets = (getattr(w1, "main_grad", None), getattr(w2, "main_grad", None))
     for w, acc in zip((w1, w2), targets):

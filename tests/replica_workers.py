@@ -89,6 +89,7 @@ def suite(rank: int, world: int, ep: int, sections: dict[str, list]) -> dict[str
         "on_off": lambda case: on_off_case(pg, ep, case),
         "cache": lambda case: cache_facts(pg, ep, case),
         "checkpoint": lambda case: checkpoint_case(pg, ep, case),
+        "fused": lambda case: fused_case(pg, ep, case),
     }
     return {name: [runners[name](case) for case in cases] for name, cases in sections.items()}
 
@@ -119,6 +120,44 @@ def on_off_case(pg, ep: int, kwargs: dict) -> dict[str, Any]:
         "diffs": _diffs(pick(runs[REPLICAS]), pick(runs[0])),
         "same_mask": torch.equal(runs[0]["mask"], runs[REPLICAS]["mask"]),
         "placed": runs[REPLICAS]["placed"],
+    }
+
+
+def fused_case(pg, ep: int, kwargs: dict) -> dict[str, Any]:
+    """The same call with replicas, the expert gradients returned (DDP would add them) and
+    added into ``main_grad`` by the layer (``grad_accumulation_fusion="on"``): the fused
+    ``main_grad`` gains exactly the returned gradient, replicas' contributions included."""
+    cfg = w._config(ep, moe_aux_loss_coeff=0.0, moe_router_topk=4)
+    x, up = w._inputs(torch.distributed.get_rank(), cfg.hidden_size)
+    state, runs = None, {}
+    for fusion in ("off", "on"):
+        lrmoe = LRMoEConfig(
+            max_replicas_per_rank=REPLICAS, grad_accumulation_fusion=fusion, **kwargs
+        )
+        layer = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
+        if state is None:
+            state = layer.state_dict()
+        else:
+            layer.load_state_dict(state)
+        weights = layer.experts.weights()
+        prior = [torch.full_like(p, 0.25, dtype=torch.float32) for p in weights]
+        for p, acc in zip(weights, prior):  # what Megatron's DDP attaches to a parameter
+            p.main_grad = acc.clone()
+            p.grad_added_to_main_grad = False
+        w._run(layer, x, up)
+        runs[fusion] = {
+            "grads": [p.grad if fusion == "off" else p.main_grad - acc
+                      for p, acc in zip(weights, prior)],
+            "flags": [p.grad_added_to_main_grad for p in weights],
+            "placed": layer.last_call_stats.replicas_placed,
+        }  # fmt: skip
+    off, on = runs["off"], runs["on"]
+    return {
+        "case": kwargs,
+        "placed": on["placed"],
+        "flags": on["flags"] + off["flags"],
+        "diffs": [(a.float() - b).abs().max().item() for a, b in zip(off["grads"], on["grads"])],
+        "scales": [a.abs().max().item() for a in off["grads"]],
     }
 
 

@@ -306,6 +306,9 @@ ON_OFF = [
 CHECKPOINT = [dict(keep_ratio=0.5), dict(keep_ratio=0.5, activation_mode="recompute")]
 
 
+FUSED = [dict(keep_ratio=1.0), dict(keep_ratio=0.5)]
+
+
 @pytest.fixture(scope="module")
 def ep2() -> list[dict]:
     # "dense" first: test_deterministic_across_ranks_and_runs reruns its first cases alone.
@@ -315,6 +318,7 @@ def ep2() -> list[dict]:
         "on_off": ON_OFF,
         "cache": [{}],
         "checkpoint": CHECKPOINT,
+        "fused": FUSED,
     }
     return run_distributed(rw.suite, 2, 2, sections, timeout=TIMEOUT_S)
 
@@ -395,6 +399,19 @@ def test_recompute_selects_the_same_pairs_with_and_without_replicas(ep2) -> None
             assert d["placed"] > 0 and d["same_mask"], f"rank {rank} {d['case']}"
             for key, diff in d["diffs"].items():
                 assert _close(diff, d["scales"][key]), f"rank {rank} {d['case']} {key}: {diff:.2e}"
+
+
+def test_fused_accumulation_adds_replica_gradients_into_main_grad(ep2) -> None:
+    """``grad_accumulation_fusion="on"`` with replicas: each weight's ``main_grad`` gains what
+    the unfused layer returns (own gradient plus every replica's, folded in), and the layer marks
+    it ``grad_added_to_main_grad`` (the unfused one does not)."""
+    for rank, result in enumerate(ep2):
+        for d in result["fused"]:
+            where = f"rank {rank} {d['case']}"
+            assert d["placed"] > 0, f"{where}: no replica placed"
+            assert d["flags"] == [True, True, False, False], where
+            for diff, scale in zip(d["diffs"], d["scales"]):
+                assert _close(diff, scale), f"{where}: {diff:.2e} (scale {scale:.2e})"
 
 
 def test_replica_weights_are_fetched_once_per_step_and_never_part_of_the_model(ep2) -> None:

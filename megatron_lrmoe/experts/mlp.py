@@ -201,6 +201,25 @@ def _parts_mm(
     return out
 
 
+def _parts_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weights: list[torch.Tensor],
+    groups: list[GroupSizes],
+    spans: list[tuple[int, int]],
+    into: torch.Tensor | None,
+) -> list[torch.Tensor | None]:
+    """Weight gradient of every stack; the first one's added into ``into`` when given."""
+    grads: list[torch.Tensor | None] = []
+    for i, (w, g, (lo, hi)) in enumerate(zip(weights, groups, spans)):
+        if i == 0 and into is not None:
+            accumulate_grouped_wgrad(a[lo:hi], b[lo:hi], g, into)
+            grads.append(None)
+        else:
+            grads.append(grouped_mm_tn(a[lo:hi], b[lo:hi], g, out_dtype=w.dtype))
+    return grads
+
+
 def expert_forward_parts(
     x: torch.Tensor,
     weights: Weights,
@@ -248,7 +267,8 @@ def expert_backward_parts(
     """:func:`expert_backward` over rows whose groups use several weight stacks.
 
     ``h_rows`` and ``wgrad_into`` as in :func:`expert_backward` (rows of a larger saved ``h``;
-    accumulators of a single stack's weight gradients, which then come back as ``[None]``).
+    accumulators of the first stack's weight gradients, the parameters' own, which then come
+    back as ``None`` in the lists).
 
     Returns:
         ``(dx [N, H] or None, [dw1 per stack], [dw2 per stack], dprobs [N] or None)``; one
@@ -260,8 +280,6 @@ def expert_backward_parts(
             wgrad_into,
         )
         return dx, [dw1], [dw2], dprobs
-    if wgrad_into is not None:
-        raise ValueError("expert_backward_parts: wgrad_into needs a single weight stack")
     for w1, w2 in weights:
         _check_shapes(x, w1, w2, spec, "expert_backward_parts")
     if dz.shape != x.shape:
@@ -276,14 +294,8 @@ def expert_backward_parts(
     da = _parts_mm(grouped_mm_nn, dz, w2s, groups, spans, w2s[0].shape[2])
     dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True, h_rows=h_rows)
     del da
-    dw2 = [
-        grouped_mm_tn(dz[lo:hi], a[lo:hi], g, out_dtype=w.dtype)
-        for w, g, (lo, hi) in zip(w2s, groups, spans)
-    ]
+    dw2 = _parts_wgrad(dz, a, w2s, groups, spans, None if wgrad_into is None else wgrad_into[1])
     del a
-    dw1 = [
-        grouped_mm_tn(dh[lo:hi], x[lo:hi], g, out_dtype=w.dtype)
-        for w, g, (lo, hi) in zip(w1s, groups, spans)
-    ]
+    dw1 = _parts_wgrad(dh, x, w1s, groups, spans, None if wgrad_into is None else wgrad_into[0])
     dx = _parts_mm(grouped_mm_nn, dh, w1s, groups, spans, x.shape[1]) if need_dx else None
     return dx, dw1, dw2, dprobs
