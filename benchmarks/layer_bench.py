@@ -73,16 +73,44 @@ class Variant:
 
 
 def _variants(
-    ep: int, keeps: list[float], selections: list[str], extras: bool, eager_selection: bool
+    ep: int,
+    keeps: list[float],
+    selections: list[str],
+    extras: bool,
+    eager_selection: bool,
+    fusion: str = "off",
 ) -> list[Variant]:
+    """The LRMoE variants; ``fusion`` "on" / "both" adds each with its weight gradients
+    accumulated into ``main_grad`` (name suffix " fused"; needs ``--main-grad``)."""
     from megatron_lrmoe import LRMoEConfig
 
-    out = [Variant("LRMoE keep 1.0", LRMoEConfig(keep_ratio=1.0))]
+    base = _base_variants(ep, keeps, selections, extras, eager_selection, LRMoEConfig)
+    out = [] if fusion == "on" else list(base)
+    if fusion in ("on", "both"):
+        out += [
+            Variant(f"{v.name} fused",
+                    dataclasses.replace(v.lrmoe, grad_accumulation_fusion="on"), env=v.env)
+            for v in base
+        ]  # fmt: skip
+    return out
+
+
+def _base_variants(
+    ep: int, keeps: list[float], selections: list[str], extras: bool, eager_selection: bool,
+    config: Any,
+) -> list[Variant]:
+    LRMoEConfig = config  # noqa: N806
+    out = [Variant("LRMoE keep 1.0", LRMoEConfig(keep_ratio=1.0, grad_accumulation_fusion="off"))]
     for keep in keeps:
         if keep >= 1.0:
             continue
         for sel in selections:
-            out.append(Variant(f"LRMoE keep {keep} {sel}", LRMoEConfig(keep_ratio=keep, selection=sel)))
+            out.append(
+                Variant(
+                    f"LRMoE keep {keep} {sel}",
+                    LRMoEConfig(keep_ratio=keep, selection=sel, grad_accumulation_fusion="off"),
+                )
+            )
     if extras:
         out.append(
             Variant(
@@ -108,6 +136,23 @@ def _variants(
 def _zero_grads(layer: Any) -> None:
     for p in layer.parameters():
         p.grad = None
+        if hasattr(p, "grad_added_to_main_grad"):
+            p.grad_added_to_main_grad = False
+
+
+def _attach_main_grad(layer: Any) -> None:
+    """What Megatron's DDP gives every parameter: an fp32 ``main_grad`` and a hook that adds
+    each new ``.grad`` into it (unless the layer already did) and drops the ``.grad``."""
+
+    def hook(p: torch.Tensor) -> None:
+        if not p.grad_added_to_main_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    for p in layer.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+        p.register_post_accumulate_grad_hook(hook)
 
 
 def _timed_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant) -> None:
@@ -290,6 +335,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--no-stock", action="store_true", help="skip the stock layer")
+    parser.add_argument(
+        "--main-grad",
+        action="store_true",
+        help="give every parameter an fp32 main_grad and a DDP-like hook adding each gradient "
+        "into it (as in training; without it gradients stay in .grad and are dropped)",
+    )
+    parser.add_argument(
+        "--fusion",
+        choices=("off", "on", "both"),
+        default="off",
+        help="LRMoE variants with the expert gradients added into main_grad by the layer "
+        "(--lrmoe-grad-accumulation-fusion on; needs --main-grad): off, on, or both",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel-launch profile")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "layer_bench.json"))
     args = parser.parse_args()
@@ -311,7 +369,15 @@ def main() -> None:
     lr = get_lrmoe_moe_spec(LRMoEConfig())(config=cfg, pg_collection=pg, layer_number=1).cuda()
     if stock is not None:
         lr.load_state_dict(stock.state_dict(), strict=False)
-    variants = _variants(ep, args.keep, args.selections, not args.no_extras, args.eager_selection)
+    if args.fusion != "off" and not args.main_grad:
+        parser.error("--fusion on/both needs --main-grad (the fused path adds into main_grad)")
+    if args.main_grad:
+        for module in (stock, lr):
+            if module is not None:
+                _attach_main_grad(module)
+    variants = _variants(
+        ep, args.keep, args.selections, not args.no_extras, args.eager_selection, args.fusion
+    )
     if stock is not None:
         variants.insert(0, Variant("stock MoELayer (SequentialMLP)", None))
 
@@ -347,8 +413,10 @@ def main() -> None:
         lr.lrmoe_config = LRMoEConfig(keep_ratio=1.0)
         _timed_step(lr, x, up, Variant("floor-setup", None))
         floor = _floor(lr, ep, tokens, args.warmup, args.iters, args.keep)
-        keep1 = next(v for v in variants if v.name == "LRMoE keep 1.0")
+        keep1s = {v.name: v for v in variants if v.name.startswith("LRMoE keep 1.0")}
         for v in variants:
+            keep1 = keep1s.get("LRMoE keep 1.0" + (" fused" if v.name.endswith(" fused") else ""))
+            keep1 = keep1 or next(iter(keep1s.values()))
             row = {"tokens": tokens, "variant": v.name}
             if v.lrmoe is not None:
                 row["config"] = dataclasses.asdict(v.lrmoe)
@@ -369,6 +437,7 @@ def main() -> None:
             rows.append(row)
         rows.append({"tokens": tokens, "variant": "floor", **floor})
         if rank == 0:
+            keep1 = next(iter(keep1s.values()))
             print(f"== {tokens} tokens/GPU, EP={ep}; floor {floor['floor_ms']:.2f} ms "
                   f"(gemm fwd {floor['gemm_fwd_ms']:.2f} bwd {floor['gemm_bwd_ms']:.2f} a2a "
                   f"{floor['a2a4_ms']:.2f}); keep 1.0 total / floor "
