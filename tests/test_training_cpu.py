@@ -78,6 +78,17 @@ def _training_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     init, out["stock"] = uninterrupted(None, None, dirs["stock"])
     _, out["keep1"] = uninterrupted(keep_one, init)
+    fused = LRMoEConfig(keep_ratio=1.0, grad_accumulation_fusion="on")
+    trainer = Trainer(shape, settings, corpus, lrmoe=fused, init_from=init)
+    out["keep1_fused"] = _losses(trainer.run())
+    # Set by the layers in the last backward (DDP resets them when it zeroes the buffers).
+    out["fused_flags"] = [
+        p.grad_added_to_main_grad
+        for m in trainer.model.modules()
+        if getattr(m, "lrmoe_config", None) is not None
+        for p in m.experts.weights()
+    ]
+    trainer.close()
     _, out["lrmoe"] = uninterrupted(keep_half, init, dirs["lrmoe"])
     # Stock checkpoint -> LRMoE on (keep 0.5, and keep 1.0), and stock again as the reference.
     out["stock_to_lrmoe"] = resumed(keep_half, dirs["stock"])
@@ -138,6 +149,13 @@ def _assert_close(got: list[float], want: list[float], rtol: float, what: str) -
 def test_keep1_losses_equal_stock(curves: dict[str, Any]) -> None:
     _assert_close(curves["keep1"], curves["stock"], RTOL_EXACT, "LRMoE keep 1.0 vs stock")
     assert curves["stock"][-1] < curves["stock"][0], "the run does not learn"
+
+
+def test_keep1_with_fused_gradient_accumulation_equals_stock(curves: dict[str, Any]) -> None:
+    """The expert gradients added into DDP's ``main_grad`` by the layer (fp32 here, as the
+    unfused path's): the same training as stock's, through Megatron's optimizer and clipping."""
+    _assert_close(curves["keep1_fused"], curves["stock"], RTOL_EXACT, "keep 1.0 fused vs stock")
+    assert curves["fused_flags"] and all(curves["fused_flags"]), curves["fused_flags"]
 
 
 def test_keep_half_trains(curves: dict[str, Any]) -> None:
