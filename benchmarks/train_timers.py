@@ -73,7 +73,9 @@ def summarize(series: dict[str, dict[int, float]], skip: int) -> dict[str, float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("logs", nargs="+")
     parser.add_argument("--skip", type=int, default=5, help="warm-up iterations left out")
     parser.add_argument("--json", default=None, help="also write the summaries here")

@@ -40,12 +40,16 @@ CONFIGS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "wgrad_bench.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.environ.get("OUT", "."), "wgrad_bench.json")
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -79,8 +83,11 @@ def main() -> None:
             row["max_rel_err_group0"] = float((check[0] - ref).abs().max() / ref.abs().max())
             for cfg in CONFIGS:
                 try:
-                    ms = cuda_median_ms(lambda: grouped_wgrad_triton(a, b, offs, main_grad, config=cfg),
-                               args.warmup, args.iters)
+                    ms = cuda_median_ms(
+                        lambda: grouped_wgrad_triton(a, b, offs, main_grad, config=cfg),
+                        args.warmup,
+                        args.iters,
+                    )
                 except Exception as exc:  # a config that does not compile here
                     row["fused"][str(cfg)] = repr(exc)[:120]
                     continue

@@ -159,7 +159,9 @@ def _megatron_log(iterations: list[tuple[int, float, float, float, float]]) -> s
         lines.append("(min, max) time across ranks (ms):")
         for name, value in (("forward-backward", fb), ("optimizer", opt)):
             lines.append(f"    {(name + ' ').ljust(48, '.')}: ({value - 1:.2f}, {value:.2f})")
-        lines.append(f" [2026-12-01 05:00:00.1] iteration {it:8d}/     300 | moe layers: {moe:.1f} ms/iter |")
+        lines.append(
+            f" [2026-12-01 05:00:00.1] iteration {it:8d}/     300 | moe layers: {moe:.1f} ms/iter |"
+        )
     return "\n".join(lines)
 
 

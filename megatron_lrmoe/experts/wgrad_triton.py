@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from megatron_lrmoe.experts.grouped_gemm import Counts, GroupSizes
-from megatron_lrmoe.triton_kernels import _device_ctx, triton_available, use_triton
+from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available, use_triton
 
 tl: Any = None  # bound to triton.language on first use (see triton_kernels.py)
 
@@ -172,7 +172,7 @@ def grouped_wgrad_triton(
     groups, m, n = out.shape
     if groups == 0 or m == 0 or n == 0:
         return out
-    grid = (triton_cdiv(m, config.block_m) * triton_cdiv(n, config.block_n), groups)
+    grid = (_cdiv(m, config.block_m) * _cdiv(n, config.block_n), groups)
     kernel, interpreted = _kernel()
     if not out.is_cuda and not interpreted:
         raise ValueError(
@@ -197,10 +197,6 @@ def grouped_wgrad_triton(
             num_stages=config.num_stages,
         )
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16)
@@ -232,7 +228,12 @@ def accumulate_grouped_wgrad(
 
 
 def grouped_wgrad_reference(
-    a: torch.Tensor, b: torch.Tensor, sizes: list[int], out: torch.Tensor, *, accumulate: bool = True
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sizes: list[int],
+    out: torch.Tensor,
+    *,
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """The slow twin of :func:`grouped_wgrad_triton`: one fp32 matmul per group."""
     start = 0
