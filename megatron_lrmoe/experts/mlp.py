@@ -162,16 +162,9 @@ def expert_backward(
     da = grouped_mm_nn(dz, w2, groups)
     dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True, h_rows=h_rows)
     del da
-    dw1 = dw2 = None
-    if wgrad_into is None:
-        dw2 = grouped_mm_tn(dz, a, groups, out_dtype=w2.dtype)
-    else:
-        accumulate_grouped_wgrad(dz, a, groups, wgrad_into[1])
+    dw2 = _wgrad(dz, a, groups, w2.dtype, None if wgrad_into is None else wgrad_into[1])
     del a
-    if wgrad_into is None:
-        dw1 = grouped_mm_tn(dh, x, groups, out_dtype=w1.dtype)
-    else:
-        accumulate_grouped_wgrad(dh, x, groups, wgrad_into[0])
+    dw1 = _wgrad(dh, x, groups, w1.dtype, None if wgrad_into is None else wgrad_into[0])
     dx = grouped_mm_nn(dh, w1, groups) if need_dx else None
     return dx, dw1, dw2, dprobs
 
@@ -210,14 +203,21 @@ def _parts_wgrad(
     into: torch.Tensor | None,
 ) -> list[torch.Tensor | None]:
     """Weight gradient of every stack; the first one's added into ``into`` when given."""
-    grads: list[torch.Tensor | None] = []
-    for i, (w, g, (lo, hi)) in enumerate(zip(weights, groups, spans)):
-        if i == 0 and into is not None:
-            accumulate_grouped_wgrad(a[lo:hi], b[lo:hi], g, into)
-            grads.append(None)
-        else:
-            grads.append(grouped_mm_tn(a[lo:hi], b[lo:hi], g, out_dtype=w.dtype))
-    return grads
+    return [
+        _wgrad(a[lo:hi], b[lo:hi], g, w.dtype, into if i == 0 else None)
+        for i, (w, g, (lo, hi)) in enumerate(zip(weights, groups, spans))
+    ]
+
+
+def _wgrad(
+    a: torch.Tensor, b: torch.Tensor, groups: GroupSizes, dtype: torch.dtype,
+    into: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Per-group ``a_g^T b_g`` in ``dtype``, or (``into`` given) added into ``into``: None."""
+    if into is None:
+        return grouped_mm_tn(a, b, groups, out_dtype=dtype)
+    accumulate_grouped_wgrad(a, b, groups, into)
+    return None
 
 
 def expert_forward_parts(
