@@ -311,7 +311,9 @@ def main() -> None:
                      with_stack=True) as prof:
             for _ in range(args.profiled):
                 step(True)
-        path = os.path.join(args.trace_dir or args.out, f"trace_{tag}_rank{rank}.json")
+        trace_dir = args.trace_dir or args.out
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, f"trace_{tag}_rank{rank}.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
