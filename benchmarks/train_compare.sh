@@ -16,8 +16,9 @@
 #   A_KEEP=0.5 B_KEEP=0.5 B_FLAGS=--no-lrmoe-record-stats NAME_A=stats NAME_B=nostats \
 #     bash benchmarks/train_compare.sh OUT
 #
-# Needs two visible GPUs (runs A and B concurrently on GPU 0 and 1), megatron-core 0.19.2
-# importable, this checkout on PYTHONPATH. Logs: OUT_DIR/train_keep1.0.log, _keep0.5.log (default names).
+# With two visible GPUs runs A and B go concurrently on GPU 0 and 1; with one they run one after
+# the other on GPU 0 (TIMEOUT_S then bounds each run). Needs megatron-core 0.19.2 importable and
+# this checkout on PYTHONPATH. Logs: OUT_DIR/train_keep1.0.log, _keep0.5.log (default names).
 set -u
 out="${1:?usage: train_compare.sh OUT_DIR}"
 mkdir -p "$out"
@@ -44,13 +45,22 @@ run() {  # run GPU PORT KEEP LOG [FLAGS...]
 }
 a_keep=${A_KEEP:-1.0}
 b_keep=${B_KEEP:-0.5}
-# shellcheck disable=SC2086  # the flags are meant to split
-run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" ${A_FLAGS:-} &
-a=$!
-# shellcheck disable=SC2086
-run 1 29612 "$b_keep" "$out/train_${NAME_B:-keep$b_keep}.log" ${B_FLAGS:-} &
-b=$!
-wait $a $b
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${gpus:-0}" -ge 2 ]; then
+  # shellcheck disable=SC2086  # the flags are meant to split
+  run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" ${A_FLAGS:-} &
+  a=$!
+  # shellcheck disable=SC2086
+  run 1 29612 "$b_keep" "$out/train_${NAME_B:-keep$b_keep}.log" ${B_FLAGS:-} &
+  b=$!
+  wait $a $b
+else
+  echo "one GPU visible: run A, then run B, on GPU 0"
+  # shellcheck disable=SC2086
+  run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" ${A_FLAGS:-}
+  # shellcheck disable=SC2086
+  run 0 29612 "$b_keep" "$out/train_${NAME_B:-keep$b_keep}.log" ${B_FLAGS:-}
+fi
 for f in "$out"/train_*.log; do
   echo "== $f"; grep -E "iteration +(1|50|100|150|200|250|300)/|validation loss at|moe layers:|exit" "$f" | tail -n 30
 done
