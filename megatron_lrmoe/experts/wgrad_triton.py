@@ -51,7 +51,6 @@ class WgradConfig:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 4
-    tma: bool = False  # load the operands through per-group TMA descriptors (sm90+)
 
 
 DEFAULT_CONFIG = WgradConfig()
@@ -110,64 +109,8 @@ def _wgrad_kernel(
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _wgrad_tma_kernel(
-    out_ptr,
-    a_ptr,
-    b_ptr,
-    offs_ptr,
-    M,
-    N,
-    stride_a,
-    stride_b,
-    ACCUMULATE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """:func:`_wgrad_kernel` with the operand tiles loaded by TMA.
-
-    Each program describes its group's rows as two ``[rows, M]`` / ``[rows, N]`` tensors; the
-    copy engine zero-fills past the group's last row, so the loop has no masks and the tiles go
-    straight to shared memory for the tensor cores.
-    """
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    pm = pid // tiles_n
-    pn = pid % tiles_n
-    end = tl.load(offs_ptr + g).to(tl.int64)
-    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
-    rows = (end - start).to(tl.int32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if rows > 0:
-        a_desc = tl.make_tensor_descriptor(
-            a_ptr + start * stride_a, shape=[rows, M], strides=[stride_a, 1],
-            block_shape=[BLOCK_K, BLOCK_M],
-        )
-        b_desc = tl.make_tensor_descriptor(
-            b_ptr + start * stride_b, shape=[rows, N], strides=[stride_b, 1],
-            block_shape=[BLOCK_K, BLOCK_N],
-        )
-        for k in range(0, rows, BLOCK_K):
-            a = a_desc.load([k, pm * BLOCK_M])  # [BLOCK_K, BLOCK_M]
-            b = b_desc.load([k, pn * BLOCK_N])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(tl.trans(a), b, acc)
-    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    dst = g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out_ptr + dst, mask=mask, other=0.0)
-    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Any:
-    """``(pointer kernel, TMA kernel, interpreted)``."""
     global tl
     if not triton_available():
         raise RuntimeError("megatron_lrmoe's grouped weight gradient needs an importable `triton`")
@@ -178,32 +121,7 @@ def _kernel() -> Any:
 
     tl = language
     kernel = triton.jit(_wgrad_kernel)
-    return kernel, triton.jit(_wgrad_tma_kernel), not isinstance(kernel, JITFunction)
-
-
-def _scratch(size: int, alignment: int, stream: Any) -> torch.Tensor:
-    """Global scratch for the descriptors the TMA kernel builds on the device."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """Give Triton an allocator for device-built descriptors unless the user has set one."""
-    import triton
-    from triton.runtime import _allocation
-
-    current = _allocation._allocator.get()
-    if isinstance(current, _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-
-
-def tma_eligible(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the TMA kernel can take these operands: a Hopper-or-newer GPU, 16-byte aligned
-    bases and row strides (every group's first row then is too)."""
-    if not (a.is_cuda and b.is_cuda) or torch.cuda.get_device_capability(a.device)[0] < 9:
-        return False
-    return all(
-        t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, b)
-    )
+    return kernel, not isinstance(kernel, JITFunction)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, num_groups: int, out: torch.Tensor) -> None:
@@ -255,19 +173,11 @@ def grouped_wgrad_triton(
     if groups == 0 or m == 0 or n == 0:
         return out
     grid = (_cdiv(m, config.block_m) * _cdiv(n, config.block_n), groups)
-    kernel, tma_kernel, interpreted = _kernel()
+    kernel, interpreted = _kernel()
     if not out.is_cuda and not interpreted:
         raise ValueError(
             "grouped wgrad: host tensors need TRITON_INTERPRET=1 set before triton is imported"
         )
-    if config.tma:
-        if out.is_cuda and not tma_eligible(a, b):
-            raise ValueError(
-                "grouped wgrad: the TMA kernel needs sm90+ and 16-byte aligned rows; "
-                "use a config with tma=False"
-            )
-        _ensure_allocator()
-        kernel = tma_kernel
     with _device_ctx(out):
         kernel[grid](
             out,
