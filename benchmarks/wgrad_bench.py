@@ -36,13 +36,6 @@ CONFIGS = [
     WgradConfig(128, 128, 32, 4, 4),
     WgradConfig(128, 256, 32, 8, 4),
     WgradConfig(64, 256, 64, 4, 4),
-    WgradConfig(128, 128, 32, 4, 4, prefetch=True),
-    WgradConfig(128, 128, 64, 4, 3, prefetch=True),
-    WgradConfig(128, 128, 32, 8, 4, prefetch=True),
-    WgradConfig(128, 128, 64, 8, 3, prefetch=True),
-    WgradConfig(128, 256, 64, 8, 3, prefetch=True),
-    WgradConfig(256, 128, 64, 8, 3, prefetch=True),
-    WgradConfig(64, 128, 64, 4, 4, prefetch=True),
 ]
 
 

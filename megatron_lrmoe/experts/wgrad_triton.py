@@ -51,7 +51,6 @@ class WgradConfig:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 4
-    prefetch: bool = False  # load the accumulator tile before the main loop (latency hidden)
 
 
 DEFAULT_CONFIG = WgradConfig()
@@ -68,7 +67,6 @@ def _wgrad_kernel(
     stride_b,
     ACCUMULATE: tl.constexpr,
     UPCAST: tl.constexpr,
-    PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -85,12 +83,6 @@ def _wgrad_kernel(
     rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
-    dst = g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if ACCUMULATE and PREFETCH:
-        # Issued before the main loop, consumed after it: the fp32 read of the accumulator
-        # overlaps the tile's GEMM instead of following it.
-        old = tl.load(out_ptr + dst, mask=mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(start, end, BLOCK_K):
         rows = k + rk
@@ -110,9 +102,9 @@ def _wgrad_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-    if ACCUMULATE and PREFETCH:
-        acc += old
-    elif ACCUMULATE:
+    dst = g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if ACCUMULATE:
         acc += tl.load(out_ptr + dst, mask=mask, other=0.0)
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -198,7 +190,6 @@ def grouped_wgrad_triton(
             b.stride(0),
             ACCUMULATE=accumulate,
             UPCAST=interpreted,
-            PREFETCH=config.prefetch,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
