@@ -327,25 +327,29 @@ class ExactMoEFunction(torch.autograd.Function):
         )
         out = gather_sum(call.to_sources(z), call.slot_send)
         ctx.call = call
-        ctx.save_for_backward(x, h, p_e, w1, w2)
+        ctx.params = (w1, w2)  # the parameter objects themselves (see _main_grad_targets)
+        # fc1's weight gradient reads x from the tokens when it can (nothing [S, H] kept).
+        ctx.x_from_tokens = _inputs_from_tokens(call)
+        ctx.save_for_backward(hidden if ctx.x_from_tokens else x, h, p_e, w1, w2)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         call: ExpertCall = ctx.call
         x, h, p_e, w1, w2 = ctx.saved_tensors
+        x_rows = call.token_of_send if ctx.x_from_tokens else None
         if call.sample_stream is not None:
             call.sample_stream()  # every backward advances the stream, exact or not
         g = grad_out.contiguous()
         dz = call.to_experts(g.index_select(0, call.token_of_send))
-        into = _main_grad_targets(call, w1, w2)
+        into = _main_grad_targets(call, *ctx.params)
         dx, dw1, dw2, dp_e = expert_backward_parts(
             dz, x, h, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec,
-            probs=p_e, need_dx=ctx.needs_input_grad[0], wgrad_into=into,
+            probs=p_e, need_dx=ctx.needs_input_grad[0], wgrad_into=into, x_rows=x_rows,
         )
         dw1, dw2 = call.fold_grads(dw1, dw2, into)
         if into is not None:
-            dw1, dw2 = _fused_weight_grads(w1, w2)
+            dw1, dw2 = _fused_weight_grads(*ctx.params)
         d_probs = call.to_pair_order(call.to_sources(dp_e).to(p_e.dtype))
         d_hidden = None
         if dx is not None:
@@ -451,6 +455,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
         z = call.to_sources(z)  # send order
         out = gather_sum(z, call.slot_send, scale=call.to_send_order(probs))
         ctx.call = call
+        ctx.params = (w1, w2)  # the parameter objects themselves (see _main_grad_targets)
         h = h if save else None
         # At EP 1 every received row is a local token: read it from ``hidden`` instead.
         x = x if save and call.ep_size > 1 else None
@@ -481,26 +486,30 @@ class TrimmedMoEFunction(torch.autograd.Function):
 
         key = call.sample_stream() if call.sample_stream is not None else ()
         kept = select_kept(call, g, hidden, probs, key, timer)
+        x_from_tokens = call.activation_mode == "save" and _inputs_from_tokens(call)
         if timer:
             timer.start("packing")
-        g_kept, x_kept = pack_kept(call, g, hidden, probs, kept)
+        g_kept, x_kept = pack_kept(call, g, hidden, probs, kept, pack_x=not x_from_tokens)
         if timer:
             timer.stop("packing")
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
-        x_k = _kept_inputs(ctx, kept, x_in)
+        if x_from_tokens:  # fc1's weight gradient reads the kept pairs' tokens in place
+            x_k, x_rows = hidden, call.perm.token_of_pair.index_select(0, kept.exchange_pairs)
+        else:
+            x_k, x_rows = _kept_inputs(ctx, kept, x_in), None
         # Save mode: the activation backward reads the kept rows of the saved h in place.
         h, h_rows = ctx.h, (kept.kept_positions if ctx.h is not None else None)
         ctx.h = ctx.x = None
         kept_groups = GroupSizes(kept.rows_per_instance)
-        into = _main_grad_targets(call, w1, w2)
+        into = _main_grad_targets(call, *ctx.params)
         dx_k, dw1, dw2, _ = expert_backward_parts(
             dz, x_k, h, call.weight_stacks(w1, w2), call.stack_counts(kept_groups), call.spec,
-            need_dx=ctx.needs_input_grad[0], h_rows=h_rows, wgrad_into=into,
+            need_dx=ctx.needs_input_grad[0], h_rows=h_rows, wgrad_into=into, x_rows=x_rows,
         )
         del h
         dw1, dw2 = call.fold_grads(dw1, dw2, into)
         if into is not None:
-            dw1, dw2 = _fused_weight_grads(w1, w2)
+            dw1, dw2 = _fused_weight_grads(*ctx.params)
         d_hidden = return_dx(call, kept, dx_k) if dx_k is not None else None
 
         # Non-finite scores must reach Megatron's NaN check, never hide in a selection: the
@@ -512,6 +521,17 @@ class TrimmedMoEFunction(torch.autograd.Function):
         return d_hidden, d_probs, None, dw1, dw2
 
 
+def _inputs_from_tokens(call: ExpertCall) -> bool:
+    """Whether fc1's weight gradient can read its input rows from the layer's tokens by index.
+
+    At EP 1 every expert-side row is a local token, and the fused accumulation into
+    ``main_grad`` reads rows through an index (``accumulate_grouped_wgrad``): then the exact
+    path keeps no ``[S, H]`` copy for backward and the trimmed path packs no ``[K, H]`` one. If
+    the backward finds no ``main_grad`` after all, the rows are gathered there.
+    """
+    return call.ep_size == 1 and call.fuse_grad_accumulation
+
+
 def _main_grad_targets(
     call: ExpertCall, w1: torch.Tensor, w2: torch.Tensor
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -519,7 +539,10 @@ def _main_grad_targets(
     gradients into them in its GEMMs (``LRMoEConfig.grad_accumulation_fusion``), else ``None``.
 
     Replica gradients are then folded into them (``ExpertCall.fold_grads``). Weights without a
-    ``main_grad`` of their own shape, and fp64 ones, return gradients as usual.
+    ``main_grad`` of their own shape, and fp64 ones, return gradients as usual. ``w1``, ``w2``
+    must be the parameter objects the forward got (``ctx.params``), not ``ctx.saved_tensors``:
+    under saved-tensor hooks (activation offloading, non-reentrant checkpointing) those come
+    back as new tensor objects without DDP's ``main_grad`` attribute.
     """
     if not call.fuse_grad_accumulation:
         return None
@@ -763,14 +786,16 @@ def pack_kept(
     hidden: torch.Tensor,
     probs: torch.Tensor,
     kept: KeptPlan,
+    pack_x: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Stage 2: the kept pairs' gradient rows ``p * w * g_t`` (and their fc1 input rows ``x_t``
     when the expert side does not hold them: at EP 1, where the expert side is this rank, and in
-    ``recompute`` mode), packed densely in exchange order, (receiver rank, expert)-major (with
+    ``recompute`` mode; not with ``pack_x=False``, where fc1's weight gradient reads them from
+    the tokens), packed densely in exchange order, (receiver rank, expert)-major (with
     replicas: (receiver rank, instance)-major, ``KeptPlan.send_pairs``). One fused kernel
     (:func:`pack_pairs`); nothing ``[S, H]``. The poison rides in the rows' scale.
     """
-    need_x = call.plan.ep_size == 1 or call.activation_mode == "recompute"
+    need_x = pack_x and (call.plan.ep_size == 1 or call.activation_mode == "recompute")
     return pack_pairs(
         g,
         call.perm.token_of_pair,

@@ -240,3 +240,21 @@ def test_sample_is_unbiased_and_topk_is_not(scope: str) -> None:
             assert worst <= 1.0, f"{name}: mean deviates by {worst:.2f}x the 5-sigma bound"
         topk_err = (d["w1_topk"] - d["w1_full"]).abs()
         assert float((topk_err / (5 * d["w1_sample_std"] / n**0.5 + 1e-7)).max()) > 1.0
+
+
+def test_ep1_fused_accumulation_reads_fc1_inputs_from_the_tokens() -> None:
+    """EP 1, ``grad_accumulation_fusion="on"``: the same outputs and gradients as unfused, and
+    in ``save`` mode the forward keeps no pair-sized copy of the input rows. The runs record
+    what autograd saves through saved-tensor hooks, under which the fused accumulation must
+    still find the parameters' ``main_grad``."""
+    for res in run_distributed(w.ep1_tokens_as_fc1_input, 1, timeout=240)[0]:
+        case = res["case"]
+        assert res["bitwise_off_vs_on"], case
+        assert res["bitwise_off_vs_no_main_grad"], case
+        assert all(res["main_grad_close"]) and len(res["main_grad_close"]) == 2, (case, res)
+        assert res["fused_grads_none"], case
+        saved = res["pair_rows_saved"]
+        if not case:  # keep 1.0: the unfused forward keeps x [S, H]; the fused one does not
+            assert saved["off"] >= 1 and saved["on"] == saved["off"] - 1, saved
+        else:  # keep < 1 keeps z [S, H] either way (the exact router gradient); x never at EP 1
+            assert saved["on"] == saved["off"] == 1, (case, saved)
