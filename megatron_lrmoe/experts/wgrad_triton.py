@@ -89,6 +89,8 @@ def _wgrad_kernel(
     mask_m = rm < M
     mask_n = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if B_INDEXED:  # the first block's table rows; each step then loads the next block's
+        idx = tl.load(b_index_ptr + start + rk, mask=start + rk < end, other=0)
     for k in range(start, end, BLOCK_K):
         rows = k + rk
         mask_k = rows < end
@@ -99,7 +101,10 @@ def _wgrad_kernel(
             other=0.0,
         )
         if B_INDEXED:  # row r of the product is row b_index[r] of the table b
-            b_rows = tl.load(b_index_ptr + rows, mask=mask_k, other=0).to(tl.int64)
+            b_rows = idx.to(tl.int64)
+            # Loaded a step ahead, so this step's tile addresses never wait on an index load.
+            ahead = rows + BLOCK_K
+            idx = tl.load(b_index_ptr + ahead, mask=ahead < end, other=0)
         else:
             b_rows = rows
         b = tl.load(
