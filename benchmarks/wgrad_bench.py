@@ -95,27 +95,6 @@ def main() -> None:
             best = min((v, k) for k, v in row["fused"].items() if isinstance(v, float))
             row["fused_best_ms"], row["fused_best"] = best
             row["fused_best_tflops"] = flops / best[0] / 1e9
-            if name == "fc1":
-                # b read in place from the tokens (EP 1: x rows by token index): each expert's
-                # rows are distinct tokens in ascending order, as routing gives them.
-                tokens = max(1, total // 8)
-                table = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
-                index = torch.cat([
-                    torch.randperm(tokens, device=dev)[: int(s)].sort().values
-                    if int(s) <= tokens else torch.randint(0, tokens, (int(s),), device=dev)
-                    for s in sizes
-                ])
-                gathered = table.index_select(0, index)
-                row["fused_default_ms"] = cuda_median_ms(
-                    lambda: grouped_wgrad_triton(a, gathered, offs, main_grad),
-                    args.warmup, args.iters,
-                )
-                row["fused_indexed_ms"] = cuda_median_ms(
-                    lambda: grouped_wgrad_triton(a, table, offs, main_grad, b_index=index),
-                    args.warmup, args.iters,
-                )
-                print(f"  indexed b (default tile): {row['fused_indexed_ms']:.3f} ms vs dense "
-                      f"{row['fused_default_ms']:.3f}")
             row["gemm_tflops"] = flops / row["gemm_ms"] / 1e9
             results.append(row)
             print(f"{name} rows/expert {rows:5d}: gemm {row['gemm_ms']:.3f} ms "

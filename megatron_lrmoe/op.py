@@ -328,16 +328,13 @@ class ExactMoEFunction(torch.autograd.Function):
         out = gather_sum(call.to_sources(z), call.slot_send)
         ctx.call = call
         ctx.params = (w1, w2)  # the parameter objects themselves (see _main_grad_targets)
-        # fc1's weight gradient reads x from the tokens when it can (nothing [S, H] kept).
-        ctx.x_from_tokens = _inputs_from_tokens(call)
-        ctx.save_for_backward(hidden if ctx.x_from_tokens else x, h, p_e, w1, w2)
+        ctx.save_for_backward(x, h, p_e, w1, w2)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         call: ExpertCall = ctx.call
         x, h, p_e, w1, w2 = ctx.saved_tensors
-        x_rows = call.token_of_send if ctx.x_from_tokens else None
         if call.sample_stream is not None:
             call.sample_stream()  # every backward advances the stream, exact or not
         g = grad_out.contiguous()
@@ -345,7 +342,7 @@ class ExactMoEFunction(torch.autograd.Function):
         into = _main_grad_targets(call, *ctx.params)
         dx, dw1, dw2, dp_e = expert_backward_parts(
             dz, x, h, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec,
-            probs=p_e, need_dx=ctx.needs_input_grad[0], wgrad_into=into, x_rows=x_rows,
+            probs=p_e, need_dx=ctx.needs_input_grad[0], wgrad_into=into,
         )
         dw1, dw2 = call.fold_grads(dw1, dw2, into)
         if into is not None:
@@ -486,17 +483,13 @@ class TrimmedMoEFunction(torch.autograd.Function):
 
         key = call.sample_stream() if call.sample_stream is not None else ()
         kept = select_kept(call, g, hidden, probs, key, timer)
-        x_from_tokens = call.activation_mode == "save" and _inputs_from_tokens(call)
         if timer:
             timer.start("packing")
-        g_kept, x_kept = pack_kept(call, g, hidden, probs, kept, pack_x=not x_from_tokens)
+        g_kept, x_kept = pack_kept(call, g, hidden, probs, kept)
         if timer:
             timer.stop("packing")
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
-        if x_from_tokens:  # fc1's weight gradient reads the kept pairs' tokens in place
-            x_k, x_rows = hidden, call.perm.token_of_pair.index_select(0, kept.exchange_pairs)
-        else:
-            x_k, x_rows = _kept_inputs(ctx, kept, x_in), None
+        x_k = _kept_inputs(ctx, kept, x_in)
         # Save mode: the activation backward reads the kept rows of the saved h in place.
         h, h_rows = ctx.h, (kept.kept_positions if ctx.h is not None else None)
         ctx.h = ctx.x = None
@@ -504,7 +497,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
         into = _main_grad_targets(call, *ctx.params)
         dx_k, dw1, dw2, _ = expert_backward_parts(
             dz, x_k, h, call.weight_stacks(w1, w2), call.stack_counts(kept_groups), call.spec,
-            need_dx=ctx.needs_input_grad[0], h_rows=h_rows, wgrad_into=into, x_rows=x_rows,
+            need_dx=ctx.needs_input_grad[0], h_rows=h_rows, wgrad_into=into,
         )
         del h
         dw1, dw2 = call.fold_grads(dw1, dw2, into)
@@ -519,17 +512,6 @@ class TrimmedMoEFunction(torch.autograd.Function):
         if stats is not None:
             _record_trimmed(call, g, kept, timer)
         return d_hidden, d_probs, None, dw1, dw2
-
-
-def _inputs_from_tokens(call: ExpertCall) -> bool:
-    """Whether fc1's weight gradient can read its input rows from the layer's tokens by index.
-
-    At EP 1 every expert-side row is a local token, and the fused accumulation into
-    ``main_grad`` reads rows through an index (``accumulate_grouped_wgrad``): then the exact
-    path keeps no ``[S, H]`` copy for backward and the trimmed path packs no ``[K, H]`` one. If
-    the backward finds no ``main_grad`` after all, the rows are gathered there.
-    """
-    return call.ep_size == 1 and call.fuse_grad_accumulation
 
 
 def _main_grad_targets(
@@ -786,16 +768,14 @@ def pack_kept(
     hidden: torch.Tensor,
     probs: torch.Tensor,
     kept: KeptPlan,
-    pack_x: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Stage 2: the kept pairs' gradient rows ``p * w * g_t`` (and their fc1 input rows ``x_t``
     when the expert side does not hold them: at EP 1, where the expert side is this rank, and in
-    ``recompute`` mode; not with ``pack_x=False``, where fc1's weight gradient reads them from
-    the tokens), packed densely in exchange order, (receiver rank, expert)-major (with
+    ``recompute`` mode), packed densely in exchange order, (receiver rank, expert)-major (with
     replicas: (receiver rank, instance)-major, ``KeptPlan.send_pairs``). One fused kernel
     (:func:`pack_pairs`); nothing ``[S, H]``. The poison rides in the rows' scale.
     """
-    need_x = pack_x and (call.plan.ep_size == 1 or call.activation_mode == "recompute")
+    need_x = call.plan.ep_size == 1 or call.activation_mode == "recompute"
     return pack_pairs(
         g,
         call.perm.token_of_pair,

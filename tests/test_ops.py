@@ -411,49 +411,6 @@ def test_expert_mlp_matches_autograd_reference(
         assert dp is None
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["gemm", "into_main_grad"])
-@pytest.mark.parametrize("stacks", [1, 2])
-def test_expert_backward_reads_input_rows_from_a_table(fused: bool, stacks: int) -> None:
-    """``x_rows``: the rows at hand are rows of a larger input table (the layer's tokens). Same
-    gradients as the gathered rows, bit for bit, whether fc1's weight gradient reads them in
-    place (``wgrad_into``) or a GEMM needs them gathered; fc1 recomputed gathers too."""
-    from megatron_lrmoe.experts.mlp import expert_backward_parts
-
-    spec = GluSpec(gated=True, kind="silu")
-    counts = [3, 0, 5, 2]
-    x, w1, w2, probs = _mlp_tensors(counts, 16, 8, spec)
-    table = torch.randn(2 * x.shape[0], 16)
-    rows = torch.randperm(table.shape[0])[: x.shape[0]]
-    table[rows] = x
-    split = [counts[:2], counts[2:]] if stacks == 2 else [counts]
-    weights = [(w1[:2], w2[:2]), (w1[2:], w2[2:])] if stacks == 2 else [(w1, w2)]
-    z, h = expert_forward(x, w1, w2, counts, spec, probs=probs)
-    dz = torch.randn_like(z)
-
-    base = (torch.randn_like(weights[0][0]), torch.randn_like(weights[0][1]))
-
-    def run(x_in, x_rows, saved_h):
-        into = tuple(t.clone() for t in base) if fused else None
-        out = expert_backward_parts(
-            dz, x_in, saved_h, weights, split, spec, probs=probs, wgrad_into=into,
-            x_rows=x_rows,
-        )
-        return out, into
-
-    for saved_h in (h, None):
-        (dx, dw1, dw2, dp), acc = run(x, None, saved_h)
-        (dx_t, dw1_t, dw2_t, dp_t), acc_t = run(table, rows, saved_h)
-        assert torch.equal(dx, dx_t) and torch.equal(dp, dp_t)
-        for got, want in zip(dw1_t + dw2_t, dw1 + dw2):
-            assert (got is None and want is None) or torch.equal(got, want)
-        if fused:
-            assert all(torch.equal(a, b) for a, b in zip(acc_t, acc))
-            assert not torch.equal(acc[0], base[0])  # something was added
-            assert dw1[0] is None and dw1_t[0] is None
-    with pytest.raises(ValueError, match="x_rows"):
-        expert_backward_parts(dz, table, h, weights, split, spec, x_rows=rows[:-1])
-
-
 def test_expert_mlp_zero_rows_and_options() -> None:
     spec = GluSpec(gated=True, kind="silu")
     x, w1, w2, _ = _mlp_tensors([0, 0, 0], 16, 8, spec)

@@ -122,7 +122,6 @@ def expert_backward(
     need_dx: bool = True,
     h_rows: torch.Tensor | None = None,
     wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
-    x_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`expert_forward` given the gradient of ``z``.
 
@@ -146,10 +145,6 @@ def expert_backward(
         wgrad_into: Optional ``(acc1 [G, F1, H], acc2 [G, H, F])`` accumulators (the weights'
             ``main_grad``): the weight gradients are added into them in fp32, in the GEMMs
             (:func:`accumulate_grouped_wgrad`), and ``dw1``, ``dw2`` come back ``None``.
-        x_rows: Optional ``[N]`` int64: ``x`` is a larger ``[T, H]`` table (the layer's input
-            tokens) and row ``i`` of the rows at hand is its row ``x_rows[i]``. With
-            ``wgrad_into`` fc1's weight gradient reads them in place; otherwise they are
-            gathered once.
 
     Returns:
         ``(dx [N, H] or None, dw1 [G, F1, H], dw2 [G, H, F], dprobs [N] fp32 or None)``;
@@ -157,7 +152,8 @@ def expert_backward(
         ``wgrad_into``).
     """
     _check_shapes(x, w1, w2, spec, "expert_backward")
-    x, x_rows = _input_rows(dz, x, x_rows, h is None or wgrad_into is None, "expert_backward")
+    if dz.shape != x.shape:
+        raise ValueError(f"expert_backward: dz {tuple(dz.shape)} != x {tuple(x.shape)}")
     groups = GroupSizes(counts)
     if h is None:
         if h_rows is not None:
@@ -168,29 +164,9 @@ def expert_backward(
     del da
     dw2 = _wgrad(dz, a, groups, w2.dtype, None if wgrad_into is None else wgrad_into[1])
     del a
-    dw1 = _wgrad(
-        dh, x, groups, w1.dtype, None if wgrad_into is None else wgrad_into[0], x_rows
-    )
+    dw1 = _wgrad(dh, x, groups, w1.dtype, None if wgrad_into is None else wgrad_into[0])
     dx = grouped_mm_nn(dh, w1, groups) if need_dx else None
     return dx, dw1, dw2, dprobs
-
-
-def _input_rows(
-    dz: torch.Tensor, x: torch.Tensor, x_rows: torch.Tensor | None, gather: bool, what: str
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(x, x_rows)`` for the backward: checked, and gathered (``x_rows`` dropped) when a
-    consumer needs the rows dense (fc1 recomputed, or a weight gradient without the fused
-    accumulation)."""
-    if x_rows is None:
-        if dz.shape != x.shape:
-            raise ValueError(f"{what}: dz {tuple(dz.shape)} != x {tuple(x.shape)}")
-        return x, None
-    if x_rows.dim() != 1 or x_rows.shape[0] != dz.shape[0] or x.shape[1:] != dz.shape[1:]:
-        raise ValueError(
-            f"{what}: x_rows {tuple(x_rows.shape)} and table x {tuple(x.shape)} do not give "
-            f"dz's rows {tuple(dz.shape)}"
-        )
-    return (x.index_select(0, x_rows), None) if gather else (x, x_rows)
 
 
 Weights = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -225,36 +201,22 @@ def _parts_wgrad(
     groups: list[GroupSizes],
     spans: list[tuple[int, int]],
     into: torch.Tensor | None,
-    b_rows: torch.Tensor | None = None,
 ) -> list[torch.Tensor | None]:
-    """Weight gradient of every stack; the first one's added into ``into`` when given.
-
-    With ``b_rows`` (only for the first stack, the one with ``into``), ``b`` is a table.
-    """
-    out = []
-    for i, (w, g, (lo, hi)) in enumerate(zip(weights, groups, spans)):
-        rows = None if b_rows is None else b_rows[lo:hi]
-        b_part = b if rows is not None else b[lo:hi]
-        if rows is not None and i > 0:  # no accumulator here: the GEMM needs dense rows
-            b_part, rows = b.index_select(0, rows), None
-        out.append(_wgrad(a[lo:hi], b_part, g, w.dtype, into if i == 0 else None, rows))
-    return out
+    """Weight gradient of every stack; the first one's added into ``into`` when given."""
+    return [
+        _wgrad(a[lo:hi], b[lo:hi], g, w.dtype, into if i == 0 else None)
+        for i, (w, g, (lo, hi)) in enumerate(zip(weights, groups, spans))
+    ]
 
 
 def _wgrad(
     a: torch.Tensor, b: torch.Tensor, groups: GroupSizes, dtype: torch.dtype,
-    into: torch.Tensor | None, b_rows: torch.Tensor | None = None,
+    into: torch.Tensor | None,
 ) -> torch.Tensor | None:
-    """Per-group ``a_g^T b_g`` in ``dtype``, or (``into`` given) added into ``into``: None.
-
-    ``b_rows``: ``b`` is a table and row ``r`` of the product is ``b[b_rows[r]]`` (read in
-    place by the accumulating kernel, gathered for the plain GEMM).
-    """
+    """Per-group ``a_g^T b_g`` in ``dtype``, or (``into`` given) added into ``into``: None."""
     if into is None:
-        if b_rows is not None:
-            b = b.index_select(0, b_rows)
         return grouped_mm_tn(a, b, groups, out_dtype=dtype)
-    accumulate_grouped_wgrad(a, b, groups, into, b_index=b_rows)
+    accumulate_grouped_wgrad(a, b, groups, into)
     return None
 
 
@@ -301,13 +263,12 @@ def expert_backward_parts(
     need_dx: bool = True,
     h_rows: torch.Tensor | None = None,
     wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
-    x_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
     """:func:`expert_backward` over rows whose groups use several weight stacks.
 
-    ``h_rows``, ``wgrad_into`` and ``x_rows`` as in :func:`expert_backward` (rows of a larger
-    saved ``h``; accumulators of the first stack's weight gradients, the parameters' own, which
-    then come back as ``None`` in the lists; rows of an input table).
+    ``h_rows`` and ``wgrad_into`` as in :func:`expert_backward` (rows of a larger saved ``h``;
+    accumulators of the first stack's weight gradients, the parameters' own, which then come
+    back as ``None`` in the lists).
 
     Returns:
         ``(dx [N, H] or None, [dw1 per stack], [dw2 per stack], dprobs [N] or None)``; one
@@ -316,16 +277,15 @@ def expert_backward_parts(
     if len(weights) == 1:
         dx, dw1, dw2, dprobs = expert_backward(
             dz, x, h, weights[0][0], weights[0][1], counts[0], spec, probs, need_dx, h_rows,
-            wgrad_into, x_rows,
+            wgrad_into,
         )
         return dx, [dw1], [dw2], dprobs
     for w1, w2 in weights:
         _check_shapes(x, w1, w2, spec, "expert_backward_parts")
-    x, x_rows = _input_rows(
-        dz, x, x_rows, h is None or wgrad_into is None, "expert_backward_parts"
-    )
+    if dz.shape != x.shape:
+        raise ValueError(f"expert_backward_parts: dz {tuple(dz.shape)} != x {tuple(x.shape)}")
     groups = [GroupSizes(c) for c in counts]
-    spans = _part_rows(groups, dz.shape[0], "expert_backward_parts")
+    spans = _part_rows(groups, x.shape[0], "expert_backward_parts")
     w1s, w2s = [w[0] for w in weights], [w[1] for w in weights]
     if h is None:
         if h_rows is not None:
@@ -336,8 +296,6 @@ def expert_backward_parts(
     del da
     dw2 = _parts_wgrad(dz, a, w2s, groups, spans, None if wgrad_into is None else wgrad_into[1])
     del a
-    dw1 = _parts_wgrad(
-        dh, x, w1s, groups, spans, None if wgrad_into is None else wgrad_into[0], x_rows
-    )
+    dw1 = _parts_wgrad(dh, x, w1s, groups, spans, None if wgrad_into is None else wgrad_into[0])
     dx = _parts_mm(grouped_mm_nn, dh, w1s, groups, spans, x.shape[1]) if need_dx else None
     return dx, dw1, dw2, dprobs

@@ -14,10 +14,7 @@ Shape legend: R rows (pairs) grouped by expert, ``offs[g]`` the end row of group
 
 One program computes one ``[BLOCK_M, BLOCK_N]`` tile of one group, looping over the group's
 rows in ``BLOCK_K`` steps; empty groups leave ``out[g]`` as it was (``accumulate``) or zero it.
-With ``b_index`` the rows of ``b`` are read in place from a larger table (row ``r`` of the
-product is ``b[b_index[r]]``): fc1's weight gradient then reads the layer's input tokens
-instead of a gathered ``[R, H]`` copy. :func:`grouped_wgrad_reference` is the slow twin (one
-fp32 matmul per group).
+:func:`grouped_wgrad_reference` is the slow twin (one fp32 matmul per group).
 """
 
 from __future__ import annotations
@@ -63,14 +60,12 @@ def _wgrad_kernel(
     out_ptr,
     a_ptr,
     b_ptr,
-    b_index_ptr,
     offs_ptr,
     M,
     N,
     stride_a,
     stride_b,
     ACCUMULATE: tl.constexpr,
-    B_INDEXED: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -89,8 +84,6 @@ def _wgrad_kernel(
     mask_m = rm < M
     mask_n = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if B_INDEXED:  # the first block's table rows; each step then loads the next block's
-        idx = tl.load(b_index_ptr + start + rk, mask=start + rk < end, other=0)
     for k in range(start, end, BLOCK_K):
         rows = k + rk
         mask_k = rows < end
@@ -100,15 +93,8 @@ def _wgrad_kernel(
             mask=mask_k[None, :] & mask_m[:, None],
             other=0.0,
         )
-        if B_INDEXED:  # row r of the product is row b_index[r] of the table b
-            b_rows = idx.to(tl.int64)
-            # Loaded a step ahead, so this step's tile addresses never wait on an index load.
-            ahead = rows + BLOCK_K
-            idx = tl.load(b_index_ptr + ahead, mask=ahead < end, other=0)
-        else:
-            b_rows = rows
         b = tl.load(
-            b_ptr + b_rows[:, None] * stride_b + rn[None, :],
+            b_ptr + rows[:, None] * stride_b + rn[None, :],
             mask=mask_k[:, None] & mask_n[None, :],
             other=0.0,
         )
@@ -138,25 +124,8 @@ def _kernel() -> Any:
     return kernel, not isinstance(kernel, JITFunction)
 
 
-def _check(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    num_groups: int,
-    out: torch.Tensor,
-    b_index: torch.Tensor | None = None,
-) -> None:
-    if b_index is not None:
-        if b_index.dim() != 1 or b_index.shape[0] != a.shape[0]:
-            raise ValueError(
-                f"grouped wgrad: b_index {tuple(b_index.shape)} must be [R] for a {tuple(a.shape)}"
-            )
-        if b_index.dtype not in (torch.int32, torch.int64) or b_index.device != b.device:
-            raise ValueError(
-                f"grouped wgrad: b_index must be int32/int64 on {b.device}, got "
-                f"{b_index.dtype} on {b_index.device}"
-            )
-    rows_b = a.shape[0] if b_index is None else b.shape[0]
-    if a.dim() != 2 or b.dim() != 2 or b.shape[0] != rows_b:
+def _check(a: torch.Tensor, b: torch.Tensor, num_groups: int, out: torch.Tensor) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
         raise ValueError(f"grouped wgrad: a {tuple(a.shape)} and b {tuple(b.shape)} need [R, *]")
     if out.dim() != 3 or out.shape[1:] != (a.shape[1], b.shape[1]):
         raise ValueError(
@@ -176,28 +145,24 @@ def grouped_wgrad_triton(
     *,
     accumulate: bool = True,
     config: WgradConfig = DEFAULT_CONFIG,
-    b_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[g] (+)= a_g^T @ b_g`` with fp32 accumulation, one launch, no host sync.
 
     Args:
         a: ``[R, M]`` rows grouped by ``offs`` (unit column stride).
-        b: ``[R, N]`` rows grouped the same way, ``a``'s dtype; with ``b_index`` any ``[T, N]``
-            table whose row ``b_index[r]`` is row ``r`` of the product.
+        b: ``[R, N]`` rows grouped the same way, ``a``'s dtype.
         offs: ``[G]`` int32/int64 on ``a``'s device: end row of each group (non-decreasing,
             ``offs[-1] == R``; not checked, that would need a sync).
         out: ``[G, M, N]`` contiguous (e.g. a parameter's fp32 ``main_grad``), written in place.
         accumulate: Add to ``out`` (else overwrite it).
         config: Tile shape.
-        b_index: Optional ``[R]`` int32/int64 row of ``b`` for each row of ``a`` (not
-            bounds-checked: that would need a sync).
 
     Returns:
         ``out``.
     """
     if offs.dim() != 1:
         raise ValueError(f"grouped wgrad: offs must be [G], got {tuple(offs.shape)}")
-    _check(a, b, offs.numel(), out, b_index)
+    _check(a, b, offs.numel(), out)
     if not out.is_contiguous():
         raise ValueError("grouped wgrad: out must be contiguous")
     if a.stride(1) != 1:
@@ -213,21 +178,17 @@ def grouped_wgrad_triton(
         raise ValueError(
             "grouped wgrad: host tensors need TRITON_INTERPRET=1 set before triton is imported"
         )
-    if b_index is not None:
-        b_index = b_index.contiguous()
     with _device_ctx(out):
         kernel[grid](
             out,
             a,
             b,
-            b_index if b_index is not None else offs,  # any pointer when not indexed
             offs,
             m,
             n,
             a.stride(0),
             b.stride(0),
             ACCUMULATE=accumulate,
-            B_INDEXED=b_index is not None,
             UPCAST=interpreted,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
@@ -242,11 +203,7 @@ _TRITON_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def accumulate_grouped_wgrad(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    counts: Counts,
-    out: torch.Tensor,
-    b_index: torch.Tensor | None = None,
+    a: torch.Tensor, b: torch.Tensor, counts: Counts, out: torch.Tensor
 ) -> torch.Tensor:
     """``out[g] += a_g^T @ b_g`` for rows grouped by ``counts``, accumulated in fp32.
 
@@ -256,20 +213,18 @@ def accumulate_grouped_wgrad(
 
     Args:
         a: ``[R, M]`` rows grouped by expert (e.g. the fc1 output gradient).
-        b: ``[R, N]`` rows grouped the same way (e.g. the fc1 input), or with ``b_index`` a
-            table of them (e.g. the layer's input tokens).
+        b: ``[R, N]`` rows grouped the same way (e.g. the fc1 input).
         counts: Rows per group, ``G`` entries summing to ``R``.
         out: ``[G, M, N]`` contiguous accumulator, typically a parameter's ``main_grad``.
-        b_index: Optional ``[R]`` row of ``b`` for each row of ``a``.
 
     Returns:
         ``out``.
     """
     groups = counts if isinstance(counts, GroupSizes) else GroupSizes(counts)
-    _check(a, b, groups.num_groups, out, b_index)
+    _check(a, b, groups.num_groups, out)
     if use_triton(a, b, out) and a.dtype in _TRITON_DTYPES and out.is_contiguous():
-        return grouped_wgrad_triton(a, b, groups.offsets(a.device), out, b_index=b_index)
-    return grouped_wgrad_reference(a, b, groups.host_sizes(), out, b_index=b_index)
+        return grouped_wgrad_triton(a, b, groups.offsets(a.device), out)
+    return grouped_wgrad_reference(a, b, groups.host_sizes(), out)
 
 
 def grouped_wgrad_reference(
@@ -279,12 +234,8 @@ def grouped_wgrad_reference(
     out: torch.Tensor,
     *,
     accumulate: bool = True,
-    b_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The slow twin of :func:`grouped_wgrad_triton`: one fp32 matmul per group (``b``'s rows
-    gathered first when ``b_index`` is given)."""
-    if b_index is not None:
-        b = b.index_select(0, b_index)
+    """The slow twin of :func:`grouped_wgrad_triton`: one fp32 matmul per group."""
     start = 0
     for g, size in enumerate(sizes):
         part = a[start : start + size].float().t() @ b[start : start + size].float()
