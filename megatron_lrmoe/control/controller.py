@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control import native, placement
 from megatron_lrmoe.control.balance import (
     HolderGraph,
     caps_cut,
@@ -59,8 +60,10 @@ from megatron_lrmoe.control.balance import (
     min_max_lists,
 )
 from megatron_lrmoe.control.costs import CostModel
-from megatron_lrmoe.control.placement import place_replicas
+from megatron_lrmoe.control.placement import LinearSlots, place_replicas
 from megatron_lrmoe.control.quota import (
+    _ABS_TOL,
+    _REL_TOL,
     SourceSplit,
     largest_cap,
     quotas_np,
@@ -694,6 +697,9 @@ class _Call:
         self.cuts: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._caps: dict[tuple, Optional[np.ndarray]] = {}
         self._slot_room: Optional[np.ndarray] = None
+        # The compiled twins of the hot loops (native.py), or None: the Python paths.
+        self.lib = native.library()
+        self._holder_addresses: Optional[tuple[int, ...]] = None
 
     @cached_property
     def sent(self) -> np.ndarray:
@@ -713,29 +719,51 @@ class _Call:
         at all under tight budgets, leaving skewed loads at fixed ownership's forward peak
         (several times the balanced one) to keep a few per cent more pairs.
         """
+        rule = self.slot_rule()
+        return [rule] * self.num_sources if isinstance(rule, int) else rule(threshold)
+
+    def slot_rule(self) -> int | LinearSlots:
+        """:meth:`slots` as the placement takes them: ``max_replicas_per_rank`` on every rank
+        without a memory budget, else the budget's rule (a function of T that native code can
+        evaluate too)."""
         limit = self.lrmoe.max_replicas_per_rank
         if self.memory_budget is None or self.cost is None:
-            return [limit] * self.num_sources
+            return limit
         cost, mode = self.cost, self.mode
         if self._slot_room is None:  # what the source rows leave, the same for every T
             per_source = cost.source_saved_bytes(mode, keeps_all=self.lrmoe.is_exact)
             self._slot_room = self.memory_budget - per_source * self.sent
-        room = self._slot_room - cost.expert_saved_bytes(mode) * threshold
-        return np.minimum(np.maximum(room // cost.replica_bytes, 0), limit).tolist()
+        per_pair = cost.expert_saved_bytes(mode)
+        return LinearSlots(self._slot_room, per_pair, cost.replica_bytes, limit)
 
     def place(self) -> None:
-        """Replicas, the exact forward split over them, and pruning of idle replicas."""
+        """Replicas, the exact forward split over them, and pruning of idle replicas.
+
+        With the native library (native.py) the search, the holders and the forward matrices
+        come from one C call (:meth:`_place_native`), except where the placement's local search
+        or the exact forward split (Python only) follow the greedy.
+        """
+        search = self.lrmoe.max_replicas_per_rank > 0 and self.num_sources > 1
+        lib = self.lib
+        if (
+            lib is not None
+            and not self.exact_forward
+            and not (
+                search and self.num_sources * self.num_experts <= placement.IMPROVE_MAX_PAIRS
+            )
+            and self._place_native(lib, search)
+        ):
+            return
         w = self.w
         self.fixed_rank_load = self.per_owner(w)
         self.threshold = int(self.fixed_rank_load.max(initial=0))
         self.holders = _Holders.empty()
-        if self.lrmoe.max_replicas_per_rank > 0 and self.num_sources > 1:
+        if search:
             # Without a memory budget the slots do not depend on the threshold.
-            slots = self.slots if self.memory_budget is not None else self.slots(0)[0]
-            placement = place_replicas(w, self.num_sources, slots, PLACEMENT_TOLERANCE)
-            self.threshold = placement.threshold
-            if placement.moves:
-                self.holders = _Holders.of_moves(placement.moves, w, self.local)
+            chosen = place_replicas(w, self.num_sources, self.slot_rule(), PLACEMENT_TOLERANCE)
+            self.threshold = chosen.threshold
+            if chosen.moves:
+                self.holders = _Holders.of_moves(chosen.moves, w, self.local)
                 if self.exact_forward:
                     self.holders = self._exact_split(self.holders)
         # [E, P] matrices filled through flat indices (e * P + g): one 1-D write each.
@@ -761,6 +789,68 @@ class _Call:
             self.replicas_per_rank = np.zeros(self.num_sources, dtype=np.int64)
         self.forward_load = forward.reshape(self.num_experts, self.num_sources)
         self.holds = holds.reshape(self.num_experts, self.num_sources)
+
+    def _place_native(self, lib: Any, search: bool) -> bool:
+        """:meth:`place` (without local search or exact split) in one C call: the threshold
+        search, the holders of its moves (:meth:`_Holders.of_moves`) and the forward matrices,
+        the same arrays bit for bit. False (nothing done) for slots C does not evaluate."""
+        num_ranks, num_experts = self.num_sources, self.num_experts
+        rule = native.slot_rule(self.slot_rule(), num_ranks) if search else None
+        if search and rule is None:
+            return False
+        moves = native.max_moves(rule, num_ranks, num_experts) if search else 1
+        size, p, k = num_experts * num_ranks, num_ranks, 2 * moves
+        # One int64 block: info (threshold, K, M), forward / replicas / fixed [P] loads, holder
+        # columns expert / rank / forward / flat [2 * moves] each, bounds [moves + 1], forward
+        # load [E * P]; one bool block: holds [E * P], rigid [E]. Offsets in int64 words:
+        cols = 3 + 3 * p
+        bounds_at = cols + 4 * k
+        load_at = bounds_at + moves + 1
+        ints = np.empty(load_at + size, dtype=np.int64)
+        flags = np.empty(size + num_experts, dtype=bool)
+        at, at_flags = native.address(ints), native.address(flags)
+        room, per_pair, replica_bytes, limit, linear = rule or (None, 0, 1, 0, False)
+        holders_at = [at + 8 * (cols + c * k) for c in range(4)] + [at + 8 * bounds_at]
+        native.check(
+            lib.lrmoe_place_call(
+                num_ranks,
+                num_experts,
+                native.address(self.w),
+                int(search),
+                None if room is None else native.address(room),
+                per_pair,
+                replica_bytes,
+                limit,
+                int(linear),
+                PLACEMENT_TOLERANCE,
+                moves,
+                at,  # info
+                *holders_at,
+                at + 8 * load_at,
+                at_flags,  # holds
+                at_flags + size,  # rigid
+                at + 24,
+                at + 24 + 8 * p,
+                at + 24 + 16 * p,
+            )
+        )
+        self.threshold, count, items = ints[:3].tolist()
+        if items:
+            expert, rank, forward, flat = (
+                ints[cols + c * k : cols + c * k + count] for c in range(4)
+            )
+            self.holders = _Holders(expert, rank, forward, ints[bounds_at : bounds_at + items + 1])
+            self.holder_flat = flat
+            self._holder_addresses = (items, *holders_at)  # M, expert, rank, forward, flat, bounds
+        else:
+            self.holders = _Holders.empty()
+        self.forward_load = ints[load_at:].reshape(num_experts, num_ranks)
+        self.holds = flags[:size].reshape(num_experts, num_ranks)
+        self.rigid = flags[size:]
+        self.forward_rank_load = ints[3 : 3 + p]
+        self.replicas_per_rank = ints[3 + p : 3 + 2 * p]
+        self.fixed_rank_load = ints[3 + 2 * p : 3 + 3 * p]
+        return True
 
     def per_owner(self, values: np.ndarray) -> np.ndarray:
         """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
@@ -918,6 +1008,8 @@ class _Call:
         caps = self.rank_caps(quota) if with_caps else None
         if caps is not None and self._rules_out(quota, caps):
             return None
+        if self.lib is not None:
+            return self._backward_native(self.lib, quota, caps)
         load = np.zeros(self.num_experts * self.num_sources, dtype=np.int64)
         load[self.diagonal] = quota
         shape = (self.num_experts, self.num_sources)
@@ -933,6 +1025,48 @@ class _Call:
             load[self.holder_flat] = amounts
         plan = _Backward(quota, load.reshape(shape), np.array(rank_load, np.int64), None, None)
         return self._finish(plan)
+
+    def _holder_args(self) -> tuple[int, int, int, int, int, int]:
+        """The holder arrays as C arguments: ``(M, expert, rank, forward, flat, bounds)``."""
+        if self._holder_addresses is None:
+            holders = self.holders
+            if not len(holders):
+                # No entry is read; bounds[0] = 0 is.
+                self._holder_addresses = (0, 0, 0, 0, 0, native.address(holders.bounds))
+            else:
+                arrays = (holders.expert, holders.rank, holders.forward, self.holder_flat)
+                addresses = (native.address(a) for a in (*arrays, holders.bounds))
+                self._holder_addresses = (len(holders), *addresses)
+        return self._holder_addresses
+
+    def _backward_native(
+        self, lib: Any, quota: np.ndarray, caps: Optional[np.ndarray]
+    ) -> Optional[_Backward]:
+        """:meth:`backward`'s assignment in one C call (``lrmoe_backward``: :meth:`start`, the
+        holder graph's exact min-max, the ``[E, P]`` fill), the same plan bit for bit."""
+        num_experts, num_ranks = self.num_experts, self.num_sources
+        quota = np.ascontiguousarray(quota, dtype=np.int64)
+        out = np.empty(num_experts * num_ranks + num_ranks, dtype=np.int64)
+        at = native.address(out)
+        caps_array = None if caps is None else np.ascontiguousarray(caps, dtype=np.int64)
+        status = native.check(
+            lib.lrmoe_backward(
+                num_ranks,
+                num_experts,
+                native.address(quota),
+                native.address(self.w),
+                native.address(self.rigid),
+                *self._holder_args(),
+                int(self.mode == "save"),
+                None if caps_array is None else native.address(caps_array),
+                at,
+                at + 8 * num_experts * num_ranks,
+            )
+        )
+        if status == native.NONE:
+            return None
+        load = out[: num_experts * num_ranks].reshape(num_experts, num_ranks)
+        return self._finish(_Backward(quota, load, out[num_experts * num_ranks :], None, None))
 
     def min_max(
         self, quota: np.ndarray, caps: Optional[list[int]]
@@ -963,9 +1097,36 @@ class _Call:
 
     def caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
         """Ranks of a violated cut when ``caps`` admit no assignment of ``quota``, else None
-        (:meth:`start` on :attr:`graph`)."""
+        (:meth:`start` on :attr:`graph`; in C with the native library)."""
+        if self.lib is not None:
+            return self._caps_cut_native(self.lib, quota, caps)
         base, initial = self.start(quota)
         return self.graph.caps_cut(base, initial, caps)
+
+    def _caps_cut_native(self, lib: Any, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
+        """:meth:`caps_cut` in one C call (``lrmoe_start_caps_cut``)."""
+        quota = np.ascontiguousarray(quota, dtype=np.int64)
+        caps_array = np.array(caps, dtype=np.int64)
+        cut = np.empty(max(self.num_sources, 1), dtype=np.int64)
+        items, expert, rank, forward, _, bounds = self._holder_args()
+        count = lib.lrmoe_start_caps_cut(
+            self.num_sources,
+            self.num_experts,
+            native.address(quota),
+            native.address(self.w),
+            native.address(self.rigid),
+            items,
+            expert,
+            rank,
+            forward,
+            bounds,
+            int(self.mode == "save"),
+            native.address(caps_array),
+            native.address(cut),
+        )
+        if count < 0:
+            raise native.NativeError("out of memory in the planner's native code")
+        return cut[:count].tolist() if count else None
 
     def reference_caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
         """The slow, obvious :meth:`caps_cut`: :func:`caps_cut` on per-item lists."""
@@ -1334,7 +1495,9 @@ def _memory_plan(call: _Call, plan: _Backward) -> MemoryPlan:
     return MemoryPlan(*(torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in arrays))
 
 
-def _as_counts(counts: Any) -> np.ndarray:
+def _as_counts(counts: Any, signs: bool = True) -> np.ndarray:
+    """``counts`` as a C-contiguous host int64 ``[P, E]`` array, validated (the signs only
+    when ``signs``: the native pass over the counts checks them on its way)."""
     if isinstance(counts, torch.Tensor):
         if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
             raise ValueError(f"counts must be an integer tensor, got {counts.dtype}")
@@ -1347,9 +1510,26 @@ def _as_counts(counts: Any) -> np.ndarray:
         raise ValueError(
             f"counts has {n.shape[1]} experts, not divisible by its {n.shape[0]} ranks"
         )
-    if n.size and n.min() < 0:
+    if signs and n.size and n.min() < 0:
         raise ValueError("counts must be non-negative")
     return n
+
+
+def _totals(n: np.ndarray, keep_ratio: float, lib: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(W, Q0)``: pairs per expert and the uncapped quotas (:func:`quotas_np`), in one C pass
+    with the native library (which also checks the counts' signs, see :func:`_as_counts`)."""
+    if lib is None:
+        w = n.sum(0)
+        return w, quotas_np(w, keep_ratio)
+    out = np.empty((2, n.shape[1]), dtype=np.int64)
+    at = native.address(out)
+    num_sources, num_experts = n.shape
+    address = native.address(n)
+    if lib.lrmoe_counts(
+        num_sources, num_experts, address, keep_ratio, _ABS_TOL, _REL_TOL, at, at + 8 * num_experts
+    ):
+        raise ValueError("counts must be non-negative")
+    return out[0], out[1]
 
 
 def plan_call(
@@ -1384,15 +1564,15 @@ def plan_call(
             cost model.
     """
     start = time.perf_counter()
-    n = _as_counts(counts)
+    lib = native.library()
+    n = _as_counts(counts, signs=lib is None)
     num_sources = n.shape[0]
     if not 0 <= int(ep_rank) < num_sources:
         raise ValueError(f"ep_rank ({ep_rank}) must be in [0, {num_sources})")
     budgets = lrmoe.memory_budget_bytes is not None or lrmoe.exchange_budget_bytes is not None
     if budgets and cost is None:
         raise ValueError("LRMoE budgets need a CostModel (CostModel.from_config(config))")
-    w = n.sum(0)
-    q0 = quotas_np(w, float(lrmoe.keep_ratio))
+    w, q0 = _totals(n, float(lrmoe.keep_ratio), lib)
     # Modes in order of preference (auto: save, then recompute); the first that no budget trims
     # wins at once, else the one that keeps the most pairs (then the lower forward peak).
     best: Optional[tuple[tuple, _Call, _Backward, Optional[int], tuple, tuple]] = None
