@@ -23,7 +23,7 @@ import pytest
 from megatron_lrmoe import LRMoEConfig
 from megatron_lrmoe.control import controller, native, placement
 from megatron_lrmoe.control.balance import HolderGraph
-from megatron_lrmoe.control.controller import plan_call
+from megatron_lrmoe.control.controller import ControlPlan, plan_call
 from megatron_lrmoe.control.quota import quotas_np
 
 from test_control_balance import _graph_case
@@ -304,6 +304,17 @@ def test_plans_match_python(lib, monkeypatch: pytest.MonkeyPatch, seed: int) -> 
         seen["trimmed"] += got.trimmed_pairs > 0
         seen["unmet"] += bool(got.unmet_budgets)
     assert seen["replicas"] > 60 and seen["trimmed"] > 20 and seen["unmet"] > 3
+
+
+def test_plan_constructor_shortcut_matches_init() -> None:
+    """``ControlPlan.of`` (plan_call's constructor) makes the instance ``__init__`` makes."""
+    plan = plan_call(zipf_counts(8, 32, 1.0, 4096, 2), 0, LRMoEConfig(max_replicas_per_rank=2))
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(ControlPlan)}
+    assert set(plan.__dict__) == set(fields)  # every field given, nothing else stored
+    made = ControlPlan(**fields)
+    assert ControlPlan.of(**fields).__dict__ == made.__dict__
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.quota = None
 
 
 def test_negative_counts_rejected_on_both_paths(lib, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,9 +46,24 @@ static i64 ceil_div(i64 a, i64 b) { return -floor_div(-a, b); }
 static i64 max_i64(i64 a, i64 b) { return a > b ? a : b; }
 static i64 min_i64(i64 a, i64 b) { return a < b ? a : b; }
 
-static int cmp_i64(const void *a, const void *b) {
-    i64 x = *(const i64 *)a, y = *(const i64 *)b;
-    return (x > y) - (x < y);
+/* Ascending sort of n int64 keys in place: Shell sort with Ciura's gaps (then x 2.25). A few
+ * dozen keys per call, where qsort's indirect comparisons cost more than the sort itself. */
+static void sort_i64(i64 *a, i64 n) {
+    static const i64 ciura[] = {1, 4, 10, 23, 57, 132, 301, 701};
+    i64 gaps[64], count = 0;
+    for (int j = 0; j < 8 && ciura[j] < n; j++) gaps[count++] = ciura[j];
+    while (count && count < 64 && gaps[count - 1] * 9 / 4 < n) {
+        gaps[count] = gaps[count - 1] * 9 / 4;
+        count++;
+    }
+    while (count--) {
+        i64 gap = gaps[count];
+        for (i64 i = gap; i < n; i++) {
+            i64 key = a[i], j = i;
+            for (; j >= gap && a[j - gap] > key; j -= gap) a[j] = a[j - gap];
+            a[j] = key;
+        }
+    }
 }
 
 /* Lower bound: first index in sorted a[0..n) with a[i] >= key (bisect.bisect_left). */
@@ -91,8 +106,8 @@ static int rank_order_init(RankOrder *o, const i64 *rank_load, i64 num_ranks) {
         o->ascending_key[g] = rank_load[g] * ((i64)1 << bits) + g;
         o->descending_key[g] = -rank_load[g] * ((i64)1 << bits) + g;
     }
-    qsort(o->ascending_key, (size_t)num_ranks, sizeof(i64), cmp_i64);
-    qsort(o->descending_key, (size_t)num_ranks, sizeof(i64), cmp_i64);
+    sort_i64(o->ascending_key, num_ranks);
+    sort_i64(o->descending_key, num_ranks);
     for (i64 j = 0; j < num_ranks; j++)
         o->descending[j] = o->descending_key[j] & (((i64)1 << bits) - 1);
     return LRMOE_OK;
@@ -460,12 +475,15 @@ static i64 holders_of_moves(const i64 *moves, i64 count, const i64 *expert_load,
 /* _Call.place on the native path: the placement search (when search != 0), the holders of its
  * moves and the forward matrices, in one call.
  *
- * Outputs (caller-allocated): info[0..2] = (threshold, K, M); expert/rank/forward/flat [K]
+ * Outputs (caller-allocated): info[0..4] = (threshold, K, M, forward peak, fixed-ownership
+ * peak), the peaks being the maxima of forward_rank_load and fixed_rank_load (P >= 1);
+ * expert/rank/forward/flat [K]
  * (flat = expert * P + rank) and bounds [M + 1], with room for 2 * max_moves entries;
- * forward_load [E * P] and holds [E * P] (uint8, numpy bool) as _Call.place fills them; rigid
+ * forward_load [E * P] and holds [E * P] (uint8, numpy bool; both zeroed by the caller) as
+ * _Call.place fills them; rigid
  * [E] (uint8: experts with one holder); forward_rank_load, replicas_per_rank, fixed_rank_load
  * [P]. */
-int lrmoe_place_call(i64 num_ranks, i64 num_experts, const i64 *w, int search,
+static int place_call(i64 num_ranks, i64 num_experts, const i64 *w, int search,
                      const i64 *slot_room, i64 per_pair, i64 replica_bytes, i64 limit,
                      int linear, double tolerance, i64 max_moves, i64 *info, i64 *expert,
                      i64 *rank, i64 *forward, i64 *flat, i64 *bounds, i64 *forward_load,
@@ -500,8 +518,7 @@ int lrmoe_place_call(i64 num_ranks, i64 num_experts, const i64 *w, int search,
     } else {
         bounds[0] = 0;
     }
-    memset(forward_load, 0, sizeof(i64) * (size_t)(E * P));
-    memset(holds, 0, (size_t)(E * P));
+    /* forward_load and holds come zeroed (numpy's zeros: fresh pages cost nothing to clear). */
     for (i64 e = 0; e < E; e++) {
         forward_load[e * P + e / local] = w[e];
         holds[e * P + e / local] = 1;
@@ -522,6 +539,12 @@ int lrmoe_place_call(i64 num_ranks, i64 num_experts, const i64 *w, int search,
     info[0] = threshold;
     info[1] = K;
     info[2] = M;
+    info[3] = forward_rank_load[0];
+    info[4] = fixed_rank_load[0];
+    for (i64 g = 1; g < P; g++) {
+        info[3] = max_i64(info[3], forward_rank_load[g]);
+        info[4] = max_i64(info[4], fixed_rank_load[g]);
+    }
     return LRMOE_OK;
 }
 
@@ -615,7 +638,7 @@ static int level(const i64 *caps, const uint8_t *has, i64 n, i64 total, i64 *sor
     i64 nb = 0, sum = 0;
     for (i64 g = 0; g < n; g++)
         if (!has || has[g]) sorted[nb++] = caps[g], sum += caps[g];
-    qsort(sorted, (size_t)nb, sizeof(i64), cmp_i64);
+    sort_i64(sorted, nb);
     if (nb == n && sum < total) return LRMOE_NONE;
     i64 prefix = 0;
     /* T in (sorted[k-1], sorted[k]]: the k smallest caps are full, the rest hold T each. */
@@ -917,15 +940,16 @@ static void start_split(i64 P, i64 E, const i64 *quota, const i64 *w, const uint
 }
 
 /* _Call.backward's assignment: the start, the exact min-max (rank caps if caps != NULL) and the
- * [E, P] backward load (quota on the owner for rigid experts, the assignment on the holders);
- * rank_load receives the load per rank. With no item and no caps every kept pair stays on its
- * owner. Returns LRMOE_OK, LRMOE_NONE (caps admit no assignment) or an error. */
-int lrmoe_backward(i64 num_ranks, i64 num_experts, const i64 *quota, const i64 *w,
+ * [E, P] backward load (zeroed by the caller; quota on the owner for rigid experts, the
+ * assignment on the holders). rank_load [P + 2] receives the load per rank, then its maximum
+ * (the backward peak) and the largest per-owner quota sum (fixed ownership's backward peak).
+ * With no item and no caps every kept pair stays on its owner. Returns LRMOE_OK, LRMOE_NONE
+ * (caps admit no assignment) or an error. */
+static int backward(i64 num_ranks, i64 num_experts, const i64 *quota, const i64 *w,
                    const uint8_t *rigid, i64 num_items, const i64 *expert, const i64 *rank,
                    const i64 *forward, const i64 *flat, const i64 *bounds, int save,
                    const i64 *caps, i64 *backward_load, i64 *rank_load) {
     i64 P = num_ranks, E = num_experts, K = bounds[num_items], local = E / P;
-    memset(backward_load, 0, sizeof(i64) * (size_t)(E * P));
     for (i64 e = 0; e < E; e++) backward_load[e * P + e / local] = quota[e];
     i64 *base = malloc(sizeof(i64) * (size_t)(P + K + 1));
     if (!base) return LRMOE_NOMEM;
@@ -941,11 +965,21 @@ int lrmoe_backward(i64 num_ranks, i64 num_experts, const i64 *quota, const i64 *
             for (i64 k = 0; k < K; k++) backward_load[flat[k]] = x[k];
     }
     free(base);
-    return status;
+    if (status != LRMOE_OK) return status;
+    i64 peak = rank_load[0], owner_peak = 0;
+    for (i64 g = 0; g < P; g++) {
+        i64 sum = 0;
+        for (i64 m = 0; m < local; m++) sum += quota[g * local + m];
+        peak = max_i64(peak, rank_load[g]);
+        owner_peak = g ? max_i64(owner_peak, sum) : sum;
+    }
+    rank_load[P] = peak;
+    rank_load[P + 1] = owner_peak;
+    return LRMOE_OK;
 }
 
 /* _Call.caps_cut: the start, then HolderGraph.caps_cut. Returns the cut's size (0: none). */
-i64 lrmoe_start_caps_cut(i64 num_ranks, i64 num_experts, const i64 *quota, const i64 *w,
+static i64 start_caps_cut(i64 num_ranks, i64 num_experts, const i64 *quota, const i64 *w,
                          const uint8_t *rigid, i64 num_items, const i64 *expert,
                          const i64 *rank, const i64 *forward, const i64 *bounds, int save,
                          const i64 *caps, i64 *cut) {
@@ -977,13 +1011,21 @@ void lrmoe_start(i64 num_ranks, i64 num_experts, const i64 *quota, const i64 *w,
  * else min(max(ceil(W keep - (abs_tol + rel_tol W keep)), 0), W) in the same float64 steps as
  * numpy (the library is built with -ffp-contract=off: no fused multiply-add). Returns 1 when a
  * count is negative (plan_call's ValueError), else 0. */
-int lrmoe_counts(i64 num_ranks, i64 num_experts, const i64 *restrict n, double keep,
+static int counts(i64 num_ranks, i64 num_experts, const i64 *restrict n, double keep,
                  double abs_tol, double rel_tol, i64 *restrict w, i64 *restrict q0) {
     /* Row by row, so the loop vectorises (restrict: no aliasing); the sign bits are OR-ed:
      * some count is negative exactly when the OR of all of them is. */
-    i64 bits = 0;
+    i64 bits = 0, r = 0;
     for (i64 e = 0; e < num_experts; e++) w[e] = 0;
-    for (i64 r = 0; r < num_ranks; r++) {
+    for (; r + 4 <= num_ranks; r += 4) { /* four rows per pass over w */
+        const i64 *restrict a = n + r * num_experts, *restrict b = a + num_experts;
+        const i64 *restrict c = b + num_experts, *restrict d = c + num_experts;
+        for (i64 e = 0; e < num_experts; e++) {
+            w[e] += (a[e] + b[e]) + (c[e] + d[e]);
+            bits |= (a[e] | b[e]) | (c[e] | d[e]);
+        }
+    }
+    for (; r < num_ranks; r++) {
         const i64 *restrict row = n + r * num_experts;
         for (i64 e = 0; e < num_experts; e++) {
             w[e] += row[e];
@@ -1003,3 +1045,56 @@ int lrmoe_counts(i64 num_ranks, i64 num_experts, const i64 *restrict n, double k
     }
     return negative;
 }
+
+/* ========================================================================================== */
+/* Packed entry points                                                                         */
+/* ========================================================================================== */
+
+/* ctypes converts every declared argument on its own (about 0.4 us each on the development
+ * machine: 9 us for place_call's 23), so the per-call functions take one block of 8-byte fields
+ * packed by struct (native.py), in the order of the parameters above: integers and addresses
+ * as int64, the float parameters as double. memcpy: no alignment assumed. */
+static i64 field(const char *block, int i) {
+    i64 v;
+    memcpy(&v, block + 8 * i, sizeof v);
+    return v;
+}
+
+static double real(const char *block, int i) {
+    double v;
+    memcpy(&v, block + 8 * i, sizeof v);
+    return v;
+}
+
+#define F(i) field(block, i)
+#define PTR(type, i) ((type *)(intptr_t)field(block, i))
+
+int lrmoe_place_call(const char *block) {
+    return place_call(F(0), F(1), PTR(const i64, 2), (int)F(3), PTR(const i64, 4), F(5), F(6),
+                      F(7), (int)F(8), real(block, 9), F(10), PTR(i64, 11), PTR(i64, 12),
+                      PTR(i64, 13), PTR(i64, 14), PTR(i64, 15), PTR(i64, 16), PTR(i64, 17),
+                      PTR(uint8_t, 18), PTR(uint8_t, 19), PTR(i64, 20), PTR(i64, 21),
+                      PTR(i64, 22));
+}
+
+int lrmoe_backward(const char *block) {
+    return backward(F(0), F(1), PTR(const i64, 2), PTR(const i64, 3), PTR(const uint8_t, 4),
+                    F(5), PTR(const i64, 6), PTR(const i64, 7), PTR(const i64, 8),
+                    PTR(const i64, 9), PTR(const i64, 10), (int)F(11), PTR(const i64, 12),
+                    PTR(i64, 13), PTR(i64, 14));
+}
+
+i64 lrmoe_start_caps_cut(const char *block) {
+    return start_caps_cut(F(0), F(1), PTR(const i64, 2), PTR(const i64, 3),
+                          PTR(const uint8_t, 4), F(5), PTR(const i64, 6), PTR(const i64, 7),
+                          PTR(const i64, 8), PTR(const i64, 9), (int)F(10), PTR(const i64, 11),
+                          PTR(i64, 12));
+}
+
+int lrmoe_counts(const char *block) {
+    return counts(F(0), F(1), PTR(const i64, 2), real(block, 3), real(block, 4), real(block, 5),
+                  PTR(i64, 6), PTR(i64, 7));
+}
+
+#undef F
+#undef PTR

@@ -218,6 +218,15 @@ class ControlPlan:
     # Builds ``memory`` on first use (the per-rank byte arrays cost a dozen array ops).
     memory_builder: Optional[Callable[[], MemoryPlan]] = field(default=None, repr=False)
 
+    @classmethod
+    def of(cls, **fields: Any) -> "ControlPlan":
+        """``ControlPlan(**fields)`` with every field given, without the frozen dataclass's
+        per-field ``object.__setattr__`` (about 10 us of a plan here): ``__init__`` only stores
+        the fields, so the instance is the same (tests/test_control_native.py checks it)."""
+        plan = object.__new__(cls)
+        plan.__dict__.update(fields)
+        return plan
+
     @cached_property
     def save_groups(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Save mode with replicas, scope local: ``(expert, holder, [P, groups] kept pairs)`` of
@@ -668,6 +677,12 @@ class _Backward:
     rank_load: np.ndarray  # [P]
     source: Optional[SourceSplit]
     failed: str = ""  # the budget it breaks ("" when within budgets)
+    # (max rank_load, max per-owner quota sum) where the native code computed them.
+    peaks: Optional[tuple[int, int]] = None
+
+
+# ``_Call``'s default ``lib``: ask native.library() (plan_call passes what it asked once).
+_LIBRARY = object()
 
 
 class _Call:
@@ -682,6 +697,7 @@ class _Call:
         mode: str,
         q0: np.ndarray,
         exact_forward: bool = False,
+        lib: Any = _LIBRARY,
     ) -> None:
         self.n, self.w, self.lrmoe, self.cost, self.mode, self.q0 = n, w, lrmoe, cost, mode, q0
         self.exact_forward = exact_forward
@@ -698,8 +714,10 @@ class _Call:
         self._caps: dict[tuple, Optional[np.ndarray]] = {}
         self._slot_room: Optional[np.ndarray] = None
         # The compiled twins of the hot loops (native.py), or None: the Python paths.
-        self.lib = native.library()
+        self.lib = native.library() if lib is _LIBRARY else lib
         self._holder_addresses: Optional[tuple[int, ...]] = None
+        # (forward peak, fixed-ownership peak) where the native placement computed them.
+        self.peaks: Optional[tuple[int, int]] = None
 
     @cached_property
     def sent(self) -> np.ndarray:
@@ -800,41 +818,44 @@ class _Call:
             return False
         moves = native.max_moves(rule, num_ranks, num_experts) if search else 1
         size, p, k = num_experts * num_ranks, num_ranks, 2 * moves
-        # One int64 block: info (threshold, K, M), forward / replicas / fixed [P] loads, holder
-        # columns expert / rank / forward / flat [2 * moves] each, bounds [moves + 1], forward
-        # load [E * P]; one bool block: holds [E * P], rigid [E]. Offsets in int64 words:
-        cols = 3 + 3 * p
+        # One zeroed block (C writes a few entries per row of the [E, P] matrices), in int64
+        # words: info (threshold, K, M, forward peak, fixed peak), the forward /
+        # replicas / fixed [P] loads, holder columns expert / rank / forward / flat [2 * moves]
+        # each, bounds [moves + 1], the forward load [E * P]; then bytes: holds [E * P], rigid
+        # [E].
+        cols = 5 + 3 * p
         bounds_at = cols + 4 * k
         load_at = bounds_at + moves + 1
-        ints = np.empty(load_at + size, dtype=np.int64)
-        flags = np.empty(size + num_experts, dtype=bool)
-        at, at_flags = native.address(ints), native.address(flags)
+        words = load_at + size
+        block = np.zeros(8 * words + size + num_experts, dtype=np.uint8)
+        ints, flags = block[: 8 * words].view(np.int64), block[8 * words :].view(np.bool_)
+        at = native.address(block)
         room, per_pair, replica_bytes, limit, linear = rule or (None, 0, 1, 0, False)
         holders_at = [at + 8 * (cols + c * k) for c in range(4)] + [at + 8 * bounds_at]
-        native.check(
-            lib.lrmoe_place_call(
-                num_ranks,
-                num_experts,
-                native.address(self.w),
-                int(search),
-                None if room is None else native.address(room),
-                per_pair,
-                replica_bytes,
-                limit,
-                int(linear),
-                PLACEMENT_TOLERANCE,
-                moves,
-                at,  # info
-                *holders_at,
-                at + 8 * load_at,
-                at_flags,  # holds
-                at_flags + size,  # rigid
-                at + 24,
-                at + 24 + 8 * p,
-                at + 24 + 16 * p,
-            )
+        args = native.PLACE_CALL.pack(
+            num_ranks,
+            num_experts,
+            self.w_address,
+            search,
+            0 if room is None else native.address(room),
+            per_pair,
+            replica_bytes,
+            limit,
+            linear,
+            PLACEMENT_TOLERANCE,
+            moves,
+            at,  # info
+            *holders_at,
+            at + 8 * load_at,  # forward load
+            at + 8 * words,  # holds
+            at + 8 * words + size,  # rigid
+            at + 40,  # forward rank load
+            at + 40 + 8 * p,  # replicas per rank
+            at + 40 + 16 * p,  # fixed rank load
         )
-        self.threshold, count, items = ints[:3].tolist()
+        native.check(lib.lrmoe_place_call(args))
+        self.threshold, count, items, *peaks = ints[:5].tolist()
+        self.peaks = tuple(peaks)
         if items:
             expert, rank, forward, flat = (
                 ints[cols + c * k : cols + c * k + count] for c in range(4)
@@ -847,10 +868,20 @@ class _Call:
         self.forward_load = ints[load_at:].reshape(num_experts, num_ranks)
         self.holds = flags[:size].reshape(num_experts, num_ranks)
         self.rigid = flags[size:]
-        self.forward_rank_load = ints[3 : 3 + p]
-        self.replicas_per_rank = ints[3 + p : 3 + 2 * p]
-        self.fixed_rank_load = ints[3 + 2 * p : 3 + 3 * p]
+        self._rigid_address = at + 8 * words + size
+        self.forward_rank_load = ints[5 : 5 + p]
+        self.replicas_per_rank = ints[5 + p : 5 + 2 * p]
+        self.fixed_rank_load = ints[5 + 2 * p : 5 + 3 * p]
         return True
+
+    @cached_property
+    def w_address(self) -> int:
+        """Address of ``w`` for the native calls (taken once per call)."""
+        return native.address(self.w)
+
+    @cached_property
+    def _rigid_address(self) -> int:
+        return native.address(self.rigid)
 
     def per_owner(self, values: np.ndarray) -> np.ndarray:
         """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
@@ -1045,28 +1076,30 @@ class _Call:
         """:meth:`backward`'s assignment in one C call (``lrmoe_backward``: :meth:`start`, the
         holder graph's exact min-max, the ``[E, P]`` fill), the same plan bit for bit."""
         num_experts, num_ranks = self.num_experts, self.num_sources
+        size = num_experts * num_ranks
         quota = np.ascontiguousarray(quota, dtype=np.int64)
-        out = np.empty(num_experts * num_ranks + num_ranks, dtype=np.int64)
+        # backward load [E * P], rank load [P], its peak, the fixed-ownership peak
+        out = np.zeros(size + num_ranks + 2, dtype=np.int64)
         at = native.address(out)
         caps_array = None if caps is None else np.ascontiguousarray(caps, dtype=np.int64)
-        status = native.check(
-            lib.lrmoe_backward(
-                num_ranks,
-                num_experts,
-                native.address(quota),
-                native.address(self.w),
-                native.address(self.rigid),
-                *self._holder_args(),
-                int(self.mode == "save"),
-                None if caps_array is None else native.address(caps_array),
-                at,
-                at + 8 * num_experts * num_ranks,
-            )
+        args = native.BACKWARD.pack(
+            num_ranks,
+            num_experts,
+            native.address(quota),
+            self.w_address,
+            self._rigid_address,
+            *self._holder_args(),
+            self.mode == "save",
+            0 if caps_array is None else native.address(caps_array),
+            at,
+            at + 8 * size,
         )
-        if status == native.NONE:
+        if native.check(lib.lrmoe_backward(args)) == native.NONE:
             return None
-        load = out[: num_experts * num_ranks].reshape(num_experts, num_ranks)
-        return self._finish(_Backward(quota, load, out[num_experts * num_ranks :], None, None))
+        load = out[:size].reshape(num_experts, num_ranks)
+        peaks = tuple(out[size + num_ranks :].tolist())
+        plan = _Backward(quota, load, out[size : size + num_ranks], None, None, peaks=peaks)
+        return self._finish(plan)
 
     def min_max(
         self, quota: np.ndarray, caps: Optional[list[int]]
@@ -1109,21 +1142,22 @@ class _Call:
         caps_array = np.array(caps, dtype=np.int64)
         cut = np.empty(max(self.num_sources, 1), dtype=np.int64)
         items, expert, rank, forward, _, bounds = self._holder_args()
-        count = lib.lrmoe_start_caps_cut(
+        args = native.START_CAPS_CUT.pack(
             self.num_sources,
             self.num_experts,
             native.address(quota),
-            native.address(self.w),
-            native.address(self.rigid),
+            self.w_address,
+            self._rigid_address,
             items,
             expert,
             rank,
             forward,
             bounds,
-            int(self.mode == "save"),
+            self.mode == "save",
             native.address(caps_array),
             native.address(cut),
         )
+        count = lib.lrmoe_start_caps_cut(args)
         if count < 0:
             raise native.NativeError("out of memory in the planner's native code")
         return cut[:count].tolist() if count else None
@@ -1499,10 +1533,13 @@ def _as_counts(counts: Any, signs: bool = True) -> np.ndarray:
     """``counts`` as a C-contiguous host int64 ``[P, E]`` array, validated (the signs only
     when ``signs``: the native pass over the counts checks them on its way)."""
     if isinstance(counts, torch.Tensor):
-        if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+        if counts.dtype == torch.int64 and counts.device.type == "cpu":
+            counts = counts.numpy()  # shares memory (integer tensors carry no gradient)
+        elif counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
             raise ValueError(f"counts must be an integer tensor, got {counts.dtype}")
-        # NOTE: device-to-host sync if the counts live on the GPU (pass host counts).
-        counts = counts.detach().to("cpu", torch.int64).numpy()
+        else:
+            # NOTE: device-to-host sync if the counts live on the GPU (pass host counts).
+            counts = counts.detach().to("cpu", torch.int64).numpy()
     n = np.ascontiguousarray(np.asarray(counts, dtype=np.int64))
     if n.ndim != 2 or n.shape[0] == 0:
         raise ValueError(f"counts must be [P, E] with P >= 1, got shape {tuple(n.shape)}")
@@ -1523,11 +1560,10 @@ def _totals(n: np.ndarray, keep_ratio: float, lib: Any) -> tuple[np.ndarray, np.
         return w, quotas_np(w, keep_ratio)
     out = np.empty((2, n.shape[1]), dtype=np.int64)
     at = native.address(out)
-    num_sources, num_experts = n.shape
-    address = native.address(n)
-    if lib.lrmoe_counts(
-        num_sources, num_experts, address, keep_ratio, _ABS_TOL, _REL_TOL, at, at + 8 * num_experts
-    ):
+    args = native.COUNTS.pack(
+        *n.shape, native.address(n), keep_ratio, _ABS_TOL, _REL_TOL, at, at + 8 * n.shape[1]
+    )
+    if lib.lrmoe_counts(args):
         raise ValueError("counts must be non-negative")
     return out[0], out[1]
 
@@ -1578,7 +1614,7 @@ def plan_call(
     best: Optional[tuple[tuple, _Call, _Backward, Optional[int], tuple, tuple]] = None
     modes = _modes(lrmoe)
     for mode in modes:
-        call = _Call(n, w, lrmoe, cost, mode, q0, exact_forward)
+        call = _Call(n, w, lrmoe, cost, mode, q0, exact_forward, lib)
         call.place()
         plan, cap, binding, unmet = call.solve()
         rank = (
@@ -1591,8 +1627,15 @@ def plan_call(
         if not binding:
             break
     _, call, plan, cap, binding, unmet = best
-    fixed_backward = call.per_owner(plan.quota)
-    result = ControlPlan(
+    forward_peak, fixed_forward_peak = call.peaks or (
+        int(call.forward_rank_load.max(initial=0)),
+        int(call.fixed_rank_load.max(initial=0)),
+    )
+    backward_peak, fixed_backward_peak = plan.peaks or (
+        int(plan.rank_load.max(initial=0)),
+        int(call.per_owner(plan.quota).max(initial=0)),
+    )
+    result = ControlPlan.of(
         ep_rank=int(ep_rank),
         ep_size=num_sources,
         num_local_experts=call.local,
@@ -1608,10 +1651,10 @@ def plan_call(
         scope=lrmoe.scope,
         forward_rank_load=torch.from_numpy(call.forward_rank_load),
         backward_rank_load=torch.from_numpy(plan.rank_load),
-        forward_peak=int(call.forward_rank_load.max(initial=0)),
-        backward_peak=int(plan.rank_load.max(initial=0)),
-        fixed_forward_peak=int(call.fixed_rank_load.max(initial=0)),
-        fixed_backward_peak=int(fixed_backward.max(initial=0)),
+        forward_peak=forward_peak,
+        backward_peak=backward_peak,
+        fixed_forward_peak=fixed_forward_peak,
+        fixed_backward_peak=fixed_backward_peak,
         threshold=call.threshold,
         memory_budget_bytes=lrmoe.memory_budget_bytes,
         exchange_budget_bytes=lrmoe.exchange_budget_bytes,

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -55,17 +56,21 @@ _P, _I, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_doubl
 _SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "lrmoe_greedy": (_I, (_I, _I, _P, _P, _P, _I, _P, _INT, _P)),
     "lrmoe_place_search": (_INT, (_I, _I, _P, _P, _I, _I, _I, _INT, _D, _I, _P, _P)),
-    "lrmoe_place_call": (
-        _INT,
-        (_I, _I, _P, _INT, _P, _I, _I, _I, _INT, _D, _I) + (_P,) * 12,
-    ),
+    "lrmoe_place_call": (_INT, (ctypes.c_char_p,)),
     "lrmoe_min_max": (_INT, (_I, _I, _P, _P, _P, _P, _P, _P, _P, _P)),
     "lrmoe_caps_cut": (_I, (_I, _I, _P, _P, _P, _P, _P, _P, _P, _P)),
-    "lrmoe_backward": (_INT, (_I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _INT, _P, _P, _P)),
-    "lrmoe_start_caps_cut": (_I, (_I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _INT, _P, _P)),
+    "lrmoe_backward": (_INT, (ctypes.c_char_p,)),
+    "lrmoe_start_caps_cut": (_I, (ctypes.c_char_p,)),
     "lrmoe_start": (None, (_I, _I, _P, _P, _P, _I, _P, _P, _P, _INT, _P, _P)),
-    "lrmoe_counts": (_INT, (_I, _I, _P, _D, _D, _D, _P, _P)),
+    "lrmoe_counts": (_INT, (ctypes.c_char_p,)),
 }
+# The per-call functions take their arguments packed in one block of 8-byte fields (ctypes
+# converts each declared argument at about 0.4 us: 9 us for lrmoe_place_call's 23); ``q`` an
+# integer or an address, ``d`` a float, in the C parameter order (see _native.c).
+PLACE_CALL = struct.Struct("@9qd13q")
+BACKWARD = struct.Struct("@15q")
+START_CAPS_CUT = struct.Struct("@13q")
+COUNTS = struct.Struct("@3q3d2q")
 
 
 class NativeError(RuntimeError):
