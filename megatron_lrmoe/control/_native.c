@@ -448,7 +448,7 @@ static int cmp_move(const void *a, const void *b) {
  * replicated expert's owner entry (the pairs the moves left there) in rank order. Writes
  * expert/rank/forward [K] and bounds [M + 1]; returns K and sets *num_items = M. */
 static i64 holders_of_moves(const i64 *moves, i64 count, const i64 *expert_load, i64 local,
-                            i64 *expert, i64 *rank, i64 *forward, i64 *bounds,
+                            i64 *expert, i64 *rank, i64 *forward, i64 *bounds, i64 *experts,
                             i64 *num_items) {
     i64 k = 0, m = 0, i = 0;
     bounds[0] = 0;
@@ -465,6 +465,7 @@ static i64 holders_of_moves(const i64 *moves, i64 count, const i64 *expert_load,
             expert[k] = e, rank[k] = moves[3 * t + 1], forward[k++] = moves[3 * t + 2];
         }
         if (!placed) expert[k] = e, rank[k] = owner, forward[k++] = home;
+        experts[m] = e;
         bounds[++m] = k;
         i = j;
     }
@@ -478,7 +479,8 @@ static i64 holders_of_moves(const i64 *moves, i64 count, const i64 *expert_load,
  * Outputs (caller-allocated): info[0..4] = (threshold, K, M, forward peak, fixed-ownership
  * peak), the peaks being the maxima of forward_rank_load and fixed_rank_load (P >= 1);
  * expert/rank/forward/flat [K]
- * (flat = expert * P + rank) and bounds [M + 1], with room for 2 * max_moves entries;
+ * (flat = expert * P + rank), bounds [M + 1] and experts [M] (the replicated experts), with
+ * room for 2 * max_moves entries;
  * forward_load [E * P] and holds [E * P] (uint8, numpy bool; both zeroed by the caller) as
  * _Call.place fills them; rigid
  * [E] (uint8: experts with one holder); forward_rank_load, replicas_per_rank, fixed_rank_load
@@ -486,7 +488,8 @@ static i64 holders_of_moves(const i64 *moves, i64 count, const i64 *expert_load,
 static int place_call(i64 num_ranks, i64 num_experts, const i64 *w, int search,
                      const i64 *slot_room, i64 per_pair, i64 replica_bytes, i64 limit,
                      int linear, double tolerance, i64 max_moves, i64 *info, i64 *expert,
-                     i64 *rank, i64 *forward, i64 *flat, i64 *bounds, i64 *forward_load,
+                     i64 *rank, i64 *forward, i64 *flat, i64 *bounds, i64 *experts,
+                     i64 *forward_load,
                      uint8_t *holds, uint8_t *rigid, i64 *forward_rank_load,
                      i64 *replicas_per_rank, i64 *fixed_rank_load) {
     i64 P = num_ranks, E = num_experts, local = E / P, top = 0, count = 0, K = 0, M = 0;
@@ -513,7 +516,7 @@ static int place_call(i64 num_ranks, i64 num_experts, const i64 *w, int search,
         count = found[1];
         threshold = count ? found[0] : found[4]; /* Placement(top, (), runs) without moves */
         qsort(moves, (size_t)count, 3 * sizeof(i64), cmp_move);
-        K = holders_of_moves(moves, count, w, local, expert, rank, forward, bounds, &M);
+        K = holders_of_moves(moves, count, w, local, expert, rank, forward, bounds, experts, &M);
         free(moves);
     } else {
         bounds[0] = 0;
@@ -1073,8 +1076,13 @@ int lrmoe_place_call(const char *block) {
     return place_call(F(0), F(1), PTR(const i64, 2), (int)F(3), PTR(const i64, 4), F(5), F(6),
                       F(7), (int)F(8), real(block, 9), F(10), PTR(i64, 11), PTR(i64, 12),
                       PTR(i64, 13), PTR(i64, 14), PTR(i64, 15), PTR(i64, 16), PTR(i64, 17),
-                      PTR(uint8_t, 18), PTR(uint8_t, 19), PTR(i64, 20), PTR(i64, 21),
-                      PTR(i64, 22));
+                      PTR(i64, 18), PTR(uint8_t, 19), PTR(uint8_t, 20), PTR(i64, 21),
+                      PTR(i64, 22), PTR(i64, 23));
+}
+
+int lrmoe_place_search_packed(const char *block) {
+    return lrmoe_place_search(F(0), F(1), PTR(const i64, 2), PTR(const i64, 3), F(4), F(5), F(6),
+                              (int)F(7), real(block, 8), F(9), PTR(i64, 10), PTR(i64, 11));
 }
 
 int lrmoe_backward(const char *block) {

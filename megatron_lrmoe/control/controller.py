@@ -570,11 +570,17 @@ class _Holders:
     """
 
     def __init__(
-        self, expert: np.ndarray, rank: np.ndarray, forward: np.ndarray, bounds: np.ndarray
+        self,
+        expert: np.ndarray,
+        rank: np.ndarray,
+        forward: np.ndarray,
+        bounds: np.ndarray,
+        experts: Optional[np.ndarray] = None,
     ) -> None:
         self.expert, self.rank, self.forward, self.bounds = expert, rank, forward, bounds
         self.heads = bounds[:-1]  # [M] first entry of each item
-        self.experts = expert[self.heads]
+        # ``experts``: ``expert[heads]`` when the caller has it already (native placement).
+        self.experts = expert[self.heads] if experts is None else experts
         self.size = int(self.experts.size)
 
     @staticmethod
@@ -821,17 +827,19 @@ class _Call:
         # One zeroed block (C writes a few entries per row of the [E, P] matrices), in int64
         # words: info (threshold, K, M, forward peak, fixed peak), the forward /
         # replicas / fixed [P] loads, holder columns expert / rank / forward / flat [2 * moves]
-        # each, bounds [moves + 1], the forward load [E * P]; then bytes: holds [E * P], rigid
-        # [E].
+        # each, bounds [moves + 1], experts [moves], the forward load [E * P]; then bytes: holds
+        # [E * P], rigid [E].
         cols = 5 + 3 * p
         bounds_at = cols + 4 * k
-        load_at = bounds_at + moves + 1
+        experts_at = bounds_at + moves + 1
+        load_at = experts_at + moves
         words = load_at + size
         block = np.zeros(8 * words + size + num_experts, dtype=np.uint8)
         ints, flags = block[: 8 * words].view(np.int64), block[8 * words :].view(np.bool_)
         at = native.address(block)
         room, per_pair, replica_bytes, limit, linear = rule or (None, 0, 1, 0, False)
         holders_at = [at + 8 * (cols + c * k) for c in range(4)] + [at + 8 * bounds_at]
+        experts_address = at + 8 * experts_at
         args = native.PLACE_CALL.pack(
             num_ranks,
             num_experts,
@@ -846,6 +854,7 @@ class _Call:
             moves,
             at,  # info
             *holders_at,
+            experts_address,
             at + 8 * load_at,  # forward load
             at + 8 * words,  # holds
             at + 8 * words + size,  # rigid
@@ -857,10 +866,10 @@ class _Call:
         self.threshold, count, items, *peaks = ints[:5].tolist()
         self.peaks = tuple(peaks)
         if items:
-            expert, rank, forward, flat = (
-                ints[cols + c * k : cols + c * k + count] for c in range(4)
-            )
-            self.holders = _Holders(expert, rank, forward, ints[bounds_at : bounds_at + items + 1])
+            expert, rank, forward, flat = ints[cols : cols + 4 * k].reshape(4, k)[:, :count]
+            bounds = ints[bounds_at : bounds_at + items + 1]
+            experts = ints[experts_at : experts_at + items]
+            self.holders = _Holders(expert, rank, forward, bounds, experts)
             self.holder_flat = flat
             self._holder_addresses = (items, *holders_at)  # M, expert, rank, forward, flat, bounds
         else:

@@ -56,6 +56,7 @@ _P, _I, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_doubl
 _SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "lrmoe_greedy": (_I, (_I, _I, _P, _P, _P, _I, _P, _INT, _P)),
     "lrmoe_place_search": (_INT, (_I, _I, _P, _P, _I, _I, _I, _INT, _D, _I, _P, _P)),
+    "lrmoe_place_search_packed": (_INT, (ctypes.c_char_p,)),
     "lrmoe_place_call": (_INT, (ctypes.c_char_p,)),
     "lrmoe_min_max": (_INT, (_I, _I, _P, _P, _P, _P, _P, _P, _P, _P)),
     "lrmoe_caps_cut": (_I, (_I, _I, _P, _P, _P, _P, _P, _P, _P, _P)),
@@ -67,9 +68,10 @@ _SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
 # The per-call functions take their arguments packed in one block of 8-byte fields (ctypes
 # converts each declared argument at about 0.4 us: 9 us for lrmoe_place_call's 23); ``q`` an
 # integer or an address, ``d`` a float, in the C parameter order (see _native.c).
-PLACE_CALL = struct.Struct("@9qd13q")
+PLACE_CALL = struct.Struct("@9qd14q")
 BACKWARD = struct.Struct("@15q")
 START_CAPS_CUT = struct.Struct("@13q")
+PLACE_SEARCH = struct.Struct("@8qd3q")
 COUNTS = struct.Struct("@3q3d2q")
 
 
@@ -304,27 +306,26 @@ def place_search(
     loads = _i64(expert_load)
     room, per_pair, replica_bytes, limit, linear = rule
     cap = max_moves(rule, num_ranks, loads.size)
-    moves = np.empty(3 * cap, dtype=np.int64)
-    info = np.empty(5, dtype=np.int64)
-    check(
-        lib.lrmoe_place_search(
-            num_ranks,
-            loads.size,
-            address(loads),
-            None if room is None else address(room),
-            per_pair,
-            replica_bytes,
-            limit,
-            int(linear),
-            float(tolerance),
-            cap,
-            address(moves),
-            address(info),
-        )
+    out = np.empty(5 + 3 * cap, dtype=np.int64)  # info, then the moves
+    at = address(out)
+    args = PLACE_SEARCH.pack(
+        num_ranks,
+        loads.size,
+        address(loads),
+        0 if room is None else address(room),
+        per_pair,
+        replica_bytes,
+        limit,
+        linear,
+        tolerance,
+        cap,
+        at + 40,
+        at,
     )
-    count = int(info[1])
-    found = [tuple(m) for m in moves[: 3 * count].reshape(-1, 3).tolist()]
-    return (int(info[0]) if count else int(info[4])), found, int(info[2])
+    check(lib.lrmoe_place_search_packed(args))
+    threshold, count, runs, _, top = out[:5].tolist()
+    found = list(map(tuple, out[5 : 5 + 3 * count].reshape(-1, 3).tolist()))
+    return (threshold if count else top), found, runs
 
 
 # --------------------------------------------------------------------------------------------- #
