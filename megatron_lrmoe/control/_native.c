@@ -1072,12 +1072,21 @@ static double real(const char *block, int i) {
 #define F(i) field(block, i)
 #define PTR(type, i) ((type *)(intptr_t)field(block, i))
 
+/* place_call's fields, then (when field 24, the quota, is not 0) backward's on the placement
+ * just made, without caps: quota, save, backward_load, rank_load. That assignment of the
+ * uncapped quotas is the first one every plan asks for (_Call.solve), so it rides along. */
 int lrmoe_place_call(const char *block) {
-    return place_call(F(0), F(1), PTR(const i64, 2), (int)F(3), PTR(const i64, 4), F(5), F(6),
-                      F(7), (int)F(8), real(block, 9), F(10), PTR(i64, 11), PTR(i64, 12),
-                      PTR(i64, 13), PTR(i64, 14), PTR(i64, 15), PTR(i64, 16), PTR(i64, 17),
-                      PTR(i64, 18), PTR(uint8_t, 19), PTR(uint8_t, 20), PTR(i64, 21),
-                      PTR(i64, 22), PTR(i64, 23));
+    i64 *info = PTR(i64, 11);
+    int status = place_call(F(0), F(1), PTR(const i64, 2), (int)F(3), PTR(const i64, 4), F(5),
+                            F(6), F(7), (int)F(8), real(block, 9), F(10), info, PTR(i64, 12),
+                            PTR(i64, 13), PTR(i64, 14), PTR(i64, 15), PTR(i64, 16),
+                            PTR(i64, 17), PTR(i64, 18), PTR(uint8_t, 19), PTR(uint8_t, 20),
+                            PTR(i64, 21), PTR(i64, 22), PTR(i64, 23));
+    if (status != LRMOE_OK || !F(24)) return status;
+    return backward(F(0), F(1), PTR(const i64, 24), PTR(const i64, 2), PTR(const uint8_t, 20),
+                    info[2], PTR(const i64, 12), PTR(const i64, 13), PTR(const i64, 14),
+                    PTR(const i64, 15), PTR(const i64, 16), (int)F(25), NULL, PTR(i64, 26),
+                    PTR(i64, 27));
 }
 
 int lrmoe_place_search_packed(const char *block) {

@@ -721,6 +721,8 @@ class _Call:
         self._slot_room: Optional[np.ndarray] = None
         # The compiled twins of the hot loops (native.py), or None: the Python paths.
         self.lib = native.library() if lib is _LIBRARY else lib
+        # The uncapped quotas' assignment when the native placement made it along (used once).
+        self._uncapped: Optional[_Backward] = None
         self._holder_addresses: Optional[tuple[int, ...]] = None
         # (forward peak, fixed-ownership peak) where the native placement computed them.
         self.peaks: Optional[tuple[int, int]] = None
@@ -827,13 +829,15 @@ class _Call:
         # One zeroed block (C writes a few entries per row of the [E, P] matrices), in int64
         # words: info (threshold, K, M, forward peak, fixed peak), the forward /
         # replicas / fixed [P] loads, holder columns expert / rank / forward / flat [2 * moves]
-        # each, bounds [moves + 1], experts [moves], the forward load [E * P]; then bytes: holds
-        # [E * P], rigid [E].
+        # each, bounds [moves + 1], experts [moves], the forward load [E * P], the uncapped
+        # quotas' backward load [E * P], rank load [P] and its two peaks (see
+        # :meth:`backward`); then bytes: holds [E * P], rigid [E].
         cols = 5 + 3 * p
         bounds_at = cols + 4 * k
         experts_at = bounds_at + moves + 1
         load_at = experts_at + moves
-        words = load_at + size
+        back_at = load_at + size
+        words = back_at + size + p + 2
         block = np.zeros(8 * words + size + num_experts, dtype=np.uint8)
         ints, flags = block[: 8 * words].view(np.int64), block[8 * words :].view(np.bool_)
         at = native.address(block)
@@ -861,6 +865,10 @@ class _Call:
             at + 40,  # forward rank load
             at + 40 + 8 * p,  # replicas per rank
             at + 40 + 16 * p,  # fixed rank load
+            native.address(self.q0),
+            self.mode == "save",
+            at + 8 * back_at,  # backward load
+            at + 8 * (back_at + size),  # backward rank load, its peaks
         )
         native.check(lib.lrmoe_place_call(args))
         self.threshold, count, items, *peaks = ints[:5].tolist()
@@ -874,7 +882,11 @@ class _Call:
             self._holder_addresses = (items, *holders_at)  # M, expert, rank, forward, flat, bounds
         else:
             self.holders = _Holders.empty()
-        self.forward_load = ints[load_at:].reshape(num_experts, num_ranks)
+        self.forward_load = ints[load_at:back_at].reshape(num_experts, num_ranks)
+        load = ints[back_at : back_at + size].reshape(num_experts, num_ranks)
+        peaks = tuple(ints[back_at + size + p :].tolist())
+        rank_load = ints[back_at + size : back_at + size + p]
+        self._uncapped = _Backward(self.q0, load, rank_load, None, peaks=peaks)
         self.holds = flags[:size].reshape(num_experts, num_ranks)
         self.rigid = flags[size:]
         self._rigid_address = at + 8 * words + size
@@ -1043,12 +1055,18 @@ class _Call:
 
         Returns None when the caps admit no assignment, else the plan with ``failed`` naming a
         budget the result still breaks (only possible without caps or on the source side).
+        With the native library the assignment is one C call; that of the uncapped quotas
+        ``q0`` without caps, the first every plan asks for, came with the placement.
         """
         holders = self.holders
         caps = self.rank_caps(quota) if with_caps else None
         if caps is not None and self._rules_out(quota, caps):
             return None
         if self.lib is not None:
+            first = self._uncapped
+            if caps is None and first is not None and quota is first.quota:
+                self._uncapped = None
+                return self._finish(first)
             return self._backward_native(self.lib, quota, caps)
         load = np.zeros(self.num_experts * self.num_sources, dtype=np.int64)
         load[self.diagonal] = quota

@@ -68,7 +68,7 @@ _SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
 # The per-call functions take their arguments packed in one block of 8-byte fields (ctypes
 # converts each declared argument at about 0.4 us: 9 us for lrmoe_place_call's 23); ``q`` an
 # integer or an address, ``d`` a float, in the C parameter order (see _native.c).
-PLACE_CALL = struct.Struct("@9qd14q")
+PLACE_CALL = struct.Struct("@9qd18q")
 BACKWARD = struct.Struct("@15q")
 START_CAPS_CUT = struct.Struct("@13q")
 PLACE_SEARCH = struct.Struct("@8qd3q")
