@@ -5,9 +5,13 @@
  * to the Python path (tests/test_control_native.py compares them):
  *
  *   placement.py   _RankOrder, _greedy, _best_fit, place_replicas (the threshold search)
- *   controller.py  _Holders.of_moves, _Call.place (the [E, P] forward matrices), _Call.start
+ *   controller.py  _Holders.of_moves, _Call.place (the [E, P] forward matrices), _Call.start,
+ *                  _Call.backward, _Call.caps_cut; plan_call's column sums and quotas_np
  *   balance.py     HolderGraph (components, _bound, _rebalance with its push, min_max,
  *                  caps_cut), _level
+ *
+ * The functions the controller calls per plan take one packed block of arguments (see the end
+ * of the file); the others take plain arguments (tests, the placement API).
  *
  * Shapes: P ranks, E experts, L = E / P experts per rank (rank r owns [r*L, (r+1)*L)), M
  * replicated experts ("items"), K holder entries (item i owns entries bounds[i]..bounds[i+1]).
@@ -25,8 +29,6 @@ typedef int64_t i64;
 
 /* The edge room of an entry without an edge cap (balance._NO_EDGE_CAP). */
 #define NO_EDGE_CAP ((i64)1 << 62)
-/* A position no count of units left reaches (controller._NEVER). */
-#define NEVER INT64_MAX
 /* Return codes. */
 #define LRMOE_OK 0
 #define LRMOE_NONE 1      /* Python's None: infeasible / greedy failed */
@@ -936,7 +938,7 @@ static void start_split(i64 P, i64 E, const i64 *quota, const i64 *w, const uint
         }
         i64 position = 0;
         for (i64 k = bounds[i]; k < bounds[i + 1]; k++) {
-            if (save && forward[k] <= 0) continue; /* position NEVER */
+            if (save && forward[k] <= 0) continue; /* controller._NEVER: takes no unit */
             if (position++ < left) x[k] += 1;
         }
     }
