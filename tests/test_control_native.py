@@ -216,8 +216,15 @@ def _call(counts: np.ndarray, lrmoe: LRMoEConfig, mode: str) -> controller._Call
     return call
 
 
-_PLACED = ("threshold", "forward_load", "holds", "rigid", "forward_rank_load", "replicas_per_rank",
-           "fixed_rank_load")
+_PLACED = (
+    "threshold",
+    "forward_load",
+    "holds",
+    "rigid",
+    "forward_rank_load",
+    "replicas_per_rank",
+    "fixed_rank_load",
+)
 
 
 @pytest.mark.parametrize("mode", ["save", "recompute"])
@@ -250,11 +257,22 @@ def test_controller_steps_match_python(lib, monkeypatch: pytest.MonkeyPatch, mod
         got_base = np.empty(counts.shape[0], dtype=np.int64)
         got = np.empty(max(fast.holders.rank.size, 1), dtype=np.int64)
         items, expert, _, forward, _, bounds = fast._holder_args()
-        lib.lrmoe_start(*counts.shape, native.address(quota), native.address(fast.w),
-                        native.address(fast.rigid), items, expert, forward, bounds,
-                        int(mode == "save"), native.address(got_base), native.address(got))
+        lib.lrmoe_start(
+            *counts.shape,
+            native.address(quota),
+            native.address(fast.w),
+            native.address(fast.rigid),
+            items,
+            expert,
+            forward,
+            bounds,
+            int(mode == "save"),
+            native.address(got_base),
+            native.address(got),
+        )
         assert got_base.tolist() == base and got[: len(initial)].tolist() == initial
-        for with_caps in (False, True):
+        # Uncapped twice: first the assignment made along with the placement, then its own call.
+        for with_caps in (False, False, True):
             a = fast.backward(quota, with_caps)
             b = _python(monkeypatch, slow.backward, quota, with_caps)
             assert (a is None) == (b is None)

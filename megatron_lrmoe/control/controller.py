@@ -1686,7 +1686,7 @@ def plan_call(
         memory_budget_bytes=lrmoe.memory_budget_bytes,
         exchange_budget_bytes=lrmoe.exchange_budget_bytes,
         max_replicas_per_rank=lrmoe.max_replicas_per_rank,
-        trimmed_pairs=int((q0 - plan.quota).sum()),
+        trimmed_pairs=0 if plan.quota is q0 else int((q0 - plan.quota).sum()),
         binding_budgets=binding,
         unmet_budgets=unmet,
         planner_time_s=time.perf_counter() - start,
