@@ -12,6 +12,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_lrmoe", "megatron_lrmoe.*"]),
+    # The planner's C source, compiled on first use (megatron_lrmoe/control/native.py).
+    package_data={"megatron_lrmoe.control": ["_native.c"]},
     py_modules=["pretrain_lrmoe"],
     python_requires=">=3.12",
     install_requires=[

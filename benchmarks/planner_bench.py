@@ -16,6 +16,8 @@ measures on the host CPU:
   over every placement, with and without the placement's local search after the greedy.
 
 Usage: ``python benchmarks/planner_bench.py [--repeats 30] [--out benchmarks/results/...json]``.
+The planner runs its compiled loops (control/native.py) when a C compiler is available;
+``LRMOE_NATIVE=0`` times the Python planner. The path used is printed and kept in the JSON.
 It prints a table and writes JSON. Timings depend on the machine and its load (the JSON records
 the load average); compare medians from one run.
 """
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.control import placement
+from megatron_lrmoe.control import native, placement
 from megatron_lrmoe.control.controller import plan_call
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.placement import place_replicas, reference_optimal_peak
@@ -230,12 +232,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    # The compiled planner (control/native.py) unless LRMOE_NATIVE=0 or no C compiler; built
+    # (or loaded from its cache) here, before any timing.
+    path = "native" if native.library() is not None else "python"
+    print(f"planner path: {path}", file=sys.stderr, flush=True)
     rows = []
     for num_ranks in args.eps:
         for num_experts in args.experts:
             for exponent in EXPONENTS:
                 rows.append(bench_case(num_ranks, num_experts, exponent, args))
                 print(rows[-1], file=sys.stderr, flush=True)
+    print(f"planner path: {path} (LRMOE_NATIVE=0 forces python)")
     print_table(rows)
     small = small_cases(args.small_cases)
     print("small cases vs brute-force optimum:", json.dumps(small))
@@ -249,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
             "repeats": args.repeats,
             "cost_model": vars(COST),
             "budget": "memory_budget_bytes = 0.9 x the unbounded replicas_save plan's peak",
+            "planner_path": path,
         },
         "machine": {
             # CPU ms of sum(range(10**6)): about 10-15 ms on an idle modern x86 core; scale the

@@ -29,6 +29,13 @@ from megatron_lrmoe.control.quota import (
 from test_control_controller import COST, zipf_counts
 
 
+@pytest.fixture(autouse=True)
+def _python_planner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python fast paths against their references (the compiled twins have their own
+    comparison with these, tests/test_control_native.py)."""
+    monkeypatch.setenv("LRMOE_NATIVE", "0")
+
+
 def _random_counts(rng: random.Random, case: int) -> np.ndarray:
     num_ranks = rng.choice([2, 3, 4, 8, 16, 32])
     num_experts = num_ranks * rng.choice([1, 2, 4])

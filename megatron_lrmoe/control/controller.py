@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control import native, placement
 from megatron_lrmoe.control.balance import (
     HolderGraph,
     caps_cut,
@@ -59,8 +60,10 @@ from megatron_lrmoe.control.balance import (
     min_max_lists,
 )
 from megatron_lrmoe.control.costs import CostModel
-from megatron_lrmoe.control.placement import place_replicas
+from megatron_lrmoe.control.placement import LinearSlots, place_replicas
 from megatron_lrmoe.control.quota import (
+    _ABS_TOL,
+    _REL_TOL,
     SourceSplit,
     largest_cap,
     quotas_np,
@@ -214,6 +217,15 @@ class ControlPlan:
     # sub-chunk group with pairs; None otherwise (then backward splits follow the line rule).
     # Builds ``memory`` on first use (the per-rank byte arrays cost a dozen array ops).
     memory_builder: Optional[Callable[[], MemoryPlan]] = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, **fields: Any) -> "ControlPlan":
+        """``ControlPlan(**fields)`` with every field given, without the frozen dataclass's
+        per-field ``object.__setattr__`` (about 10 us of a plan here): ``__init__`` only stores
+        the fields, so the instance is the same (tests/test_control_native.py checks it)."""
+        plan = object.__new__(cls)
+        plan.__dict__.update(fields)
+        return plan
 
     @cached_property
     def save_groups(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -558,11 +570,17 @@ class _Holders:
     """
 
     def __init__(
-        self, expert: np.ndarray, rank: np.ndarray, forward: np.ndarray, bounds: np.ndarray
+        self,
+        expert: np.ndarray,
+        rank: np.ndarray,
+        forward: np.ndarray,
+        bounds: np.ndarray,
+        experts: Optional[np.ndarray] = None,
     ) -> None:
         self.expert, self.rank, self.forward, self.bounds = expert, rank, forward, bounds
         self.heads = bounds[:-1]  # [M] first entry of each item
-        self.experts = expert[self.heads]
+        # ``experts``: ``expert[heads]`` when the caller has it already (native placement).
+        self.experts = expert[self.heads] if experts is None else experts
         self.size = int(self.experts.size)
 
     @staticmethod
@@ -665,6 +683,12 @@ class _Backward:
     rank_load: np.ndarray  # [P]
     source: Optional[SourceSplit]
     failed: str = ""  # the budget it breaks ("" when within budgets)
+    # (max rank_load, max per-owner quota sum) where the native code computed them.
+    peaks: Optional[tuple[int, int]] = None
+
+
+# ``_Call``'s default ``lib``: ask native.library() (plan_call passes what it asked once).
+_LIBRARY = object()
 
 
 class _Call:
@@ -679,6 +703,7 @@ class _Call:
         mode: str,
         q0: np.ndarray,
         exact_forward: bool = False,
+        lib: Any = _LIBRARY,
     ) -> None:
         self.n, self.w, self.lrmoe, self.cost, self.mode, self.q0 = n, w, lrmoe, cost, mode, q0
         self.exact_forward = exact_forward
@@ -694,6 +719,13 @@ class _Call:
         self.cuts: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._caps: dict[tuple, Optional[np.ndarray]] = {}
         self._slot_room: Optional[np.ndarray] = None
+        # The compiled twins of the hot loops (native.py), or None: the Python paths.
+        self.lib = native.library() if lib is _LIBRARY else lib
+        # The uncapped quotas' assignment when the native placement made it along (used once).
+        self._uncapped: Optional[_Backward] = None
+        self._holder_addresses: Optional[tuple[int, ...]] = None
+        # (forward peak, fixed-ownership peak) where the native placement computed them.
+        self.peaks: Optional[tuple[int, int]] = None
 
     @cached_property
     def sent(self) -> np.ndarray:
@@ -713,29 +745,51 @@ class _Call:
         at all under tight budgets, leaving skewed loads at fixed ownership's forward peak
         (several times the balanced one) to keep a few per cent more pairs.
         """
+        rule = self.slot_rule()
+        return [rule] * self.num_sources if isinstance(rule, int) else rule(threshold)
+
+    def slot_rule(self) -> int | LinearSlots:
+        """:meth:`slots` as the placement takes them: ``max_replicas_per_rank`` on every rank
+        without a memory budget, else the budget's rule (a function of T that native code can
+        evaluate too)."""
         limit = self.lrmoe.max_replicas_per_rank
         if self.memory_budget is None or self.cost is None:
-            return [limit] * self.num_sources
+            return limit
         cost, mode = self.cost, self.mode
         if self._slot_room is None:  # what the source rows leave, the same for every T
             per_source = cost.source_saved_bytes(mode, keeps_all=self.lrmoe.is_exact)
             self._slot_room = self.memory_budget - per_source * self.sent
-        room = self._slot_room - cost.expert_saved_bytes(mode) * threshold
-        return np.minimum(np.maximum(room // cost.replica_bytes, 0), limit).tolist()
+        per_pair = cost.expert_saved_bytes(mode)
+        return LinearSlots(self._slot_room, per_pair, cost.replica_bytes, limit)
 
     def place(self) -> None:
-        """Replicas, the exact forward split over them, and pruning of idle replicas."""
+        """Replicas, the exact forward split over them, and pruning of idle replicas.
+
+        With the native library (native.py) the search, the holders and the forward matrices
+        come from one C call (:meth:`_place_native`), except where the placement's local search
+        or the exact forward split (Python only) follow the greedy.
+        """
+        search = self.lrmoe.max_replicas_per_rank > 0 and self.num_sources > 1
+        lib = self.lib
+        if (
+            lib is not None
+            and not self.exact_forward
+            and not (
+                search and self.num_sources * self.num_experts <= placement.IMPROVE_MAX_PAIRS
+            )
+            and self._place_native(lib, search)
+        ):
+            return
         w = self.w
         self.fixed_rank_load = self.per_owner(w)
         self.threshold = int(self.fixed_rank_load.max(initial=0))
         self.holders = _Holders.empty()
-        if self.lrmoe.max_replicas_per_rank > 0 and self.num_sources > 1:
+        if search:
             # Without a memory budget the slots do not depend on the threshold.
-            slots = self.slots if self.memory_budget is not None else self.slots(0)[0]
-            placement = place_replicas(w, self.num_sources, slots, PLACEMENT_TOLERANCE)
-            self.threshold = placement.threshold
-            if placement.moves:
-                self.holders = _Holders.of_moves(placement.moves, w, self.local)
+            chosen = place_replicas(w, self.num_sources, self.slot_rule(), PLACEMENT_TOLERANCE)
+            self.threshold = chosen.threshold
+            if chosen.moves:
+                self.holders = _Holders.of_moves(chosen.moves, w, self.local)
                 if self.exact_forward:
                     self.holders = self._exact_split(self.holders)
         # [E, P] matrices filled through flat indices (e * P + g): one 1-D write each.
@@ -761,6 +815,94 @@ class _Call:
             self.replicas_per_rank = np.zeros(self.num_sources, dtype=np.int64)
         self.forward_load = forward.reshape(self.num_experts, self.num_sources)
         self.holds = holds.reshape(self.num_experts, self.num_sources)
+
+    def _place_native(self, lib: Any, search: bool) -> bool:
+        """:meth:`place` (without local search or exact split) in one C call: the threshold
+        search, the holders of its moves (:meth:`_Holders.of_moves`) and the forward matrices,
+        the same arrays bit for bit. False (nothing done) for slots C does not evaluate."""
+        num_ranks, num_experts = self.num_sources, self.num_experts
+        rule = native.slot_rule(self.slot_rule(), num_ranks) if search else None
+        if search and rule is None:
+            return False
+        moves = native.max_moves(rule, num_ranks, num_experts) if search else 1
+        size, p, k = num_experts * num_ranks, num_ranks, 2 * moves
+        # One zeroed block (C writes a few entries per row of the [E, P] matrices), in int64
+        # words: info (threshold, K, M, forward peak, fixed peak), the forward /
+        # replicas / fixed [P] loads, holder columns expert / rank / forward / flat [2 * moves]
+        # each, bounds [moves + 1], experts [moves], the forward load [E * P], the uncapped
+        # quotas' backward load [E * P], rank load [P] and its two peaks (see
+        # :meth:`backward`); then bytes: holds [E * P], rigid [E].
+        cols = 5 + 3 * p
+        bounds_at = cols + 4 * k
+        experts_at = bounds_at + moves + 1
+        load_at = experts_at + moves
+        back_at = load_at + size
+        words = back_at + size + p + 2
+        block = np.zeros(8 * words + size + num_experts, dtype=np.uint8)
+        ints, flags = block[: 8 * words].view(np.int64), block[8 * words :].view(np.bool_)
+        at = native.address(block)
+        room, per_pair, replica_bytes, limit, linear = rule or (None, 0, 1, 0, False)
+        holders_at = [at + 8 * (cols + c * k) for c in range(4)] + [at + 8 * bounds_at]
+        experts_address = at + 8 * experts_at
+        args = native.PLACE_CALL.pack(
+            num_ranks,
+            num_experts,
+            self.w_address,
+            search,
+            0 if room is None else native.address(room),
+            per_pair,
+            replica_bytes,
+            limit,
+            linear,
+            PLACEMENT_TOLERANCE,
+            moves,
+            at,  # info
+            *holders_at,
+            experts_address,
+            at + 8 * load_at,  # forward load
+            at + 8 * words,  # holds
+            at + 8 * words + size,  # rigid
+            at + 40,  # forward rank load
+            at + 40 + 8 * p,  # replicas per rank
+            at + 40 + 16 * p,  # fixed rank load
+            native.address(self.q0),
+            self.mode == "save",
+            at + 8 * back_at,  # backward load
+            at + 8 * (back_at + size),  # backward rank load, its peaks
+        )
+        native.check(lib.lrmoe_place_call(args))
+        self.threshold, count, items, *peaks = ints[:5].tolist()
+        self.peaks = tuple(peaks)
+        if items:
+            expert, rank, forward, flat = ints[cols : cols + 4 * k].reshape(4, k)[:, :count]
+            bounds = ints[bounds_at : bounds_at + items + 1]
+            experts = ints[experts_at : experts_at + items]
+            self.holders = _Holders(expert, rank, forward, bounds, experts)
+            self.holder_flat = flat
+            self._holder_addresses = (items, *holders_at)  # M, expert, rank, forward, flat, bounds
+        else:
+            self.holders = _Holders.empty()
+        self.forward_load = ints[load_at:back_at].reshape(num_experts, num_ranks)
+        load = ints[back_at : back_at + size].reshape(num_experts, num_ranks)
+        peaks = tuple(ints[back_at + size + p :].tolist())
+        rank_load = ints[back_at + size : back_at + size + p]
+        self._uncapped = _Backward(self.q0, load, rank_load, None, peaks=peaks)
+        self.holds = flags[:size].reshape(num_experts, num_ranks)
+        self.rigid = flags[size:]
+        self._rigid_address = at + 8 * words + size
+        self.forward_rank_load = ints[5 : 5 + p]
+        self.replicas_per_rank = ints[5 + p : 5 + 2 * p]
+        self.fixed_rank_load = ints[5 + 2 * p : 5 + 3 * p]
+        return True
+
+    @cached_property
+    def w_address(self) -> int:
+        """Address of ``w`` for the native calls (taken once per call)."""
+        return native.address(self.w)
+
+    @cached_property
+    def _rigid_address(self) -> int:
+        return native.address(self.rigid)
 
     def per_owner(self, values: np.ndarray) -> np.ndarray:
         """``[P]`` sums of an ``[E]`` vector over each rank's owned experts (exact int64)."""
@@ -913,11 +1055,19 @@ class _Call:
 
         Returns None when the caps admit no assignment, else the plan with ``failed`` naming a
         budget the result still breaks (only possible without caps or on the source side).
+        With the native library the assignment is one C call; that of the uncapped quotas
+        ``q0`` without caps, the first every plan asks for, came with the placement.
         """
         holders = self.holders
         caps = self.rank_caps(quota) if with_caps else None
         if caps is not None and self._rules_out(quota, caps):
             return None
+        if self.lib is not None:
+            first = self._uncapped
+            if caps is None and first is not None and quota is first.quota:
+                self._uncapped = None
+                return self._finish(first)
+            return self._backward_native(self.lib, quota, caps)
         load = np.zeros(self.num_experts * self.num_sources, dtype=np.int64)
         load[self.diagonal] = quota
         shape = (self.num_experts, self.num_sources)
@@ -932,6 +1082,50 @@ class _Call:
         if len(holders):
             load[self.holder_flat] = amounts
         plan = _Backward(quota, load.reshape(shape), np.array(rank_load, np.int64), None, None)
+        return self._finish(plan)
+
+    def _holder_args(self) -> tuple[int, int, int, int, int, int]:
+        """The holder arrays as C arguments: ``(M, expert, rank, forward, flat, bounds)``."""
+        if self._holder_addresses is None:
+            holders = self.holders
+            if not len(holders):
+                # No entry is read; bounds[0] = 0 is.
+                self._holder_addresses = (0, 0, 0, 0, 0, native.address(holders.bounds))
+            else:
+                arrays = (holders.expert, holders.rank, holders.forward, self.holder_flat)
+                addresses = (native.address(a) for a in (*arrays, holders.bounds))
+                self._holder_addresses = (len(holders), *addresses)
+        return self._holder_addresses
+
+    def _backward_native(
+        self, lib: Any, quota: np.ndarray, caps: Optional[np.ndarray]
+    ) -> Optional[_Backward]:
+        """:meth:`backward`'s assignment in one C call (``lrmoe_backward``: :meth:`start`, the
+        holder graph's exact min-max, the ``[E, P]`` fill), the same plan bit for bit."""
+        num_experts, num_ranks = self.num_experts, self.num_sources
+        size = num_experts * num_ranks
+        quota = np.ascontiguousarray(quota, dtype=np.int64)
+        # backward load [E * P], rank load [P], its peak, the fixed-ownership peak
+        out = np.zeros(size + num_ranks + 2, dtype=np.int64)
+        at = native.address(out)
+        caps_array = None if caps is None else np.ascontiguousarray(caps, dtype=np.int64)
+        args = native.BACKWARD.pack(
+            num_ranks,
+            num_experts,
+            native.address(quota),
+            self.w_address,
+            self._rigid_address,
+            *self._holder_args(),
+            self.mode == "save",
+            0 if caps_array is None else native.address(caps_array),
+            at,
+            at + 8 * size,
+        )
+        if native.check(lib.lrmoe_backward(args)) == native.NONE:
+            return None
+        load = out[:size].reshape(num_experts, num_ranks)
+        peaks = tuple(out[size + num_ranks :].tolist())
+        plan = _Backward(quota, load, out[size : size + num_ranks], None, None, peaks=peaks)
         return self._finish(plan)
 
     def min_max(
@@ -963,9 +1157,37 @@ class _Call:
 
     def caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
         """Ranks of a violated cut when ``caps`` admit no assignment of ``quota``, else None
-        (:meth:`start` on :attr:`graph`)."""
+        (:meth:`start` on :attr:`graph`; in C with the native library)."""
+        if self.lib is not None:
+            return self._caps_cut_native(self.lib, quota, caps)
         base, initial = self.start(quota)
         return self.graph.caps_cut(base, initial, caps)
+
+    def _caps_cut_native(self, lib: Any, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
+        """:meth:`caps_cut` in one C call (``lrmoe_start_caps_cut``)."""
+        quota = np.ascontiguousarray(quota, dtype=np.int64)
+        caps_array = np.array(caps, dtype=np.int64)
+        cut = np.empty(max(self.num_sources, 1), dtype=np.int64)
+        items, expert, rank, forward, _, bounds = self._holder_args()
+        args = native.START_CAPS_CUT.pack(
+            self.num_sources,
+            self.num_experts,
+            native.address(quota),
+            self.w_address,
+            self._rigid_address,
+            items,
+            expert,
+            rank,
+            forward,
+            bounds,
+            self.mode == "save",
+            native.address(caps_array),
+            native.address(cut),
+        )
+        count = lib.lrmoe_start_caps_cut(args)
+        if count < 0:
+            raise native.NativeError("out of memory in the planner's native code")
+        return cut[:count].tolist() if count else None
 
     def reference_caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
         """The slow, obvious :meth:`caps_cut`: :func:`caps_cut` on per-item lists."""
@@ -1334,12 +1556,17 @@ def _memory_plan(call: _Call, plan: _Backward) -> MemoryPlan:
     return MemoryPlan(*(torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in arrays))
 
 
-def _as_counts(counts: Any) -> np.ndarray:
+def _as_counts(counts: Any, signs: bool = True) -> np.ndarray:
+    """``counts`` as a C-contiguous host int64 ``[P, E]`` array, validated (the signs only
+    when ``signs``: the native pass over the counts checks them on its way)."""
     if isinstance(counts, torch.Tensor):
-        if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+        if counts.dtype == torch.int64 and counts.device.type == "cpu":
+            counts = counts.numpy()  # shares memory (integer tensors carry no gradient)
+        elif counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
             raise ValueError(f"counts must be an integer tensor, got {counts.dtype}")
-        # NOTE: device-to-host sync if the counts live on the GPU (pass host counts).
-        counts = counts.detach().to("cpu", torch.int64).numpy()
+        else:
+            # NOTE: device-to-host sync if the counts live on the GPU (pass host counts).
+            counts = counts.detach().to("cpu", torch.int64).numpy()
     n = np.ascontiguousarray(np.asarray(counts, dtype=np.int64))
     if n.ndim != 2 or n.shape[0] == 0:
         raise ValueError(f"counts must be [P, E] with P >= 1, got shape {tuple(n.shape)}")
@@ -1347,9 +1574,25 @@ def _as_counts(counts: Any) -> np.ndarray:
         raise ValueError(
             f"counts has {n.shape[1]} experts, not divisible by its {n.shape[0]} ranks"
         )
-    if n.size and n.min() < 0:
+    if signs and n.size and n.min() < 0:
         raise ValueError("counts must be non-negative")
     return n
+
+
+def _totals(n: np.ndarray, keep_ratio: float, lib: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(W, Q0)``: pairs per expert and the uncapped quotas (:func:`quotas_np`), in one C pass
+    with the native library (which also checks the counts' signs, see :func:`_as_counts`)."""
+    if lib is None:
+        w = n.sum(0)
+        return w, quotas_np(w, keep_ratio)
+    out = np.empty((2, n.shape[1]), dtype=np.int64)
+    at = native.address(out)
+    args = native.COUNTS.pack(
+        *n.shape, native.address(n), keep_ratio, _ABS_TOL, _REL_TOL, at, at + 8 * n.shape[1]
+    )
+    if lib.lrmoe_counts(args):
+        raise ValueError("counts must be non-negative")
+    return out[0], out[1]
 
 
 def plan_call(
@@ -1384,21 +1627,21 @@ def plan_call(
             cost model.
     """
     start = time.perf_counter()
-    n = _as_counts(counts)
+    lib = native.library()
+    n = _as_counts(counts, signs=lib is None)
     num_sources = n.shape[0]
     if not 0 <= int(ep_rank) < num_sources:
         raise ValueError(f"ep_rank ({ep_rank}) must be in [0, {num_sources})")
     budgets = lrmoe.memory_budget_bytes is not None or lrmoe.exchange_budget_bytes is not None
     if budgets and cost is None:
         raise ValueError("LRMoE budgets need a CostModel (CostModel.from_config(config))")
-    w = n.sum(0)
-    q0 = quotas_np(w, float(lrmoe.keep_ratio))
+    w, q0 = _totals(n, float(lrmoe.keep_ratio), lib)
     # Modes in order of preference (auto: save, then recompute); the first that no budget trims
     # wins at once, else the one that keeps the most pairs (then the lower forward peak).
     best: Optional[tuple[tuple, _Call, _Backward, Optional[int], tuple, tuple]] = None
     modes = _modes(lrmoe)
     for mode in modes:
-        call = _Call(n, w, lrmoe, cost, mode, q0, exact_forward)
+        call = _Call(n, w, lrmoe, cost, mode, q0, exact_forward, lib)
         call.place()
         plan, cap, binding, unmet = call.solve()
         rank = (
@@ -1411,8 +1654,15 @@ def plan_call(
         if not binding:
             break
     _, call, plan, cap, binding, unmet = best
-    fixed_backward = call.per_owner(plan.quota)
-    result = ControlPlan(
+    forward_peak, fixed_forward_peak = call.peaks or (
+        int(call.forward_rank_load.max(initial=0)),
+        int(call.fixed_rank_load.max(initial=0)),
+    )
+    backward_peak, fixed_backward_peak = plan.peaks or (
+        int(plan.rank_load.max(initial=0)),
+        int(call.per_owner(plan.quota).max(initial=0)),
+    )
+    result = ControlPlan.of(
         ep_rank=int(ep_rank),
         ep_size=num_sources,
         num_local_experts=call.local,
@@ -1428,15 +1678,15 @@ def plan_call(
         scope=lrmoe.scope,
         forward_rank_load=torch.from_numpy(call.forward_rank_load),
         backward_rank_load=torch.from_numpy(plan.rank_load),
-        forward_peak=int(call.forward_rank_load.max(initial=0)),
-        backward_peak=int(plan.rank_load.max(initial=0)),
-        fixed_forward_peak=int(call.fixed_rank_load.max(initial=0)),
-        fixed_backward_peak=int(fixed_backward.max(initial=0)),
+        forward_peak=forward_peak,
+        backward_peak=backward_peak,
+        fixed_forward_peak=fixed_forward_peak,
+        fixed_backward_peak=fixed_backward_peak,
         threshold=call.threshold,
         memory_budget_bytes=lrmoe.memory_budget_bytes,
         exchange_budget_bytes=lrmoe.exchange_budget_bytes,
         max_replicas_per_rank=lrmoe.max_replicas_per_rank,
-        trimmed_pairs=int((q0 - plan.quota).sum()),
+        trimmed_pairs=0 if plan.quota is q0 else int((q0 - plan.quota).sum()),
         binding_budgets=binding,
         unmet_budgets=unmet,
         planner_time_s=time.perf_counter() - start,

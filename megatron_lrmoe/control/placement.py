@@ -45,7 +45,10 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
+from megatron_lrmoe.control import native
+
 __all__ = [
+    "LinearSlots",
     "Placement",
     "best_fit_greedy",
     "place_replicas",
@@ -55,6 +58,33 @@ __all__ = [
     "reference_threshold_greedy",
     "threshold_greedy",
 ]
+
+
+
+@dataclass(frozen=True, eq=False)
+class LinearSlots:
+    """Replica slots that shrink as the threshold T grows (the controller's memory budget):
+    ``min(max((room[g] - per_pair * T) // replica_bytes, 0), limit)`` on rank g.
+
+    A callable like any slots function; the native search (native.py) recognises it and
+    evaluates the same rule in C.
+
+    Attributes:
+        room: ``[P]`` int64 bytes each rank has left for replicas and saved activations.
+        per_pair: Bytes each pair of forward load holds (saved activations), ``> 0`` or 0.
+        replica_bytes: Bytes of one replica, ``> 0``.
+        limit: Most replicas per rank (``max_replicas_per_rank``).
+    """
+
+    room: np.ndarray
+    per_pair: int
+    replica_bytes: int
+    limit: int
+
+    def __call__(self, threshold: int) -> list[int]:
+        room = self.room - self.per_pair * threshold
+        return np.minimum(np.maximum(room // self.replica_bytes, 0), self.limit).tolist()
+
 
 Slots = Union[int, Sequence[int], Callable[[int], Sequence[int]]]
 
@@ -769,10 +799,39 @@ def place_replicas(
     low = max(-(-total // max(num_ranks, 1)), -(-hottest // max(num_ranks, 1)))
     if num_ranks <= 1 or top <= low:
         return Placement(top, (), 0)
-    loads = expert_load.tolist()
+    lib = native.library()
+    rule = None if lib is None else native.slot_rule(slots, num_ranks)
+    if rule is not None:  # the same search in C (native.py)
+        best_t, best, runs = native.place_search(lib, expert_load, num_ranks, rule, tolerance)
+    else:
+        loads = expert_load.tolist()
+        best_t, best, runs = _search(loads, rank_load, by_rank, low, top, slots, tolerance)
+    changes = 0
+    if num_ranks * num_experts <= IMPROVE_MAX_PAIRS:
+        loads = expert_load.tolist()
+        stop = low + int(tolerance * low)
+        best_t, best, changes = _polish(loads, num_ranks, rank_load, best_t, best, slots, low, stop)
+    if not best:
+        return Placement(top, (), runs)
+    # At most one move per (expert, rank): sorting the tuples sorts by (expert, rank).
+    return Placement(best_t, tuple(sorted(best)), runs, changes)
+
+
+def _search(
+    loads: list[int],
+    rank_load: list[int],
+    by_rank: np.ndarray,
+    low: int,
+    top: int,
+    slots: Slots,
+    tolerance: float,
+) -> tuple[int, list[tuple[int, int, int]], int]:
+    """:func:`place_replicas`'s threshold search (``top > low``): ``(best T, its moves in the
+    order made, greedy runs)``, ``(top, [], runs)`` when no T below ``top`` succeeds."""
+    num_ranks, local = by_rank.shape
     # Owned experts hottest first (stable: ties to the lower id), as global ids.
     order = np.argsort(-by_rank, axis=1, kind="stable")
-    order += np.arange(0, num_experts, local)[:, None]
+    order += np.arange(0, num_ranks * local, local)[:, None]
     hot_first = order.tolist()
     rank_order = _RankOrder(rank_load)
     runs = 0
@@ -814,14 +873,7 @@ def place_replicas(
                 bad = trial
             else:
                 best_t, best = trial, moves
-    changes = 0
-    if num_ranks * num_experts <= IMPROVE_MAX_PAIRS:
-        stop = low + int(tolerance * low)
-        best_t, best, changes = _polish(loads, num_ranks, rank_load, best_t, best, slots, low, stop)
-    if not best:
-        return Placement(top, (), runs)
-    # At most one move per (expert, rank): sorting the tuples sorts by (expert, rank).
-    return Placement(best_t, tuple(sorted(best)), runs, changes)
+    return best_t, best, runs
 
 
 def _polish(
