@@ -26,7 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import cuda_median_ms  # noqa: E402
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes, grouped_mm_tn  # noqa: E402
-from megatron_lrmoe.experts.wgrad_triton import WgradConfig, grouped_wgrad_triton  # noqa: E402
+from megatron_lrmoe.experts.wgrad_triton import (  # noqa: E402
+    WgradConfig,
+    config_for,
+    grouped_wgrad_triton,
+)
 
 CONFIGS = [
     WgradConfig(128, 128, 64, 8, 3),
@@ -36,6 +40,12 @@ CONFIGS = [
     WgradConfig(128, 128, 32, 4, 4),
     WgradConfig(128, 256, 32, 8, 4),
     WgradConfig(64, 256, 64, 4, 4),
+    WgradConfig(64, 128, 32, 4, 4),
+    WgradConfig(64, 128, 64, 4, 4),
+    WgradConfig(64, 128, 64, 4, 3),
+    WgradConfig(128, 64, 64, 4, 4),
+    WgradConfig(64, 64, 64, 4, 4),
+    WgradConfig(64, 128, 32, 2, 4),
 ]
 
 
@@ -95,6 +105,10 @@ def main() -> None:
             best = min((v, k) for k, v in row["fused"].items() if isinstance(v, float))
             row["fused_best_ms"], row["fused_best"] = best
             row["fused_best_tflops"] = flops / best[0] / 1e9
+            # The tile accumulate_grouped_wgrad picks here; compare it within the sweep (a
+            # timing taken after the sweep came out up to 14 % off for the same tile).
+            row["fused_auto"] = str(config_for(total, args.experts))
+            print(f"  accumulate_grouped_wgrad picks {row['fused_auto']}")
             row["gemm_tflops"] = flops / row["gemm_ms"] / 1e9
             results.append(row)
             print(f"{name} rows/expert {rows:5d}: gemm {row['gemm_ms']:.3f} ms "

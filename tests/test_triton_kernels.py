@@ -595,6 +595,21 @@ def test_interp_grouped_wgrad(sizes: list[int], dtype, accumulate: bool) -> None
                 assert torch.equal(got[g], base[g])
 
 
+def test_grouped_wgrad_tile_by_rows_per_group() -> None:
+    from megatron_lrmoe.experts.wgrad_triton import (
+        DEFAULT_CONFIG,
+        LARGE_GROUP_CONFIG,
+        LARGE_GROUP_ROWS,
+        config_for,
+    )
+
+    assert LARGE_GROUP_CONFIG != DEFAULT_CONFIG
+    assert config_for(128 * 1024, 128) is DEFAULT_CONFIG
+    assert config_for(128 * LARGE_GROUP_ROWS, 128) is LARGE_GROUP_CONFIG
+    assert config_for(128 * LARGE_GROUP_ROWS - 1, 128) is DEFAULT_CONFIG
+    assert config_for(0, 0) is DEFAULT_CONFIG
+
+
 def test_grouped_wgrad_host_path_adds_each_group() -> None:
     from megatron_lrmoe.experts.wgrad_triton import accumulate_grouped_wgrad
 
@@ -616,7 +631,9 @@ def test_grouped_wgrad_host_path_adds_each_group() -> None:
 def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 rows, fp32 accumulator (``main_grad``), the default tiles, ragged groups."""
     from megatron_lrmoe.experts.wgrad_triton import (
+        LARGE_GROUP_CONFIG,
         accumulate_grouped_wgrad,
+        config_for,
         grouped_wgrad_reference,
     )
 
@@ -624,6 +641,17 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     sizes = [300, 0, 1, 513, 128, 77]
     rows, m, n = sum(sizes), 1536, 2048
+    a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    base = torch.randn(len(sizes), m, n, device="cuda")
+    got = accumulate_grouped_wgrad(a, b, torch.tensor(sizes), base.clone())
+    want = grouped_wgrad_reference(a, b, sizes, base.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
+    assert torch.equal(got[1], base[1])
+    # Groups large enough for the deeper-K tile (config_for), one of them empty, one ragged.
+    sizes = [4000, 0, 2200, 3]
+    rows = sum(sizes)
+    assert config_for(rows, len(sizes)) is LARGE_GROUP_CONFIG
     a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     base = torch.randn(len(sizes), m, n, device="cuda")
