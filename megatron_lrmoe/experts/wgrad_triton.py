@@ -56,11 +56,11 @@ class WgradConfig:
 
 DEFAULT_CONFIG = WgradConfig()
 # From LARGE_GROUP_ROWS rows per group on average, a wider, deeper tile pays. On an H200
-# (benchmarks/wgrad_bench.py, gpu_run12 wgrad_tiles / wgrad_auto, two runs), ms, this tile
-# against the default: fc1 at 2048 rows per expert 3.77 / 3.57 vs 4.14 / 4.21, at 4096 6.13 vs
-# 7.17; fc2 at 2048 1.80 / 1.80 vs 1.98 / 1.94, at 4096 3.10 vs 3.53; at 1024 rows the two are
-# within 1-2 % and at 128-512 the default wins. EP > 1 gets there: 4096 tokens per GPU, top-8
-# and 16 local experts make 2048 rows per expert.
+# (benchmarks/wgrad_bench.py, gpu_run12 wgrad_tiles / wgrad_auto / wgrad_large), ms, this tile
+# against the default: fc1 at 2048 rows per expert 3.77 / 3.57 / 3.63 vs 4.14 / 4.21 / 3.96, at
+# 4096 6.13 vs 7.17; fc2 at 2048 1.80 / 1.80 / 1.85 vs 1.98 / 1.94 / 2.05, at 4096 3.10 vs 3.53;
+# at 1024 rows within 2-4 %, at 128-512 the default wins. EP > 1 gets there: 4096 tokens per
+# GPU, top-8 and 16 local experts make 2048 rows per expert.
 LARGE_GROUP_CONFIG = WgradConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 LARGE_GROUP_ROWS = 1536
 
