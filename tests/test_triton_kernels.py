@@ -629,8 +629,10 @@ def test_grouped_wgrad_host_path_adds_each_group() -> None:
 @pytest.mark.skipif(not triton_kernels.triton_available(), reason="needs triton")
 @pytest.mark.skipif(INTERPRETING, reason="compiled kernels only")
 def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 rows, fp32 accumulator (``main_grad``), the default tiles, ragged groups."""
+    """bf16 rows, fp32 accumulator (``main_grad``), both tiles the dispatcher picks, ragged
+    groups."""
     from megatron_lrmoe.experts.wgrad_triton import (
+        DEFAULT_CONFIG,
         LARGE_GROUP_CONFIG,
         accumulate_grouped_wgrad,
         config_for,
@@ -639,26 +641,22 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
     torch.manual_seed(0)
-    sizes = [300, 0, 1, 513, 128, 77]
-    rows, m, n = sum(sizes), 1536, 2048
-    a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    base = torch.randn(len(sizes), m, n, device="cuda")
-    got = accumulate_grouped_wgrad(a, b, torch.tensor(sizes), base.clone())
-    want = grouped_wgrad_reference(a, b, sizes, base.clone())
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
-    assert torch.equal(got[1], base[1])
-    # Groups large enough for the deeper-K tile (config_for), one of them empty, one ragged.
-    sizes = [4000, 0, 2200, 3]
-    rows = sum(sizes)
-    assert config_for(rows, len(sizes)) is LARGE_GROUP_CONFIG
-    a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    base = torch.randn(len(sizes), m, n, device="cuda")
-    got = accumulate_grouped_wgrad(a, b, torch.tensor(sizes), base.clone())
-    want = grouped_wgrad_reference(a, b, sizes, base.clone())
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
-    assert torch.equal(got[1], base[1])
+    m, n = 1536, 2048
+    # Small ragged groups (the default tile), then groups large enough for the larger tile
+    # (config_for); group 1 is empty in both.
+    for sizes, tile in (
+        ([300, 0, 1, 513, 128, 77], DEFAULT_CONFIG),
+        ([4000, 0, 2200, 3], LARGE_GROUP_CONFIG),
+    ):
+        rows = sum(sizes)
+        assert config_for(rows, len(sizes)) is tile
+        a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        base = torch.randn(len(sizes), m, n, device="cuda")
+        got = accumulate_grouped_wgrad(a, b, torch.tensor(sizes), base.clone())
+        want = grouped_wgrad_reference(a, b, sizes, base.clone())
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
+        assert torch.equal(got[1], base[1])
 
 
 @cuda

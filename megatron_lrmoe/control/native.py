@@ -54,6 +54,8 @@ LIBS = ("-lm",)
 
 # Return codes of _native.c.
 OK, NONE, NOMEM, ASSERT = 0, 1, -1, -2
+# lrmoe_greedy returns a move count, so its codes are negative: -1 the greedy failed, -2 NOMEM.
+GREEDY_FAILED, GREEDY_NOMEM = -1, -2
 
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Argument types of every exported function (pointers as addresses).
@@ -226,9 +228,9 @@ def _greedy_run(
         int(use_best_fit),
         address(moves),
     )
-    if count == -2:
+    if count == GREEDY_NOMEM:
         raise NativeError("out of memory in the planner's native code")
-    if count < 0:
+    if count == GREEDY_FAILED:
         return None
     return [tuple(m) for m in moves[: 3 * count].reshape(-1, 3).tolist()]
 
