@@ -32,21 +32,21 @@ from megatron_lrmoe.experts.wgrad_triton import (  # noqa: E402
     grouped_wgrad_triton,
 )
 
-CONFIGS = [
+TILES = [
+    WgradConfig(128, 128, 32, 4, 4),  # DEFAULT_CONFIG
+    WgradConfig(128, 256, 64, 8, 3),  # LARGE_GROUP_CONFIG
     WgradConfig(128, 128, 64, 8, 3),
     WgradConfig(128, 128, 64, 4, 4),
-    WgradConfig(128, 256, 64, 8, 3),
-    WgradConfig(256, 128, 64, 8, 3),
-    WgradConfig(128, 128, 32, 4, 4),
-    WgradConfig(128, 256, 32, 8, 4),
-    WgradConfig(64, 256, 64, 4, 4),
     WgradConfig(64, 128, 32, 4, 4),
-    WgradConfig(64, 128, 64, 4, 4),
-    WgradConfig(64, 128, 64, 4, 3),
-    WgradConfig(128, 64, 64, 4, 4),
-    WgradConfig(64, 64, 64, 4, 4),
-    WgradConfig(64, 128, 32, 2, 4),
 ]
+# The persistent kernel: programs per SM x (flatten, warp specialisation), on two tiles.
+PERSISTENT = [
+    WgradConfig(**{**vars(tile), "programs_per_sm": pps, "flatten": fl, "warp_specialize": ws})
+    for tile in TILES[:2]
+    for pps in (1, 2)
+    for fl, ws in ((False, False), (True, False), (False, True), (True, True))
+]
+CONFIGS = TILES + PERSISTENT
 
 
 def main() -> None:
@@ -91,6 +91,34 @@ def main() -> None:
             s0, s1 = 0, int(sizes[0])
             ref = a[s0:s1].float().t() @ b[s0:s1].float()
             row["max_rel_err_group0"] = float((check[0] - ref).abs().max() / ref.abs().max())
+            # Where the default tile's time goes: the GEMM with a bf16 result (no fp32 traffic)
+            # and overwriting the fp32 accumulator (its write, no read).
+            bf16_out = torch.empty(main_grad.shape, device=dev, dtype=torch.bfloat16)
+            row["triton_gemm_bf16_ms"] = cuda_median_ms(
+                lambda: grouped_wgrad_triton(a, b, offs, bf16_out, accumulate=False),
+                args.warmup,
+                args.iters,
+            )
+            row["triton_overwrite_fp32_ms"] = cuda_median_ms(
+                lambda: grouped_wgrad_triton(a, b, offs, check, accumulate=False),
+                args.warmup,
+                args.iters,
+            )
+            del bf16_out
+            # A vendor reference: cuBLAS per expert, accumulating into fp32 in its epilogue
+            # (beta = 1; torch's addmm with out_dtype), launched from a Python loop.
+            bounds = [0, *sizes.cumsum(0).tolist()]
+
+            def cublas_loop() -> None:
+                for g in range(args.experts):
+                    lo, hi = bounds[g], bounds[g + 1]
+                    torch.addmm(main_grad[g], a[lo:hi].t(), b[lo:hi],
+                                out_dtype=torch.float32, out=main_grad[g])
+
+            try:
+                row["cublas_loop_ms"] = cuda_median_ms(cublas_loop, args.warmup, args.iters)
+            except Exception as exc:  # addmm without out_dtype on this torch
+                row["cublas_loop_ms"] = repr(exc)[:120]
             for cfg in CONFIGS:
                 try:
                     ms = cuda_median_ms(
@@ -102,6 +130,13 @@ def main() -> None:
                     row["fused"][str(cfg)] = repr(exc)[:120]
                     continue
                 row["fused"][str(cfg)] = ms
+                if cfg.programs_per_sm:  # the persistent kernel against the default, all groups
+                    other = torch.zeros_like(check)
+                    grouped_wgrad_triton(a, b, offs, other, accumulate=False, config=cfg)
+                    err = float((other - check).abs().max() / check.abs().max())
+                    del other
+                    if err > 1e-3:
+                        row["fused"][str(cfg)] = f"wrong result: rel err {err:.1e}"
             best = min((v, k) for k, v in row["fused"].items() if isinstance(v, float))
             row["fused_best_ms"], row["fused_best"] = best
             row["fused_best_tflops"] = flops / best[0] / 1e9
@@ -114,7 +149,9 @@ def main() -> None:
             print(f"{name} rows/expert {rows:5d}: gemm {row['gemm_ms']:.3f} ms "
                   f"({row['gemm_tflops']:.0f} TF/s), gemm+add {row['gemm_add_ms']:.3f}, fused best "
                   f"{best[0]:.3f} ({row['fused_best_tflops']:.0f} TF/s) {best[1]}; rel err "
-                  f"{row['max_rel_err_group0']:.1e}", flush=True)
+                  f"{row['max_rel_err_group0']:.1e}; default tile: GEMM to bf16 "
+                  f"{row['triton_gemm_bf16_ms']:.3f}, overwrite fp32 "
+                  f"{row['triton_overwrite_fp32_ms']:.3f}; cuBLAS loop {row['cublas_loop_ms']}", flush=True)
             for k, v in row["fused"].items():
                 print(f"    {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
     with open(args.out, "w", encoding="utf-8") as f:

@@ -575,7 +575,8 @@ def _wgrad_case(sizes: list[int], dtype: torch.dtype, device: str = "cpu") -> tu
 @pytest.mark.parametrize("sizes", WGRAD_SIZES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("accumulate", [True, False])
-def test_interp_grouped_wgrad(sizes: list[int], dtype, accumulate: bool) -> None:
+@pytest.mark.parametrize("persistent", [0, 1], ids=["grid", "persistent"])
+def test_interp_grouped_wgrad(sizes: list[int], dtype, accumulate: bool, persistent: int) -> None:
     from megatron_lrmoe.experts.wgrad_triton import (
         WgradConfig,
         grouped_wgrad_reference,
@@ -585,7 +586,12 @@ def test_interp_grouped_wgrad(sizes: list[int], dtype, accumulate: bool) -> None
     a, b, base = _wgrad_case(sizes, dtype)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     got = grouped_wgrad_triton(
-        a, b, offs, base.clone(), accumulate=accumulate, config=WgradConfig(16, 32, 16, 4, 2)
+        a,
+        b,
+        offs,
+        base.clone(),
+        accumulate=accumulate,
+        config=WgradConfig(16, 32, 16, 4, 2, programs_per_sm=persistent, flatten=bool(persistent)),
     )
     want = grouped_wgrad_reference(a, b, sizes, base.clone(), accumulate=accumulate)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
@@ -634,9 +640,11 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_lrmoe.experts.wgrad_triton import (
         DEFAULT_CONFIG,
         LARGE_GROUP_CONFIG,
+        WgradConfig,
         accumulate_grouped_wgrad,
         config_for,
         grouped_wgrad_reference,
+        grouped_wgrad_triton,
     )
 
     monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
@@ -657,6 +665,13 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
         want = grouped_wgrad_reference(a, b, sizes, base.clone())
         torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
         assert torch.equal(got[1], base[1])
+        # The persistent kernel on the same tile: one and two programs per SM, flattened or not.
+        offs = torch.tensor(sizes, device="cuda").cumsum(0)
+        for pps, flatten in ((1, False), (1, True), (2, True)):
+            cfg = WgradConfig(**{**vars(tile), "programs_per_sm": pps, "flatten": flatten})
+            got = grouped_wgrad_triton(a, b, offs, base.clone(), config=cfg)
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
+            assert torch.equal(got[1], base[1])
 
 
 @cuda

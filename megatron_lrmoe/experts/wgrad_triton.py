@@ -52,6 +52,12 @@ class WgradConfig:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 4
+    # 0: one program per tile. n > 0: a persistent grid of n programs per SM looping over the
+    # tiles (``flatten``: one pipelined loop over tiles and rows; ``warp_specialize``: Triton's
+    # automatic warp specialisation of that loop).
+    programs_per_sm: int = 0
+    flatten: bool = False
+    warp_specialize: bool = False
 
 
 DEFAULT_CONFIG = WgradConfig()
@@ -70,11 +76,14 @@ def config_for(rows: int, groups: int) -> WgradConfig:
     return LARGE_GROUP_CONFIG if rows >= LARGE_GROUP_ROWS * max(groups, 1) else DEFAULT_CONFIG
 
 
-def _wgrad_kernel(
+def _wgrad_tile(
     out_ptr,
     a_ptr,
     b_ptr,
     offs_ptr,
+    g,
+    pm,
+    pn,
     M,
     N,
     stride_a,
@@ -85,11 +94,7 @@ def _wgrad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    pm = pid // tiles_n
-    pn = pid % tiles_n
+    """Tile ``(pm, pn)`` of group ``g``: the loop over the group's rows, then the epilogue."""
     end = tl.load(offs_ptr + g).to(tl.int64)
     start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -123,6 +128,69 @@ def _wgrad_kernel(
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _wgrad_kernel(
+    out_ptr,
+    a_ptr,
+    b_ptr,
+    offs_ptr,
+    M,
+    N,
+    stride_a,
+    stride_b,
+    ACCUMULATE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per tile: grid ``(tiles per group, groups)``."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    _wgrad_tile(
+        out_ptr, a_ptr, b_ptr, offs_ptr, tl.program_id(1), pid // tiles_n, pid % tiles_n,
+        M, N, stride_a, stride_b, ACCUMULATE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+
+
+def _wgrad_persistent_kernel(
+    out_ptr,
+    a_ptr,
+    b_ptr,
+    offs_ptr,
+    G,
+    M,
+    N,
+    stride_a,
+    stride_b,
+    ACCUMULATE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """``NUM_PROGRAMS`` programs stride over all tiles, a group's tiles next to each other (its
+    rows stay in L2). One program's epilogue can overlap its next tile's loads (``FLATTEN``:
+    the tile and row loops become one software-pipelined loop)."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = tl.cdiv(M, BLOCK_M) * tiles_n
+    for tile in tl.range(
+        tl.program_id(0),
+        G * per_group,
+        NUM_PROGRAMS,
+        flatten=FLATTEN,
+        warp_specialize=WARP_SPECIALIZE,
+    ):
+        g = tile // per_group
+        t = tile % per_group
+        _wgrad_tile(
+            out_ptr, a_ptr, b_ptr, offs_ptr, g, t // tiles_n, t % tiles_n,
+            M, N, stride_a, stride_b, ACCUMULATE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+
+
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Any:
     global tl
@@ -134,8 +202,18 @@ def _kernel() -> Any:
     from triton.runtime.jit import JITFunction
 
     tl = language
+    globals()["_wgrad_tile"] = triton.jit(_wgrad_tile)  # the kernels call the jitted helper
     kernel = triton.jit(_wgrad_kernel)
-    return kernel, not isinstance(kernel, JITFunction)
+    persistent = triton.jit(_wgrad_persistent_kernel)
+    return kernel, persistent, not isinstance(kernel, JITFunction)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 on the host, where the interpreter runs)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, num_groups: int, out: torch.Tensor) -> None:
@@ -186,30 +264,35 @@ def grouped_wgrad_triton(
     groups, m, n = out.shape
     if groups == 0 or m == 0 or n == 0:
         return out
-    grid = (_cdiv(m, config.block_m) * _cdiv(n, config.block_n), groups)
-    kernel, interpreted = _kernel()
+    tiles = _cdiv(m, config.block_m) * _cdiv(n, config.block_n)
+    kernel, persistent, interpreted = _kernel()
     if not out.is_cuda and not interpreted:
         raise ValueError(
             "grouped wgrad: host tensors need TRITON_INTERPRET=1 set before triton is imported"
         )
+    tiles_and_launch = dict(
+        ACCUMULATE=accumulate,
+        UPCAST=interpreted,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     with _device_ctx(out):
-        kernel[grid](
-            out,
-            a,
-            b,
-            offs,
-            m,
-            n,
-            a.stride(0),
-            b.stride(0),
-            ACCUMULATE=accumulate,
-            UPCAST=interpreted,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
+        if config.programs_per_sm <= 0:
+            kernel[(tiles, groups)](
+                out, a, b, offs, m, n, a.stride(0), b.stride(0), **tiles_and_launch
+            )
+        else:
+            programs = min(tiles * groups, config.programs_per_sm * _num_sms(out.device))
+            persistent[(programs,)](
+                out, a, b, offs, groups, m, n, a.stride(0), b.stride(0),
+                NUM_PROGRAMS=programs,
+                FLATTEN=config.flatten,
+                WARP_SPECIALIZE=config.warp_specialize,
+                **tiles_and_launch,
+            )  # fmt: skip
     return out
 
 
