@@ -34,19 +34,19 @@ from megatron_lrmoe.experts.wgrad_triton import (  # noqa: E402
 
 TILES = [
     WgradConfig(128, 128, 32, 4, 4),  # DEFAULT_CONFIG
-    WgradConfig(128, 256, 64, 8, 3),  # LARGE_GROUP_CONFIG
+    WgradConfig(128, 256, 64, 8, 3, 1),  # LARGE_GROUP_CONFIG
     WgradConfig(128, 128, 64, 8, 3),
     WgradConfig(128, 128, 64, 4, 4),
     WgradConfig(64, 128, 32, 4, 4),
 ]
-# The persistent kernel: programs per SM x (flatten, warp specialisation), on two tiles.
-PERSISTENT = [
-    WgradConfig(**{**vars(tile), "programs_per_sm": pps, "flatten": fl, "warp_specialize": ws})
+# The first two tiles on the other grid: one program per tile, or persistent (1, 2 per SM).
+OTHER_GRID = [
+    WgradConfig(**{**vars(tile), "programs_per_sm": pps})
     for tile in TILES[:2]
-    for pps in (1, 2)
-    for fl, ws in ((False, False), (True, False), (False, True), (True, True))
+    for pps in (0, 1, 2)
+    if pps != tile.programs_per_sm
 ]
-CONFIGS = TILES + PERSISTENT
+CONFIGS = TILES + OTHER_GRID
 
 
 def main() -> None:
@@ -130,7 +130,7 @@ def main() -> None:
                     row["fused"][str(cfg)] = repr(exc)[:120]
                     continue
                 row["fused"][str(cfg)] = ms
-                if cfg.programs_per_sm:  # the persistent kernel against the default, all groups
+                if cfg.programs_per_sm:  # a persistent grid against the default, all groups
                     other = torch.zeros_like(check)
                     grouped_wgrad_triton(a, b, offs, other, accumulate=False, config=cfg)
                     err = float((other - check).abs().max() / check.abs().max())

@@ -591,7 +591,7 @@ def test_interp_grouped_wgrad(sizes: list[int], dtype, accumulate: bool, persist
         offs,
         base.clone(),
         accumulate=accumulate,
-        config=WgradConfig(16, 32, 16, 4, 2, programs_per_sm=persistent, flatten=bool(persistent)),
+        config=WgradConfig(16, 32, 16, 4, 2, programs_per_sm=persistent),
     )
     want = grouped_wgrad_reference(a, b, sizes, base.clone(), accumulate=accumulate)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
@@ -665,10 +665,10 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
         want = grouped_wgrad_reference(a, b, sizes, base.clone())
         torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
         assert torch.equal(got[1], base[1])
-        # The persistent kernel on the same tile: one and two programs per SM, flattened or not.
+        # The same tile on the other grid: one program per tile, or persistent (1 and 2 per SM).
         offs = torch.tensor(sizes, device="cuda").cumsum(0)
-        for pps, flatten in ((1, False), (1, True), (2, True)):
-            cfg = WgradConfig(**{**vars(tile), "programs_per_sm": pps, "flatten": flatten})
+        for pps in (0, 1, 2):
+            cfg = WgradConfig(**{**vars(tile), "programs_per_sm": pps})
             got = grouped_wgrad_triton(a, b, offs, base.clone(), config=cfg)
             torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
             assert torch.equal(got[1], base[1])

@@ -12,8 +12,10 @@ Shape legend: R rows (pairs) grouped by expert, ``offs[g]`` the end row of group
 (``cumsum`` of the group sizes, as ``torch.nn.functional.grouped_mm`` takes it); ``a`` is
 ``[R, M]``, ``b`` is ``[R, N]``, ``out`` is ``[G, M, N]``.
 
-One program computes one ``[BLOCK_M, BLOCK_N]`` tile of one group, looping over the group's
-rows in ``BLOCK_K`` steps; empty groups leave ``out[g]`` as it was (``accumulate``) or zero it.
+A ``[BLOCK_M, BLOCK_N]`` tile of one group is computed by looping over the group's rows in
+``BLOCK_K`` steps (:func:`_wgrad_tile`); empty groups leave ``out[g]`` as it was
+(``accumulate``) or zero it. The grid has one program per tile, or (``programs_per_sm``) is
+persistent: a few programs per SM stride over all tiles, which pays for large groups.
 :func:`grouped_wgrad_reference` is the slow twin (one fp32 matmul per group).
 """
 
@@ -52,12 +54,9 @@ class WgradConfig:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 4
-    # 0: one program per tile. n > 0: a persistent grid of n programs per SM looping over the
-    # tiles (``flatten``: one pipelined loop over tiles and rows; ``warp_specialize``: Triton's
-    # automatic warp specialisation of that loop).
+    # 0: one program per tile; n > 0: a persistent grid of n programs per SM striding over
+    # the tiles (_wgrad_persistent_kernel).
     programs_per_sm: int = 0
-    flatten: bool = False
-    warp_specialize: bool = False
 
 
 DEFAULT_CONFIG = WgradConfig()
@@ -66,8 +65,14 @@ DEFAULT_CONFIG = WgradConfig()
 # against the default: fc1 at 2048 rows per expert 3.77 / 3.57 / 3.63 vs 4.14 / 4.21 / 3.96, at
 # 4096 6.13 vs 7.17; fc2 at 2048 1.80 / 1.80 / 1.85 vs 1.98 / 1.94 / 2.05, at 4096 3.10 vs 3.53;
 # at 1024 rows within 2-4 %, at 128-512 the default wins. EP > 1 gets there: 4096 tokens per
-# GPU, top-8 and 16 local experts make 2048 rows per expert.
-LARGE_GROUP_CONFIG = WgradConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+# GPU, top-8 and 16 local experts make 2048 rows per expert. Launched persistent, one program
+# per SM (gpu_run13 wgrad_persistent / wgrad_persistent2), it took a further 2-5 % off fc1 and
+# 4-15 % off fc2 at 2048-4096 rows: fc1 2048 3.51 / 3.54 vs 3.71 / 3.63, 4096 6.12 vs 6.51;
+# fc2 2048 1.61 / 1.65 vs 1.88 / 1.73, 4096 2.93 vs 3.05. The default tile does not gain from
+# it (2.27-2.91 vs 2.09-2.29 ms for fc1 at 1024 rows).
+LARGE_GROUP_CONFIG = WgradConfig(
+    block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, programs_per_sm=1
+)
 LARGE_GROUP_ROWS = 1536
 
 
@@ -168,21 +173,12 @@ def _wgrad_persistent_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
-    """``NUM_PROGRAMS`` programs stride over all tiles, a group's tiles next to each other (its
-    rows stay in L2). One program's epilogue can overlap its next tile's loads (``FLATTEN``:
-    the tile and row loops become one software-pipelined loop)."""
+    """``NUM_PROGRAMS`` programs stride over all tiles, a group's tiles next to each other (the
+    programs working at one time share the group's rows in L2)."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = tl.cdiv(M, BLOCK_M) * tiles_n
-    for tile in tl.range(
-        tl.program_id(0),
-        G * per_group,
-        NUM_PROGRAMS,
-        flatten=FLATTEN,
-        warp_specialize=WARP_SPECIALIZE,
-    ):
+    for tile in range(tl.program_id(0), G * per_group, NUM_PROGRAMS):
         g = tile // per_group
         t = tile % per_group
         _wgrad_tile(
@@ -289,8 +285,6 @@ def grouped_wgrad_triton(
             persistent[(programs,)](
                 out, a, b, offs, groups, m, n, a.stride(0), b.stride(0),
                 NUM_PROGRAMS=programs,
-                FLATTEN=config.flatten,
-                WARP_SPECIALIZE=config.warp_specialize,
                 **tiles_and_launch,
             )  # fmt: skip
     return out
