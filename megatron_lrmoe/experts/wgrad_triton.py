@@ -66,7 +66,7 @@ DEFAULT_CONFIG = WgradConfig()
 # 4096 6.13 vs 7.17; fc2 at 2048 1.80 / 1.80 / 1.85 vs 1.98 / 1.94 / 2.05, at 4096 3.10 vs 3.53;
 # at 1024 rows within 2-4 %, at 128-512 the default wins. EP > 1 gets there: 4096 tokens per
 # GPU, top-8 and 16 local experts make 2048 rows per expert. Launched persistent, one program
-# per SM (gpu_run13 wgrad_persistent / wgrad_persistent2), it took a further 2-5 % off fc1 and
+# per SM (gpu_run13 wgrad_persistent / wgrad_persistent2), it took a further 2-6 % off fc1 and
 # 4-15 % off fc2 at 2048-4096 rows: fc1 2048 3.51 / 3.54 vs 3.71 / 3.63, 4096 6.12 vs 6.51;
 # fc2 2048 1.61 / 1.65 vs 1.88 / 1.73, 4096 2.93 vs 3.05. The default tile does not gain from
 # it (2.27-2.91 vs 2.09-2.29 ms for fc1 at 1024 rows).
