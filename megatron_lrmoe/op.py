@@ -627,7 +627,7 @@ def _select_local(
         uniforms = _uniforms(call, key, plan.ep_size * num_experts)
         # Host uniforms: the fused selection puts them into its one host-to-device copy.
         uniforms = uniforms[plan.ep_rank * num_experts : (plan.ep_rank + 1) * num_experts]
-    sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms)
+    sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms, owned=False)
     p, nle = plan.ep_size, plan.num_local_experts
     send_kept = quota.reshape(p, nle)
     recv_kept = quota_src[:, plan.local_experts].contiguous()
@@ -689,7 +689,7 @@ def _select_with_replicas(
             num_experts = counts.numel()
             uniforms = _uniforms(call, key, num_ranks * num_experts)
             uniforms = uniforms[rank * num_experts : (rank + 1) * num_experts]
-    sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms)
+    sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms, owned=False)
     kept_layout: KeptLayout = layout.kept_layout(
         control.backward_send_counts(rank), control.backward_recv_counts(rank)
     )
@@ -738,7 +738,12 @@ def _select_global(
     if lrmoe.selection == "sample":
         uniforms = _uniforms(call, key, plan.quota.numel())[plan.local_experts]
     owner_sel = select(
-        lrmoe.selection, recv_scores, plan.tokens_per_local_expert, plan.local_quota, uniforms
+        lrmoe.selection,
+        recv_scores,
+        plan.tokens_per_local_expert,
+        plan.local_quota,
+        uniforms,
+        owned=False,
     )
     weight_expert_order = owner_sel.dense_weight(recv_scores.shape[0])
     weight_recv_order = call.reorder(weight_expert_order, plan.recv_counts.t())

@@ -997,56 +997,60 @@ def act_backward_triton(
         ``(dh [..., F1] in h's dtype, act [..., F] in h's dtype or None, dprobs [M] fp32 or
         None)``; with ``h_rows``, ``dh`` is ``[M, F1]``.
     """
+    # This runs in every backward of every layer, where it is on the host's critical path:
+    # each shape is read once, and 2-D inputs (the usual case) are not reshaped.
     _check_dtype("h", h)
     _check_dtype("d", d)
     code = _kind_code(kind)
-    if h.dim() < 1 or (gated and h.shape[-1] % 2):
-        raise ValueError(f"act_backward_triton: bad fc1 shape {tuple(h.shape)} (gated={gated})")
-    width = h.shape[-1] // 2 if gated else h.shape[-1]
-    lead = h.shape[:-1]
+    h_shape, d_shape = h.shape, d.shape
+    if not h_shape or (gated and h_shape[-1] % 2):
+        raise ValueError(f"act_backward_triton: bad fc1 shape {tuple(h_shape)} (gated={gated})")
+    width1 = h_shape[-1]
+    width = width1 // 2 if gated else width1
+    lead = h_shape[:-1]
     if h_rows is not None:
-        if h.dim() != 2 or h_rows.dim() != 1 or h_rows.dtype != torch.int64:
+        if len(h_shape) != 2 or h_rows.dim() != 1 or h_rows.dtype != torch.int64:
             raise ValueError(
                 f"act_backward_triton: h_rows needs a 2-D h and a 1-D int64 index, got h "
-                f"{tuple(h.shape)} and h_rows {tuple(h_rows.shape)} {h_rows.dtype}"
+                f"{tuple(h_shape)} and h_rows {tuple(h_rows.shape)} {h_rows.dtype}"
             )
         lead = h_rows.shape
-    if d.shape != lead + (width,):
+    if d_shape[:-1] != lead or d_shape[-1] != width:
         raise ValueError(
-            f"act_backward_triton: d {tuple(d.shape)} does not match h {tuple(h.shape)}"
+            f"act_backward_triton: d {tuple(d_shape)} does not match h {tuple(h_shape)}"
             + ("" if h_rows is None else f" indexed by {tuple(h_rows.shape)} rows")
         )
-    dh = torch.empty(lead + (h.shape[-1],), dtype=h.dtype, device=h.device)
-    act = torch.empty(d.shape, dtype=h.dtype, device=h.device) if store_act else None
-    h2, d2, dh2 = _as_rows(h), _as_rows(d), dh.view(-1, h.shape[-1])
-    _check_probs(probs, d2.shape[0], "act_backward_triton")
-    dprobs = (
-        torch.empty(d2.shape[0], dtype=torch.float32, device=h.device)
-        if probs is not None
-        else None
-    )
-    if dh.numel() == 0:
+    rows = d.numel() // width if width else 0
+    dtype, device = h.dtype, h.device
+    dh = torch.empty((rows, width1), dtype=dtype, device=device)
+    act = torch.empty((rows, width), dtype=dtype, device=device) if store_act else None
+    _check_probs(probs, rows, "act_backward_triton")
+    dprobs = torch.empty(rows, dtype=torch.float32, device=device) if probs is not None else None
+    out_lead = tuple(lead) if len(lead) != 1 else None  # reshape the results back to it
+    if rows == 0 or width1 == 0:
         if dprobs is not None:
             dprobs.zero_()
-        return dh, act, dprobs
-    act2 = act.view(-1, width) if act is not None else dh2
+        return _lead_view(dh, out_lead), _lead_view(act, out_lead), dprobs
+    h2 = _unit_cols(h) if len(h_shape) == 2 else _as_rows(h)
+    d2 = _unit_cols(d) if len(d_shape) == 2 else _as_rows(d)
+    act2 = act if act is not None else dh
     block_f = _col_block(width, block_f) if block_f is not None else min(_col_block(width, None), 256)
     block_m = max(1, (_TILE // 2) // block_f)
     with _device_ctx(h):
-        _kernels_for(h).act_bwd[(_cdiv(d2.shape[0], block_m),)](
-            dh2,
+        _kernels_for(h).act_bwd[(_cdiv(rows, block_m),)](
+            dh,
             act2,
-            dprobs if dprobs is not None else dh2,  # placeholders when unread
+            dprobs if dprobs is not None else dh,  # placeholders when unread
             d2,
             h2,
-            probs.contiguous() if probs is not None else dh2,
-            h_rows.contiguous() if h_rows is not None else dh2,
-            d2.shape[0],
+            probs.contiguous() if probs is not None else dh,
+            h_rows.contiguous() if h_rows is not None else dh,
+            rows,
             width,
             h2.stride(0),
             d2.stride(0),
-            dh2.stride(0),
-            act2.stride(0),
+            width1,
+            width if act is not None else width1,
             GATED=bool(gated),
             KIND=code,
             HAS_PROBS=probs is not None,
@@ -1056,4 +1060,9 @@ def act_backward_triton(
             BLOCK_F=block_f,
             num_warps=_NUM_WARPS,
         )
-    return dh, act, dprobs
+    return _lead_view(dh, out_lead), _lead_view(act, out_lead), dprobs
+
+
+def _lead_view(t: torch.Tensor | None, lead: tuple[int, ...] | None) -> torch.Tensor | None:
+    """``t`` (``[M, W]``) viewed as ``[*lead, W]`` (``lead`` None: as it is)."""
+    return t if t is None or lead is None else t.view(*lead, t.shape[-1])

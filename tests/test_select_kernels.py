@@ -149,7 +149,7 @@ def test_select_takes_the_torch_path_on_host_tensors(monkeypatch: pytest.MonkeyP
 def test_select_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def fake(policy, scores, counts, quota, uniforms=None):
+    def fake(policy, scores, counts, quota, uniforms=None, owned=True):
         calls.append(policy)
         return "fused"
 
@@ -224,6 +224,37 @@ def test_gpu_captured_selection_matches_reference(
     for case, _ in calls[:3]:
         _check(policy, (case[0].cuda(), *case[1:]))
     assert not kernels._GRAPHS.graphs and not kernels._GRAPHS.seen
+
+
+@cuda
+def test_gpu_replayed_selection_unowned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``owned=False`` (the layer's backward): replays hand out the graph's buffers; what a
+    caller queues before the next replay reads that call's selection, and the next replay
+    reuses the same memory (no copies). The default copies."""
+    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    gen = torch.Generator().manual_seed(5)
+    n, g = 3000, 8
+    counts = torch.full((g,), n // g, dtype=torch.int64)
+    seen = []
+    for call in range(5):
+        quota = (counts.double() * torch.rand(g, generator=gen, dtype=torch.float64)).long()
+        scores = torch.rand(n, generator=gen)
+        uniforms = torch.rand(g, generator=gen, dtype=torch.float64)
+        got = kernels.select_triton(
+            "sample", scores.cuda(), counts, quota, uniforms, owned=False
+        )
+        # A consumer queued before the next call, as the backward's packing is.
+        used = got.kept_index.clone(), got.weight.clone()
+        ref = _reference("sample", (scores, counts, quota, uniforms))
+        seen.append((used, ref, got.kept_index.data_ptr()))
+    torch.cuda.synchronize()
+    for (kept, weight), ref, _ in seen:
+        assert torch.equal(kept.cpu(), ref.kept_index)
+        assert torch.equal(weight.cpu(), ref.weight)
+    # Calls 2-4 replayed the graph captured in call 1: the same output buffer every time.
+    assert len({ptr for *_, ptr in seen[2:]}) == 1
+    owned = kernels.select_triton("sample", scores.cuda(), counts, quota, uniforms)
+    assert owned.kept_index.data_ptr() != seen[-1][2]
 
 
 # --------------------------------------------------------------------------------------------

@@ -618,6 +618,7 @@ def select_triton(
     uniforms: torch.Tensor | None = None,
     *,
     block: int | None = None,
+    owned: bool = True,
 ) -> scoring.Selection:
     """``scoring.select_topk`` / ``scoring.select_sample`` as a few row-parallel Triton kernels.
 
@@ -633,6 +634,8 @@ def select_triton(
         quota: ``[G]`` rows to keep per segment, ``0 <= quota <= counts``.
         uniforms: ``[G]`` uniforms in ``[0, 1)``, required by ``"sample"``.
         block: rows per program (a power of two >= 16), for tests and tuning.
+        owned: ``False``: a replayed selection returns its graph's output buffers, not copies
+            (see ``scoring.select``).
 
     Returns:
         The selection.
@@ -667,7 +670,7 @@ def select_triton(
             "select_triton got host tensors; it needs CUDA tensors, or TRITON_INTERPRET=1 set "
             "before triton is first imported (the interpreter runs the kernels on the host)"
         )
-    num_kept = int(quota_h.sum())
+    num_kept = int(quota_h.numpy().sum())
     if num_kept == 0:
         table = _segment_table(counts_h, quota_h, host_uniforms, device)
         empty = torch.empty(0, dtype=torch.int64, device=device)
@@ -675,7 +678,9 @@ def select_triton(
         return scoring.Selection(empty, empty.float(), table[_QUOTA])
     if (sample and host_uniforms is None) or not _graphs_wanted(device):
         return _select_eager(kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block)
-    return _GRAPHS.select(kernels, scores, counts_h, quota_h, host_uniforms, sample, block)
+    return _GRAPHS.select(
+        kernels, scores, counts_h, quota_h, host_uniforms, sample, block, num_kept, owned
+    )
 
 
 def _select_eager(
@@ -773,7 +778,9 @@ class _Captured:
     of the segment table, the one host-to-device copy the eager path makes too); outputs have
     room for every row (``kept[:K]`` is written, K varies with the quotas). Replays run on the
     stream of the call, in order with the kernels that read the previous outputs, and the
-    outputs are handed out as copies, so a later replay cannot change what a caller holds.
+    outputs are handed out as copies, so a later replay cannot change what a caller holds;
+    except with ``owned=False``, for a caller that queues every use of them before the next
+    replay (the layer's backward), which saves the copies.
     """
 
     def __init__(
@@ -815,16 +822,19 @@ class _Captured:
         self.scores.copy_(scores)
         self.table[:_HOST_ROWS].copy_(host, non_blocking=True)
 
-    def outputs(self, num_kept: int) -> scoring.Selection:
-        """Copies of the last run's outputs."""
-        return scoring.Selection(
-            self.kept[:num_kept].clone(), self.weight[:num_kept].clone(), self.table[_QUOTA].clone()
-        )
+    def outputs(self, num_kept: int, owned: bool = True) -> scoring.Selection:
+        """The last run's outputs: copies, or (``owned=False``) the buffers themselves."""
+        kept, weight, quota = self.kept[:num_kept], self.weight[:num_kept], self.table[_QUOTA]
+        if owned:
+            kept, weight, quota = kept.clone(), weight.clone(), quota.clone()
+        return scoring.Selection(kept, weight, quota)
 
-    def run(self, scores: torch.Tensor, host: torch.Tensor, num_kept: int) -> scoring.Selection:
+    def run(
+        self, scores: torch.Tensor, host: torch.Tensor, num_kept: int, owned: bool
+    ) -> scoring.Selection:
         self._load(scores, host)
         self.graph.replay()
-        return self.outputs(num_kept)
+        return self.outputs(num_kept, owned)
 
 
 class _GraphCache:
@@ -849,10 +859,11 @@ class _GraphCache:
         host_uniforms: torch.Tensor | None,
         sample: bool,
         block: int,
+        num_kept: int,
+        owned: bool,
     ) -> scoring.Selection:
         device = scores.device
         key = (device.index, scores.numel(), counts_h.numel(), sample, block, scores.dtype)
-        num_kept = int(quota_h.sum())
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.seen) >= 1024:  # many one-off shapes (varying lengths): start over
@@ -871,7 +882,7 @@ class _GraphCache:
                     self.graphs.popitem(last=False)
                 return entry.outputs(num_kept)
             self.graphs.move_to_end(key)
-            return entry.run(scores, host, num_kept)
+            return entry.run(scores, host, num_kept, owned)
 
 
 _GRAPHS = _GraphCache()

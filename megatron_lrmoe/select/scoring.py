@@ -680,6 +680,8 @@ def select(
     counts: torch.Tensor,
     quota: torch.Tensor,
     uniforms: torch.Tensor | None = None,
+    *,
+    owned: bool = True,
 ) -> Selection:
     """:func:`select_topk` (``"topk"``) or :func:`select_sample` (``"sample"``), fused on CUDA.
 
@@ -694,6 +696,10 @@ def select(
         counts: ``[G]`` rows per segment.
         quota: ``[G]`` rows to keep per segment.
         uniforms: ``[G]`` uniforms, required by ``"sample"``, ignored by ``"topk"``.
+        owned: ``False`` lets a replayed selection hand out its graph's own output buffers
+            instead of copies (``select/kernels.py``): they stay valid until the next selection
+            of the same shape is queued, so only a caller that queues every use of them before
+            that (on the same stream) may pass it; the layer's backward does.
 
     Returns:
         The selection.
@@ -710,7 +716,7 @@ def select(
         # Imported here: kernels.py imports this module.
         from megatron_lrmoe.select.kernels import select_triton
 
-        return select_triton(policy, scores, counts, quota, uniforms)
+        return select_triton(policy, scores, counts, quota, uniforms, owned=owned)
     if policy == "sample" and uniforms.device != scores.device and scores.is_cuda:
         # Pinned, so the copy is queued instead of waiting for the stream to drain.
         uniforms = uniforms.pin_memory().to(scores.device, non_blocking=True)
