@@ -485,7 +485,9 @@ class TrimmedMoEFunction(torch.autograd.Function):
         kept = select_kept(call, g, hidden, probs, key, timer)
         if timer:
             timer.start("packing")
-        g_kept, x_kept = pack_kept(call, g, hidden, probs, kept)
+        # Packed row of each kept pair, written by the packing kernel, read by return_dx.
+        row_of_pair = new_row_of_pair(call, g.device) if ctx.needs_input_grad[0] else None
+        g_kept, x_kept = pack_kept(call, g, hidden, probs, kept, row_of_pair)
         if timer:
             timer.stop("packing")
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
@@ -503,7 +505,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
         dw1, dw2 = call.fold_grads(dw1, dw2, into)
         if into is not None:
             dw1, dw2 = _fused_weight_grads(*ctx.params)
-        d_hidden = return_dx(call, kept, dx_k) if dx_k is not None else None
+        d_hidden = return_dx(call, kept, dx_k, row_of_pair) if dx_k is not None else None
 
         # Non-finite scores must reach Megatron's NaN check, never hide in a selection: the
         # poison (0 or NaN) went into every packed gradient row's scale, so into the expert
@@ -767,18 +769,27 @@ def _select_global(
     )
 
 
+def new_row_of_pair(call: ExpertCall, device: torch.device) -> torch.Tensor:
+    """``[S + 1]`` int64 all ``-1``: :func:`pack_kept` writes each kept pair's packed row into
+    it, the trailing entry stays ``-1`` (no pair), and :func:`return_dx` reads it."""
+    return torch.full((call.perm.num_pairs + 1,), -1, dtype=torch.int64, device=device)
+
+
 def pack_kept(
     call: ExpertCall,
     g: torch.Tensor,
     hidden: torch.Tensor,
     probs: torch.Tensor,
     kept: KeptPlan,
+    row_of_pair: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Stage 2: the kept pairs' gradient rows ``p * w * g_t`` (and their fc1 input rows ``x_t``
     when the expert side does not hold them: at EP 1, where the expert side is this rank, and in
     ``recompute`` mode), packed densely in exchange order, (receiver rank, expert)-major (with
     replicas: (receiver rank, instance)-major, ``KeptPlan.send_pairs``). One fused kernel
-    (:func:`pack_pairs`); nothing ``[S, H]``. The poison rides in the rows' scale.
+    (:func:`pack_pairs`); nothing ``[S, H]``. The poison rides in the rows' scale. With
+    ``row_of_pair`` (:func:`new_row_of_pair`) the kernel also records each kept pair's packed
+    row, which is the row its ``dx`` comes back in (:func:`return_dx`).
     """
     need_x = call.plan.ep_size == 1 or call.activation_mode == "recompute"
     return pack_pairs(
@@ -789,6 +800,7 @@ def pack_kept(
         kept.exchange_weight,
         x=hidden if need_x else None,
         poison=kept.poison,
+        row_of_pair=row_of_pair,
     )
 
 
@@ -815,12 +827,21 @@ def _kept_inputs(ctx, kept: KeptPlan, x_in: Optional[torch.Tensor]) -> torch.Ten
     return x_in if x_in is not None else ctx.x.index_select(0, kept.kept_positions)
 
 
-def return_dx(call: ExpertCall, kept: KeptPlan, dx_k: torch.Tensor) -> torch.Tensor:
-    """Stage 5: kept rows' ``dx`` go home; each token adds up its kept pairs' rows."""
+def return_dx(
+    call: ExpertCall, kept: KeptPlan, dx_k: torch.Tensor, row_of_pair: torch.Tensor
+) -> torch.Tensor:
+    """Stage 5: kept rows' ``dx`` go home; each token adds up its kept pairs' rows.
+
+    The return exchange inverts :func:`exchange_kept` (expert order -> receive order -> the
+    senders), so ``dx_k`` arrives in the order :func:`pack_kept` packed the gradient rows,
+    ``kept.exchange_pairs``. ``row_of_pair`` (filled by :func:`pack_kept`) maps every pair to
+    that row or ``-1``, so the gather-sum walks the slot plan ``perm.slot_pair`` through it: no
+    ``[T, K]`` index is built (``PairPermutation.slot_rows`` is the reference).
+    """
     send, recv = kept.send_splits, kept.recv_splits
     dx_k = call.reorder(dx_k, kept.recv_kept.t())
     dx_k = comm.all_to_all_rows(dx_k, recv, send, call.group)
-    return gather_sum(dx_k, call.perm.slot_rows(kept.exchange_pairs))
+    return gather_sum(dx_k, call.perm.slot_pair, row_of=row_of_pair)
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -185,16 +185,21 @@ def _gather_sum_kernel(
     rows_ptr,
     index_ptr,
     scale_ptr,
+    row_of_ptr,
     n_out,
     width,
     slots,
     rows_stride,
     out_stride,
     HAS_SCALE: tl.constexpr,
+    HAS_ROW_OF: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``out[t] = sum_k scale[i] * rows[i]`` over ``i = index[t, k] >= 0``, k in order, fp32."""
+    """``out[t] = sum_k scale[i] * rows[i]`` over ``i = index[t, k] >= 0``, k in order, fp32.
+
+    With ``HAS_ROW_OF`` the slot holds a key ``j`` and the row is ``i = row_of[j]`` (``j < 0``
+    reads nothing; ``row_of[j] < 0``: nothing to add)."""
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -205,6 +210,8 @@ def _gather_sum_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
     for k in range(0, slots):
         src = tl.load(index_ptr + out_rows * slots + k, mask=mask_m, other=-1).to(tl.int64)
+        if HAS_ROW_OF:
+            src = tl.load(row_of_ptr + src, mask=mask_m & (src >= 0), other=-1).to(tl.int64)
         valid = src >= 0
         mask = valid[:, None] & mask_h[None, :]
         x = tl.load(rows_ptr + src[:, None] * rows_stride + offs_h[None, :], mask=mask, other=0.0)
@@ -295,6 +302,7 @@ def _pack_pairs_kernel(
     probs_ptr,
     weight_ptr,
     poison_ptr,
+    row_of_ptr,
     n_out,
     width,
     g_stride,
@@ -303,11 +311,13 @@ def _pack_pairs_kernel(
     x_out_stride,
     HAS_X: tl.constexpr,
     HAS_POISON: tl.constexpr,
+    HAS_ROW_OF: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """Row ``i`` of pair ``j = pairs[i]`` of token ``t = token[j]``: ``g_out[i] = g[t] *
-    (p[j] * w[i] (+ poison))`` in fp32, rounded once; ``x_out[i] = x[t]`` (a copy)."""
+    (p[j] * w[i] (+ poison))`` in fp32, rounded once; ``x_out[i] = x[t]`` (a copy); with
+    ``HAS_ROW_OF`` also ``row_of[j] = i`` (stored by the first column block only)."""
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -321,6 +331,8 @@ def _pack_pairs_kernel(
     ).to(tl.float32)
     if HAS_POISON:
         scale = scale + tl.load(poison_ptr).to(tl.float32)
+    if HAS_ROW_OF:
+        tl.store(row_of_ptr + pair, offs_m.to(tl.int64), mask=mask_m & (pid_h == 0))
     dst = offs_m.to(tl.int64)[:, None]
     g = tl.load(g_ptr + tok[:, None] * g_stride + offs_h[None, :], mask=mask, other=0.0)
     y = g.to(tl.float32) * scale[:, None]
@@ -772,6 +784,7 @@ def pack_pairs_triton(
     weight: torch.Tensor,
     x: torch.Tensor | None = None,
     poison: torch.Tensor | None = None,
+    row_of_pair: torch.Tensor | None = None,
     *,
     block_h: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -790,6 +803,9 @@ def pack_pairs_triton(
         x: Optional ``[T, H]`` token input rows to pack alongside (same dtype as ``g`` not
             required).
         poison: Optional 0-dim fp32 added to every row's scale (0, or NaN to poison).
+        row_of_pair: Optional ``[>= S]`` int64 (the caller fills it, e.g. with ``-1``): the
+            kernel also writes ``row_of_pair[pairs[i]] = i``, the inverse map that
+            ``gather_sum_triton(..., row_of=...)`` reads. ``pairs`` must then be distinct.
         block_h: Column block override (a power of two), for tests and tuning.
 
     Returns:
@@ -802,11 +818,20 @@ def pack_pairs_triton(
         )
     if x is not None and x.shape != g.shape:
         raise ValueError(f"pack_pairs_triton: x {tuple(x.shape)} differs from g {tuple(g.shape)}")
+    if row_of_pair is not None and not (
+        row_of_pair.dim() == 1 and row_of_pair.dtype == torch.int64 and row_of_pair.is_contiguous()
+    ):
+        raise ValueError(
+            f"pack_pairs_triton: row_of_pair must be a contiguous 1-D int64 tensor, got "
+            f"{row_of_pair.dtype} {tuple(row_of_pair.shape)}"
+        )
     _check_dtype("g", g)
     n_out, width = pairs.shape[0], g.shape[1]
     g_out = torch.empty((n_out, width), dtype=g.dtype, device=g.device)
     x_out = None if x is None else torch.empty((n_out, width), dtype=x.dtype, device=g.device)
     if g_out.numel() == 0:
+        if row_of_pair is not None and n_out:  # zero-width rows: no program runs
+            row_of_pair.index_copy_(0, pairs.long(), torch.arange(n_out, device=g.device))
         return g_out, x_out
     g = _unit_cols(g)
     x = None if x is None else _unit_cols(x)
@@ -824,6 +849,7 @@ def pack_pairs_triton(
             probs.contiguous(),
             weight.contiguous(),
             poison if poison is not None else weight,
+            row_of_pair if row_of_pair is not None else pairs,  # placeholder when unwritten
             n_out,
             width,
             g.stride(0),
@@ -832,6 +858,7 @@ def pack_pairs_triton(
             x_out.stride(0) if x_out is not None else g_out.stride(0),
             HAS_X=x is not None,
             HAS_POISON=poison is not None,
+            HAS_ROW_OF=row_of_pair is not None,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
             num_warps=_NUM_WARPS,
@@ -843,6 +870,7 @@ def gather_sum_triton(
     rows: torch.Tensor,
     index: torch.Tensor,
     scale: torch.Tensor | None = None,
+    row_of: torch.Tensor | None = None,
     *,
     block_h: int | None = None,
 ) -> torch.Tensor:
@@ -852,6 +880,9 @@ def gather_sum_triton(
         rows: ``[R, H]`` bf16/fp16/fp32.
         index: ``[T, K]`` int64 source rows, ``-1`` for an empty slot (not range-checked).
         scale: Optional ``[R]`` factor per *source* row.
+        row_of: Optional 1-D int64: ``index`` then holds keys (e.g. pairs), and slot ``j =
+            index[t, k]`` reads row ``i = row_of[j]``; ``j < 0`` (never looked up) or ``i < 0``
+            adds nothing. Not range-checked.
         block_h: Column block override (a power of two), for tests and tuning.
 
     Returns:
@@ -864,6 +895,11 @@ def gather_sum_triton(
         )
     if scale is not None and scale.shape != rows.shape[:1]:
         raise ValueError(f"gather_sum_triton: scale {tuple(scale.shape)} for {rows.shape[0]} rows")
+    if row_of is not None and (row_of.dim() != 1 or row_of.dtype != torch.int64):
+        raise ValueError(
+            f"gather_sum_triton: row_of must be 1-D int64, got {row_of.dtype} "
+            f"{tuple(row_of.shape)}"
+        )
     _check_dtype("rows", rows)
     n_out, slots = index.shape
     width = rows.shape[1]
@@ -880,13 +916,15 @@ def gather_sum_triton(
             out,
             rows,
             index,
-            scale.contiguous() if scale is not None else out,  # placeholder when unread
+            scale.contiguous() if scale is not None else out,  # placeholders when unread
+            row_of.contiguous() if row_of is not None else index,
             n_out,
             width,
             slots,
             rows.stride(0),
             out.stride(0),
             HAS_SCALE=scale is not None,
+            HAS_ROW_OF=row_of is not None,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
             num_warps=_NUM_WARPS,

@@ -12,7 +12,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from megatron_lrmoe.dispatch.permutation import PairPermutation, _slot_pair_by_rank, permute_probs
-from megatron_lrmoe.dispatch.rows import gather_sum
+from megatron_lrmoe.dispatch.rows import gather_sum, pack_pairs
 
 
 def _routing(t: int, e: int, k: int, incomplete: bool, seed: int) -> torch.Tensor:
@@ -81,6 +81,35 @@ def test_slot_rows_and_scaled_gather_sum() -> None:
             want[t] += pair_rows[i]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got_scaled, want_scaled, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("incomplete", [False, True], ids=["full", "empty_slots"])
+@pytest.mark.parametrize("keep", [0, 1, 7, None], ids=["none", "one", "some", "all"])
+def test_row_of_pair_from_packing_matches_slot_rows(incomplete: bool, keep: int | None) -> None:
+    """The trimmed backward's return path: ``pack_pairs`` records each packed pair's row, and
+    ``gather_sum(rows, slot_pair, row_of=...)`` equals ``gather_sum`` on ``slot_rows``."""
+    t, e, k, h = 11, 6, 3, 5
+    routing_map = _routing(t, e, k, incomplete, seed=7)
+    s = int(routing_map.sum())
+    perm = PairPermutation.build(routing_map, s, k)
+    assert perm.full == (not incomplete)
+    gen = torch.Generator().manual_seed(3)
+    kept = torch.randperm(s, generator=gen)[: s if keep is None else keep]  # exchange order
+    g = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    probs = torch.rand(s, generator=gen).double()  # fp32 values: the packing scales in fp32
+    weight = torch.ones(kept.numel())
+    row_of_pair = torch.full((s + 1,), -1, dtype=torch.int64)
+    packed, _ = pack_pairs(g, perm.token_of_pair, kept, probs, weight, row_of_pair=row_of_pair)
+    assert int(row_of_pair[s]) == -1 and int((row_of_pair >= 0).sum()) == kept.numel()
+    assert torch.equal(row_of_pair[kept], torch.arange(kept.numel()))
+    rows = torch.randn(kept.numel(), h, generator=gen, dtype=torch.float64)
+    got = gather_sum(rows, perm.slot_pair, row_of=row_of_pair)
+    assert torch.equal(got, gather_sum(rows, perm.slot_rows(kept)))
+    # Round trip: each token gets back p * g_t once per kept pair of its own.
+    back = gather_sum(packed, perm.slot_pair, row_of=row_of_pair)
+    kept_p = torch.zeros(s, dtype=torch.float64).index_copy_(0, kept, probs[kept])
+    per_token = torch.zeros(t, dtype=torch.float64).index_add_(0, perm.token_of_pair, kept_p)
+    torch.testing.assert_close(back, g * per_token[:, None], rtol=1e-12, atol=1e-12)
 
 
 def test_too_many_pairs_per_token_is_an_error() -> None:

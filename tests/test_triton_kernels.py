@@ -35,6 +35,7 @@ import torch
 
 from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.dispatch import rows as rowwise
+from megatron_lrmoe.dispatch.permutation import PairPermutation
 from megatron_lrmoe.experts import GluSpec, act_backward, act_forward
 from megatron_lrmoe.select import scoring
 from megatron_lrmoe.testing.interpreter import run_interpreter_tests
@@ -504,6 +505,70 @@ def test_interp_pack_pairs(small_tiles, dtype, k: int, with_x: bool) -> None:
 
 
 @interp
+@pytest.mark.parametrize("k", [0, 1, 19, 40])
+@pytest.mark.parametrize("h", [200, 0], ids=["h200", "h0"])
+def test_interp_pack_pairs_row_of_pair(small_tiles, k: int, h: int) -> None:
+    """The packing kernel also records each packed pair's row (``row_of_pair[pairs[i]] = i``),
+    like the torch path; the packed rows do not change."""
+    g = _gen(950 + k)
+    t, s = 13, 40
+    grad = _rows_layout(torch.randn(t, h, generator=g), "row_strided") if h else torch.randn(t, 0)
+    token_of_pair = torch.randint(0, t, (s,), generator=g)
+    pairs = torch.randperm(s, generator=g)[:k]  # distinct, any order
+    probs = torch.rand(s, generator=g)
+    weight = 1.0 + torch.rand(k, generator=g)
+    want = torch.full((s + 1,), -1, dtype=torch.int64)
+    for i, j in enumerate(pairs.tolist()):
+        want[j] = i
+    got_map = torch.full((s + 1,), -1, dtype=torch.int64)
+    ref_map = got_map.clone()
+    got_g, _ = triton_kernels.pack_pairs_triton(
+        grad, token_of_pair, pairs, probs, weight, row_of_pair=got_map, block_h=64
+    )
+    ref_g, _ = rowwise.pack_pairs(grad, token_of_pair, pairs, probs, weight, row_of_pair=ref_map)
+    plain_g, _ = triton_kernels.pack_pairs_triton(
+        grad, token_of_pair, pairs, probs, weight, block_h=64
+    )
+    assert torch.equal(got_map, want) and torch.equal(ref_map, want)
+    assert torch.equal(got_g, ref_g) and torch.equal(got_g, plain_g)
+
+
+@interp
+@pytest.mark.parametrize("incomplete", [False, True], ids=["full", "empty_slots"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_gather_sum_row_of(small_tiles, dtype, scaled: bool, incomplete: bool) -> None:
+    """``gather_sum(rows, slot_pair, row_of=...)`` against ``gather_sum`` on the ``[T, K]`` plan
+    ``PairPermutation.slot_rows`` builds: dropped pairs and empty slots add nothing."""
+    g = _gen(970 + 2 * incomplete + scaled)
+    t, e, k, h = 21, 8, 3, 200
+    idx = torch.rand(t, e, generator=g).topk(k, dim=1).indices
+    routing_map = torch.zeros(t, e, dtype=torch.bool).scatter_(1, idx, True)
+    if incomplete:
+        routing_map[::4, idx[::4, 0]] = False
+        routing_map[5] = False  # a token with no pair at all
+    s = int(routing_map.sum())
+    perm = PairPermutation.build(routing_map, s, k)
+    assert perm.full == (not incomplete)
+    # Two thirds of the pairs kept, listed in a shuffled (exchange) order.
+    kept = torch.randperm(s, generator=g)[: 2 * s // 3]
+    rows = _rows_layout(torch.randn(kept.numel(), h, generator=g).to(dtype), "row_strided")
+    scale = torch.rand(kept.numel(), generator=g) if scaled else None
+    row_of = torch.full((s + 1,), -1, dtype=torch.int64)
+    row_of[kept] = torch.arange(kept.numel())
+    got = triton_kernels.gather_sum_triton(rows, perm.slot_pair, scale, row_of, block_h=64)
+    ref = rowwise.gather_sum(rows, perm.slot_rows(kept), scale)
+    via = rowwise.gather_sum(rows, perm.slot_pair, scale, row_of=row_of)  # the torch path
+    assert torch.equal(via, ref)
+    if dtype == torch.float32:
+        assert torch.equal(got, ref)
+    else:
+        assert_within(got, ref, ulps=1, what="gather_sum row_of")
+    if incomplete:  # the token without pairs reads only empty slots
+        assert bool((perm.slot_pair[5] == -1).all()) and torch.count_nonzero(got[5]) == 0
+
+
+@interp
 def test_interp_launchers_reject_bad_inputs() -> None:
     with pytest.raises(ValueError, match="scale has"):
         triton_kernels.scale_rows_triton(torch.randn(4, 8), torch.rand(3))
@@ -519,6 +584,10 @@ def test_interp_launchers_reject_bad_inputs() -> None:
         triton_kernels.act_forward_triton(torch.randn(3, 8), True, "silu", torch.rand(2))
     with pytest.raises(ValueError, match="int64"):
         triton_kernels.gather_sum_triton(torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="row_of"):
+        triton_kernels.gather_sum_triton(
+            torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int64), None, torch.zeros(5)
+        )
     with pytest.raises(ValueError, match="power of two"):
         triton_kernels.act_forward_triton(torch.randn(3, 8), False, "silu", block_f=24)
     with pytest.raises(ValueError, match="row_norms_triton"):
@@ -531,6 +600,11 @@ def test_interp_launchers_reject_bad_inputs() -> None:
         triton_kernels.pack_pairs_triton(
             torch.randn(4, 8), torch.zeros(6, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
             torch.rand(6), torch.ones(2),
+        )
+    with pytest.raises(ValueError, match="row_of_pair"):
+        triton_kernels.pack_pairs_triton(
+            torch.randn(4, 8), torch.zeros(6, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+            torch.rand(6), torch.ones(2), row_of_pair=torch.full((14,), -1)[::2],
         )
 
 

@@ -80,6 +80,11 @@ class PairPermutation:
     def slot_rows(self, kept_index: torch.Tensor) -> torch.Tensor:
         """``[T, K]`` position in ``kept_index`` of each slot's pair, ``-1`` if dropped or empty.
 
+        The reference of the trimmed backward's return path, which builds no ``[T, K]`` plan:
+        the packing kernel writes each kept pair's row (``rows.pack_pairs(..., row_of_pair)``)
+        and ``rows.gather_sum(rows, slot_pair, row_of=row_of_pair)`` maps every slot through
+        it. Five small torch ops here, one ``torch.full`` there.
+
         Args:
             kept_index: ``[Kp]`` int64 pairs that have a row, in row order.
 

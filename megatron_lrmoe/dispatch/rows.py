@@ -95,6 +95,7 @@ def pack_pairs(
     weight: torch.Tensor,
     x: torch.Tensor | None = None,
     poison: torch.Tensor | None = None,
+    row_of_pair: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pack the gradient rows (and optionally the input rows) of the pairs ``pairs``.
 
@@ -114,11 +115,16 @@ def pack_pairs(
         x: Optional ``[T, H]`` input rows to pack alongside.
         poison: Optional 0-dim fp32 added to every scale (0, or NaN so that a non-finite score
             reaches the weight gradients).
+        row_of_pair: Optional contiguous ``[S + 1]`` int64, filled with ``-1`` by the caller:
+            also written ``row_of_pair[pairs[i]] = i`` (the packed row of each packed pair; the
+            trailing entry stays ``-1``), the map with which :func:`gather_sum` (``row_of``)
+            adds rows that come back in packed order into their tokens. ``pairs`` must then be
+            distinct.
 
     Returns:
         ``(g_out [K, H], x_out [K, H] or None)``.
     """
-    extra = tuple(t for t in (x, poison) if t is not None)
+    extra = tuple(t for t in (x, poison, row_of_pair) if t is not None)
     if (
         triton_kernels.use_triton(g, token_of_pair, pairs, probs, weight, *extra)
         and g.dim() == 2
@@ -131,8 +137,10 @@ def pack_pairs(
         and not _needs_autograd(g, probs, *(() if x is None else (x,)))
     ):
         return triton_kernels.pack_pairs_triton(
-            g, token_of_pair, pairs, probs, weight, x=x, poison=poison
+            g, token_of_pair, pairs, probs, weight, x=x, poison=poison, row_of_pair=row_of_pair
         )
+    if row_of_pair is not None:
+        row_of_pair.index_copy_(0, pairs.long(), torch.arange(pairs.numel(), device=pairs.device))
     tok = token_of_pair.index_select(0, pairs)
     scale = probs.float().index_select(0, pairs) * weight
     if poison is not None:
@@ -202,7 +210,10 @@ def slots_to_rows(slots: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def gather_sum(
-    rows: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None = None
+    rows: torch.Tensor,
+    index: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    row_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k scale[i] * rows[i]`` over the slots ``i = index[t, k] >= 0``.
 
@@ -215,19 +226,28 @@ def gather_sum(
         rows: ``[R, H]`` pair rows.
         index: ``[T, K]`` int64 row of each slot, ``-1`` for an empty one.
         scale: Optional ``[R]`` factor per row (e.g. the routing weight of each pair).
+        row_of: Optional 1-D int64 map from what ``index`` holds to rows: slot ``j = index[t,
+            k]`` then adds row ``row_of[j]`` (``j = -1``, an empty slot, or ``row_of[j] = -1``,
+            e.g. a dropped pair: nothing). With ``index = PairPermutation.slot_pair`` and the
+            ``row_of_pair`` that :func:`pack_pairs` wrote, this is ``gather_sum(rows,
+            perm.slot_rows(pairs))`` without building that ``[T, K]`` plan.
 
     Returns:
         ``[T, H]`` in ``rows.dtype``.
     """
+    extra = tuple(t for t in (scale, row_of) if t is not None)
     if (
-        triton_kernels.use_triton(rows, index, *(() if scale is None else (scale,)))
+        triton_kernels.use_triton(rows, index, *extra)
         and rows.dim() == 2
         and rows.dtype in triton_kernels.KERNEL_DTYPES
         and index.dim() == 2
         and index.dtype == torch.int64
         and (scale is None or scale.shape == rows.shape[:1])
+        and (row_of is None or (row_of.dim() == 1 and row_of.dtype == torch.int64))
     ):
-        return triton_kernels.gather_sum_triton(rows, index, scale)
+        return triton_kernels.gather_sum_triton(rows, index, scale, row_of)
+    if row_of is not None:
+        index = torch.where(index < 0, -1, row_of[index.clamp(min=0)])
     wide = torch.promote_types(rows.dtype, torch.float32)
     num_out, slots = index.shape
     out = rows.new_empty((num_out, rows.shape[1]))
