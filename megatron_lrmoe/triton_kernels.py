@@ -1053,7 +1053,7 @@ def act_backward_triton(
                 f"{tuple(h_shape)} and h_rows {tuple(h_rows.shape)} {h_rows.dtype}"
             )
         lead = h_rows.shape
-    if d_shape[:-1] != lead or d_shape[-1] != width:
+    if len(d_shape) != len(lead) + 1 or d_shape[:-1] != lead or d_shape[-1] != width:
         raise ValueError(
             f"act_backward_triton: d {tuple(d_shape)} does not match h {tuple(h_shape)}"
             + ("" if h_rows is None else f" indexed by {tuple(h_rows.shape)} rows")
