@@ -34,7 +34,7 @@ import contextlib
 import functools
 import os
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
