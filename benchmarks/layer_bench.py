@@ -456,7 +456,11 @@ def main() -> None:
                     f"(attainable {r.get('bwd_attainable') or 0:.3f}) "
                     f"ovh {r.get('overhead_ms') or 0:.3f} saved {r['saved_mib']:7.0f} peak "
                     f"{r['peak_mib']:7.0f} MiB syncs {r['bwd_syncs']:.0f} "
-                    f"launches {r.get('kernels_fwd', 0):.0f}/{r.get('kernels_bwd', 0):.0f}",
+                    + (  # not counted under --no-profile
+                        f"launches {r['kernels_fwd']:.0f}/{r['kernels_bwd']:.0f}"
+                        if "kernels_fwd" in r
+                        else "launches -"
+                    ),
                     flush=True,
                 )
     if rank == 0:
