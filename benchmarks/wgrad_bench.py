@@ -151,7 +151,8 @@ def main() -> None:
                   f"{best[0]:.3f} ({row['fused_best_tflops']:.0f} TF/s) {best[1]}; rel err "
                   f"{row['max_rel_err_group0']:.1e}; default tile: GEMM to bf16 "
                   f"{row['triton_gemm_bf16_ms']:.3f}, overwrite fp32 "
-                  f"{row['triton_overwrite_fp32_ms']:.3f}; cuBLAS loop {row['cublas_loop_ms']}", flush=True)
+                  f"{row['triton_overwrite_fp32_ms']:.3f}; cuBLAS loop {row['cublas_loop_ms']}",
+                  flush=True)
             for k, v in row["fused"].items():
                 print(f"    {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
     with open(args.out, "w", encoding="utf-8") as f:

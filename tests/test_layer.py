@@ -247,7 +247,8 @@ def test_fused_accumulation_under_saved_tensor_hooks() -> None:
     the fused accumulation into main_grad off: the weights' ``main_grad`` gains the unfused
     gradient and autograd gets none; outputs and input gradients are unchanged (EP 1 and 2)."""
     for ep in (1, 2):
-        for res in run_distributed(w.fused_accumulation_under_saved_tensor_hooks, ep, timeout=240)[0]:
+        results = run_distributed(w.fused_accumulation_under_saved_tensor_hooks, ep, timeout=240)
+        for res in results[0]:
             case = (ep, res["case"])
             assert res["hooks_ran"] and res["same_outputs"], case
             assert res["unfused_left_main_grad"] and res["fused_grads_empty"], case

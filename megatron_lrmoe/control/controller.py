@@ -1184,9 +1184,7 @@ class _Call:
             native.address(caps_array),
             native.address(cut),
         )
-        count = lib.lrmoe_start_caps_cut(args)
-        if count < 0:
-            raise native.NativeError("out of memory in the planner's native code")
+        count = native.check(lib.lrmoe_start_caps_cut(args))  # -1: out of memory
         return cut[:count].tolist() if count else None
 
     def reference_caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
