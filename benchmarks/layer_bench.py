@@ -79,12 +79,15 @@ def _variants(
     extras: bool,
     eager_selection: bool,
     fusion: str = "off",
+    eager_scoring: bool = False,
 ) -> list[Variant]:
     """The LRMoE variants; ``fusion`` "on" / "both" adds each with its weight gradients
     accumulated into ``main_grad`` (name suffix " fused"; needs ``--main-grad``)."""
     from megatron_lrmoe import LRMoEConfig
 
-    base = _base_variants(ep, keeps, selections, extras, eager_selection, LRMoEConfig)
+    base = _base_variants(
+        ep, keeps, selections, extras, eager_selection, eager_scoring, LRMoEConfig
+    )
     out = [] if fusion == "on" else list(base)
     if fusion in ("on", "both"):
         out += [
@@ -97,7 +100,7 @@ def _variants(
 
 def _base_variants(
     ep: int, keeps: list[float], selections: list[str], extras: bool, eager_selection: bool,
-    config: Any,
+    eager_scoring: bool, config: Any,
 ) -> list[Variant]:
     LRMoEConfig = config  # noqa: N806
     out = [Variant("LRMoE keep 1.0", LRMoEConfig(keep_ratio=1.0, grad_accumulation_fusion="off"))]
@@ -128,6 +131,16 @@ def _base_variants(
                 "LRMoE keep 0.5 sample eager selection",
                 LRMoEConfig(keep_ratio=0.5),
                 env={"LRMOE_SELECT_GRAPHS": "0"},
+            )
+        )
+    if eager_scoring:
+        # The same keep-0.5 call with the scoring launched before the replayed selection (the
+        # code before it joined the graph): an A/B of that change inside one process.
+        out.append(
+            Variant(
+                "LRMoE keep 0.5 sample eager scoring",
+                LRMoEConfig(keep_ratio=0.5),
+                env={"LRMOE_SCORE_GRAPHS": "0"},
             )
         )
     return out
@@ -332,6 +345,12 @@ def main() -> None:
         help="add keep 0.5 sample with the selection launched kernel by kernel "
         "(LRMOE_SELECT_GRAPHS=0), beside the default CUDA-graph replay",
     )
+    parser.add_argument(
+        "--eager-scoring",
+        action="store_true",
+        help="add keep 0.5 sample with the scoring launched before the replayed selection "
+        "(LRMOE_SCORE_GRAPHS=0), beside the default one graph for both",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--no-stock", action="store_true", help="skip the stock layer")
@@ -376,7 +395,8 @@ def main() -> None:
             if module is not None:
                 _attach_main_grad(module)
     variants = _variants(
-        ep, args.keep, args.selections, not args.no_extras, args.eager_selection, args.fusion
+        ep, args.keep, args.selections, not args.no_extras, args.eager_selection, args.fusion,
+        args.eager_scoring,
     )
     if stock is not None:
         variants.insert(0, Variant("stock MoELayer (SequentialMLP)", None))

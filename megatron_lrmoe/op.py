@@ -63,10 +63,10 @@ from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_par
 from megatron_lrmoe.experts.replica_weights import fold_replica_grads
 from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
 from megatron_lrmoe.select.scoring import (
-    PairScores,
     Selection,
     draw_uniforms,
     pair_scores,
+    score_and_select,
     select,
     token_norms,
 )
@@ -581,45 +581,61 @@ def select_kept(
     Score ``p^2 ||g_t||^2 ||x_t||^2``: both norms are token properties, taken once per token
     (:func:`token_norms`), each relative to its largest value in the call (in the EP group for
     scope global, where sources compete), so the fp32 scores cannot overflow and need no sync
-    (:func:`pair_scores`).
+    (:func:`pair_scores`). Where this source selects among its own pairs (scope local or EP 1,
+    no replicas) scoring and selection are one step (:func:`score_and_select`: on CUDA one
+    replayed graph), and its time is the ``selection`` span.
     """
-    if timer:
-        timer.start("scoring")
-    norms = token_norms(g, hidden)  # [2, T]
-    top = norms.amax(dim=1) if norms.shape[1] else norms.new_zeros(2)
-    if call.lrmoe.scope == "global":
-        top = comm.all_reduce_max(top, call.group)
-    scored: PairScores = pair_scores(probs, call.perm.token_of_pair, norms, top)
-    scores, poison = scored.scores, scored.poison
-    if timer:
-        timer.stop("scoring")
-        timer.start("selection")
-    if call.layout is not None:
-        kept = _select_with_replicas(call, scores, poison, key)
-    elif call.lrmoe.scope == "local" or call.plan.ep_size == 1:
-        kept = _select_local(call, scores, poison, key)
+    lrmoe, token_of_pair = call.lrmoe, call.perm.token_of_pair
+    if call.layout is None and (lrmoe.scope == "local" or call.plan.ep_size == 1):
+        if timer:
+            timer.start("selection")
+        counts, quota, uniforms = _local_segments(call, key)
+        scored, sel = score_and_select(
+            lrmoe.selection, g, hidden, probs, token_of_pair, counts, quota, uniforms,
+            owned=False,
+        )
+        kept = _local_plan(call, sel, quota, counts, scored.poison)
+        if timer:
+            timer.stop("selection")
     else:
-        kept = _select_global(call, scores, poison, key)
-    if timer:
-        timer.stop("selection")
+        if timer:
+            timer.start("scoring")
+        norms = token_norms(g, hidden)  # [2, T]
+        top = norms.amax(dim=1) if norms.shape[1] else norms.new_zeros(2)
+        if lrmoe.scope == "global":
+            top = comm.all_reduce_max(top, call.group)
+        scored = pair_scores(probs, token_of_pair, norms, top)
+        if timer:
+            timer.stop("scoring")
+            timer.start("selection")
+        if call.layout is not None:
+            kept = _select_with_replicas(call, scored.scores, scored.poison, key)
+        else:
+            kept = _select_global(call, scored.scores, scored.poison, key)
+        if timer:
+            timer.stop("selection")
     stats = call.stats
     if stats is not None:
-        stats.score_total = scored.total
-        kept_scores = scores.index_select(0, kept.kept_index)
+        # A replayed graph's total is overwritten by the next replay: this one is read later.
+        stats.score_total = scored.total.clone()
+        kept_scores = scored.scores.index_select(0, kept.kept_index)
         stats.score_kept = torch.nan_to_num(kept_scores, nan=0.0, posinf=0.0, neginf=0.0).sum()
-        if call.lrmoe.debug_record_selection:
-            dense = torch.zeros(scores.numel(), dtype=torch.float32, device=scores.device)
+        if lrmoe.debug_record_selection:
+            dense = torch.zeros(scored.scores.numel(), dtype=torch.float32, device=g.device)
             stats.kept_weight = dense.index_copy_(0, kept.kept_index, kept.weight).cpu()
             stats.kept_mask = stats.kept_weight > 0
     return kept
 
 
-def _select_local(
-    call: ExpertCall, scores: torch.Tensor, poison: torch.Tensor, key: tuple[int, ...]
-) -> KeptPlan:
-    """Scope local: this source selects among its own pairs with its share of each quota."""
+def _local_segments(
+    call: ExpertCall, key: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Scope local: this source selects among its own pairs with its share of each quota.
+
+    Returns ``(counts, quota, uniforms)`` of its segments (one per expert, in send order): host
+    tensors, and the call's host uniforms for ``sample`` (else ``None``).
+    """
     plan, lrmoe = call.plan, call.lrmoe
-    device = scores.device
     counts = plan.global_counts[plan.ep_rank]  # [E] segments = experts, in send order
     quota_src = plan.source_quota if plan.source_quota is not None else plan.quota.unsqueeze(0)
     quota = quota_src[plan.ep_rank]
@@ -629,7 +645,20 @@ def _select_local(
         uniforms = _uniforms(call, key, plan.ep_size * num_experts)
         # Host uniforms: the fused selection puts them into its one host-to-device copy.
         uniforms = uniforms[plan.ep_rank * num_experts : (plan.ep_rank + 1) * num_experts]
-    sel: Selection = select(lrmoe.selection, scores, counts, quota, uniforms, owned=False)
+    return counts, quota, uniforms
+
+
+def _local_plan(
+    call: ExpertCall,
+    sel: Selection,
+    quota: torch.Tensor,
+    counts: torch.Tensor,
+    poison: torch.Tensor,
+) -> KeptPlan:
+    """The :class:`KeptPlan` of a scope-local selection (:func:`_local_segments`)."""
+    plan = call.plan
+    device = sel.kept_index.device
+    quota_src = plan.source_quota if plan.source_quota is not None else plan.quota.unsqueeze(0)
     p, nle = plan.ep_size, plan.num_local_experts
     send_kept = quota.reshape(p, nle)
     recv_kept = quota_src[:, plan.local_experts].contiguous()

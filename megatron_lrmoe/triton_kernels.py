@@ -39,13 +39,22 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ARG_G",
+    "ARG_PROBS",
+    "ARG_SLOTS",
+    "ARG_TOKEN",
+    "ARG_X",
     "TRITON_ENV",
     "act_backward_triton",
     "act_forward_triton",
     "gather_sum_triton",
+    "args_ready",
     "pack_pairs_triton",
+    "pair_blocks",
+    "pair_scores_from_args",
     "pair_scores_triton",
     "row_dot_triton",
+    "row_norms_from_args",
     "row_norms_triton",
     "scale_rows_triton",
     "triton_available",
@@ -224,16 +233,17 @@ def _gather_sum_kernel(
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_h[None, :])
 
 
-def _row_norms_kernel(
-    out_ptr,
-    g_ptr,
-    x_ptr,
-    n_rows,
-    width,
-    g_stride,
-    x_stride,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+def _arg_ptr(args_ptr, index, TY: tl.constexpr):
+    """Pointer ``index`` of an argument block (int64 addresses, each 16-byte aligned: the
+    launcher checks), typed ``TY``: kernels replayed from a CUDA graph read the addresses of
+    tensors that change from call to call from such a block."""
+    addr = tl.multiple_of(tl.load(args_ptr + index), 16)
+    return addr.to(tl.pointer_type(TY))
+
+
+def _row_norms_body(
+    out_ptr, g_ptr, x_ptr, n_rows, width, g_stride, x_stride,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """``out[0, t] = ||g[t]||``, ``out[1, t] = ||x[t]||`` (fp32 sums of squares) for ``BLOCK_M``
     rows of both matrices in one pass."""
@@ -256,7 +266,40 @@ def _row_norms_kernel(
     tl.store(out_ptr + n_rows + offs_m, tl.sqrt(tl.sum(acc_x, axis=1)), mask=mask_m)
 
 
-def _pair_scores_kernel(
+def _row_norms_kernel(
+    out_ptr,
+    g_ptr,
+    x_ptr,
+    n_rows,
+    width,
+    g_stride,
+    x_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """:func:`_row_norms_body` on ``g`` and ``x``."""
+    _row_norms_body(out_ptr, g_ptr, x_ptr, n_rows, width, g_stride, x_stride, BLOCK_M, BLOCK_H)
+
+
+def _row_norms_args_kernel(
+    out_ptr,
+    args_ptr,
+    n_rows,
+    width,
+    g_stride,
+    x_stride,
+    G_TY: tl.constexpr,
+    X_TY: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """:func:`_row_norms_body` on ``g`` and ``x`` at the addresses ``args[0]``, ``args[1]``."""
+    g_ptr = _arg_ptr(args_ptr, 0, G_TY)
+    x_ptr = _arg_ptr(args_ptr, 1, X_TY)
+    _row_norms_body(out_ptr, g_ptr, x_ptr, n_rows, width, g_stride, x_stride, BLOCK_M, BLOCK_H)
+
+
+def _pair_scores_body(
     scores_ptr,
     partial_ptr,
     probs_ptr,
@@ -290,6 +333,48 @@ def _pair_scores_kernel(
     clean = tl.sum(tl.where(mask & finite, score, 0.0), axis=0)
     tl.store(partial_ptr + pid, poison)
     tl.store(partial_ptr + n_blocks + pid, clean)
+
+
+def _pair_scores_kernel(
+    scores_ptr,
+    partial_ptr,
+    probs_ptr,
+    token_ptr,
+    norms_ptr,
+    top_ptr,
+    n_pairs,
+    n_tokens,
+    n_blocks,
+    BLOCK: tl.constexpr,
+):
+    """:func:`_pair_scores_body` on ``probs`` and ``token``."""
+    _pair_scores_body(
+        scores_ptr, partial_ptr, probs_ptr, token_ptr, norms_ptr, top_ptr, n_pairs, n_tokens,
+        n_blocks, BLOCK,
+    )
+
+
+def _pair_scores_args_kernel(
+    scores_ptr,
+    partial_ptr,
+    args_ptr,
+    norms_ptr,
+    top_ptr,
+    n_pairs,
+    n_tokens,
+    n_blocks,
+    P_TY: tl.constexpr,
+    T_TY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """:func:`_pair_scores_body` on ``probs`` and ``token`` at the addresses ``args[2]``,
+    ``args[3]``."""
+    probs_ptr = _arg_ptr(args_ptr, 2, P_TY)
+    token_ptr = _arg_ptr(args_ptr, 3, T_TY)
+    _pair_scores_body(
+        scores_ptr, partial_ptr, probs_ptr, token_ptr, norms_ptr, top_ptr, n_pairs, n_tokens,
+        n_blocks, BLOCK,
+    )
 
 
 def _pack_pairs_kernel(
@@ -463,6 +548,11 @@ def _act_bwd_kernel(
         tl.store(dprobs_ptr + rows, tl.sum(dot, axis=1), mask=mask_m)
 
 
+# Device helpers called by the kernels above: plain functions until :func:`_kernels` replaces
+# them by their triton.jit versions in this module's globals (before any kernel compiles).
+_HELPERS = ("_arg_ptr", "_row_norms_body", "_pair_scores_body")
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels() -> SimpleNamespace:
     """The kernel bodies wrapped by ``triton.jit`` (built once, on first launch).
@@ -475,6 +565,9 @@ def _kernels() -> SimpleNamespace:
     import triton
     from triton.runtime.jit import JITFunction
 
+    module = globals()
+    for name in _HELPERS:
+        module[name] = triton.jit(module[name])
     kernels = SimpleNamespace(
         scale_rows=triton.jit(_scale_rows_kernel),
         row_dot=triton.jit(_row_dot_kernel),
@@ -483,6 +576,8 @@ def _kernels() -> SimpleNamespace:
         act_bwd=triton.jit(_act_bwd_kernel),
         row_norms=triton.jit(_row_norms_kernel),
         pair_scores=triton.jit(_pair_scores_kernel),
+        row_norms_args=triton.jit(_row_norms_args_kernel),
+        pair_scores_args=triton.jit(_pair_scores_args_kernel),
         pack_pairs=triton.jit(_pack_pairs_kernel),
     )
     kernels.interpreted = not isinstance(kernels.scale_rows, JITFunction)
@@ -763,7 +858,7 @@ def pair_scores_triton(
     if norms.dtype != torch.float32 or top.dtype != torch.float32 or top.numel() != 2:
         raise ValueError("pair_scores_triton: norms and top must be fp32, top of 2 values")
     n = probs.shape[0]
-    blocks = max(1, _cdiv(n, _PAIR_BLOCK))
+    blocks = pair_blocks(n)
     scores = torch.empty(n, dtype=torch.float32, device=probs.device)
     if n == 0:
         return scores, torch.zeros((2, blocks), dtype=torch.float32, device=probs.device)
@@ -774,6 +869,81 @@ def pair_scores_triton(
             top.contiguous(), n, norms.shape[1], blocks, BLOCK=_PAIR_BLOCK, num_warps=4,
         )
     return scores, partial
+
+
+# Slots of the int64 argument block that the ``*_args`` kernels read tensor addresses from.
+ARG_G, ARG_X, ARG_PROBS, ARG_TOKEN = range(4)
+ARG_SLOTS = 8  # 64 bytes, so what follows the block in one buffer stays 64-byte aligned
+
+
+def args_ready(*tensors: torch.Tensor) -> bool:
+    """Whether the ``*_args`` kernels may read ``tensors`` through an argument block: base
+    addresses and row strides on 16 bytes (the kernels assume it), rows of unit column stride."""
+    for t in tensors:
+        if t.data_ptr() % 16:
+            return False
+        if t.dim() == 2 and (t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16):
+            return False
+    return True
+
+
+def _tl_dtype(dtype: torch.dtype) -> Any:
+    """The ``triton.language`` dtype of a torch dtype (``tl`` is bound by then)."""
+    return {
+        torch.bfloat16: tl.bfloat16,
+        torch.float16: tl.float16,
+        torch.float32: tl.float32,
+        torch.int32: tl.int32,
+        torch.int64: tl.int64,
+    }[dtype]
+
+
+def row_norms_from_args(
+    out: torch.Tensor,
+    args: torch.Tensor,
+    shape: tuple[int, int],
+    strides: tuple[int, int],
+    dtypes: tuple[torch.dtype, torch.dtype],
+) -> None:
+    """:func:`row_norms_triton` into ``out [2, T]`` with ``g`` and ``x`` (``shape`` ``[T, H]``,
+    row ``strides``, ``dtypes``) read at the addresses ``args[ARG_G]``, ``args[ARG_X]`` (a
+    device int64 block; :func:`args_ready` must hold for both): the same kernel body, launchable
+    inside a CUDA graph that is replayed on other tensors. ``T >= 1``."""
+    n_rows, width = shape
+    kernels = _kernels_for(out)
+    block_h, block_m = _reduction_tile(width, None, max_block_h=256, accumulators=4)
+    with _device_ctx(out):
+        kernels.row_norms_args[(_cdiv(n_rows, block_m),)](
+            out, args, n_rows, width, strides[0], strides[1],
+            G_TY=_tl_dtype(dtypes[0]), X_TY=_tl_dtype(dtypes[1]),
+            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+        )
+
+
+def pair_scores_from_args(
+    scores: torch.Tensor,
+    partial: torch.Tensor,
+    args: torch.Tensor,
+    norms: torch.Tensor,
+    top: torch.Tensor,
+    dtypes: tuple[torch.dtype, torch.dtype],
+) -> None:
+    """:func:`pair_scores_triton` into ``scores [N]`` and ``partial [2, B]`` with ``probs`` and
+    ``token`` (``[N]``, contiguous, of ``dtypes``) read at ``args[ARG_PROBS]``,
+    ``args[ARG_TOKEN]``, as :func:`row_norms_from_args`. ``N >= 1``."""
+    n = scores.shape[0]
+    blocks = partial.shape[1]
+    kernels = _kernels_for(scores)
+    with _device_ctx(scores):
+        kernels.pair_scores_args[(blocks,)](
+            scores, partial, args, norms, top, n, norms.shape[1], blocks,
+            P_TY=_tl_dtype(dtypes[0]), T_TY=_tl_dtype(dtypes[1]), BLOCK=_PAIR_BLOCK, num_warps=4,
+        )
+
+
+def pair_blocks(n: int) -> int:
+    """Blocks of pairs of :func:`pair_scores_triton` (the width of its ``partial``)."""
+    return max(1, _cdiv(n, _PAIR_BLOCK))
 
 
 def pack_pairs_triton(

@@ -16,6 +16,7 @@ stops covering a branch fails instead of passing silently.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -255,6 +256,84 @@ def test_gpu_replayed_selection_unowned_outputs(monkeypatch: pytest.MonkeyPatch)
     assert len({ptr for *_, ptr in seen[2:]}) == 1
     owned = kernels.select_triton("sample", scores.cuda(), counts, quota, uniforms)
     assert owned.kept_index.data_ptr() != seen[-1][2]
+
+
+def _scoring_case(gen: torch.Generator, t: int, h: int, k: int, e: int, poison: bool) -> tuple:
+    """CUDA ``g``, ``x`` ([T, H] bf16), ``probs``, ``token`` ([T*K]) and host segments."""
+    n = t * k
+    g = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    if poison:
+        g[t // 3, 5] = float("inf")
+    x = (3 * torch.randn(t, h, generator=gen)).to(torch.bfloat16)
+    probs = torch.rand(n, generator=gen)
+    token = torch.randint(0, t, (n,), generator=gen)
+    cuts = torch.sort(torch.randint(0, n + 1, (e - 1,), generator=gen)).values
+    counts = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))
+    quota = (counts.double() * torch.rand(e, generator=gen, dtype=torch.float64)).long()
+    uniforms = torch.rand(e, generator=gen, dtype=torch.float64)
+    return (g.cuda(), x.cuda(), probs.cuda(), token.cuda()), counts, quota, uniforms
+
+
+@cuda
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_gpu_captured_scoring_matches_eager(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """``score_and_select``: the first call of a shape scores and selects eagerly, the second
+    captures both into one graph, later calls replay it on new tensors (read in place). Every
+    call gives the bits of the eager steps (norms, pair scores, poison, total, selection),
+    with a non-finite gradient too; ``owned=False`` hands out the graph's own buffers."""
+    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    gen = torch.Generator().manual_seed(3)
+    pointers = []
+    for call in range(5):
+        tensors, counts, quota, uniforms = _scoring_case(gen, 300, 136, 4, 16, call == 3)
+        owned = call != 4
+        scored, sel = scoring.score_and_select(
+            policy, *tensors, counts, quota, uniforms, owned=owned
+        )
+        got = (scored.scores, scored.poison, scored.total, sel.kept_index, sel.weight)
+        got = tuple(t.clone() for t in got)  # queued before the next call, as in the backward
+        pointers.append(scored.scores.data_ptr())
+        graphs = [
+            v for v in kernels._GRAPHS.graphs.values() if isinstance(v, kernels._CapturedScored)
+        ]
+        assert len(graphs) == (0 if call == 0 else 1)
+        with monkeypatch.context() as eager:
+            eager.setenv("LRMOE_SELECT_GRAPHS", "0")
+            g, x, probs, token = tensors
+            norms = scoring.token_norms(g, x)
+            ref_scored = scoring.pair_scores(probs, token, norms, norms.amax(1))
+            ref_sel = scoring.select(policy, ref_scored.scores, counts, quota, uniforms)
+        ref = (ref_scored.scores, ref_scored.poison, ref_scored.total)
+        ref += (ref_sel.kept_index, ref_sel.weight)
+        for a, b in zip(got, ref):  # the same bits, NaN where the other has NaN
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+        assert math.isnan(float(got[1])) == (call == 3)
+    # Calls 2-3 replayed with copies out, call 4 handed out the graph's scores buffer.
+    assert pointers[4] not in pointers[:4]
+    assert pointers[4] == graphs[0].scores.data_ptr()
+
+
+@cuda
+def test_gpu_captured_scoring_declines_unreadable_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs the graph cannot read in place (a misaligned ``probs``) and device uniforms take
+    the eager steps: same results, no scoring graph."""
+    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        (g, x, probs, token), counts, quota, uniforms = _scoring_case(gen, 64, 64, 2, 4, False)
+        shifted = torch.cat([probs.new_zeros(1), probs])[1:]  # 4 bytes off 16
+        assert kernels.score_select_triton(
+            "sample", g, x, shifted, token, counts, quota, uniforms
+        ) is None
+        assert kernels.score_select_triton(
+            "sample", g, x, probs, token, counts, quota, uniforms.cuda()
+        ) is None
+        scored, sel = scoring.score_and_select(
+            "sample", g, x, shifted, token, counts, quota, uniforms
+        )
+        ref = scoring.select("sample", scored.scores, counts, quota, uniforms)
+        assert torch.equal(sel.kept_index, ref.kept_index)
+    assert not any(isinstance(v, kernels._CapturedScored) for v in kernels._GRAPHS.graphs.values())
 
 
 # --------------------------------------------------------------------------------------------

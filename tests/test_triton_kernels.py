@@ -445,6 +445,50 @@ def test_interp_row_norms(small_tiles, dtype, n: int, block_h, layout: str) -> N
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=0.0)
 
 
+def _arg_block(**tensors: torch.Tensor) -> torch.Tensor:
+    """The int64 argument block of the ``*_args`` kernels, addresses in their named slots."""
+    args = torch.zeros(triton_kernels.ARG_SLOTS, dtype=torch.int64)
+    for name, t in tensors.items():
+        args[getattr(triton_kernels, f"ARG_{name.upper()}")] = t.data_ptr()
+    return args
+
+
+@interp
+@pytest.mark.parametrize("n", [1, 9, 37])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_scoring_from_arg_block(monkeypatch: pytest.MonkeyPatch, dtype, n: int) -> None:
+    """The kernels a replayed graph launches read ``g``, ``x``, ``probs``, ``token`` at the
+    addresses of the argument block and give the bits of the direct launchers; a row-strided
+    ``x`` keeps its stride; ``args_ready`` refuses what they cannot read."""
+    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 16)
+    gen = _gen(900 + n)
+    h, pairs = 72, 3 * n + 1
+    g = torch.randn(n, h, generator=gen).to(dtype)
+    wide = torch.zeros(n, h + 8, dtype=torch.float32)  # row stride h + 8: 16-byte rows
+    wide[:, :h] = 5 * torch.randn(n, h, generator=gen)
+    x = wide[:, :h]
+    probs = torch.rand(pairs, generator=gen)
+    token = torch.randint(0, n, (pairs,), generator=gen)
+    assert triton_kernels.args_ready(g, x, probs, token)
+    args = _arg_block(g=g, x=x, probs=probs, token=token)
+    norms = torch.full((2, n), float("nan"))
+    triton_kernels.row_norms_from_args(
+        norms, args, (n, h), (g.stride(0), x.stride(0)), (g.dtype, x.dtype)
+    )
+    assert torch.equal(norms, triton_kernels.row_norms_triton(g, x))
+    top = norms.amax(1)
+    blocks = triton_kernels.pair_blocks(pairs)
+    scores, partial = torch.empty(pairs), torch.empty(2, blocks)
+    triton_kernels.pair_scores_from_args(
+        scores, partial, args, norms, top, (probs.dtype, token.dtype)
+    )
+    ref_scores, ref_partial = triton_kernels.pair_scores_triton(probs, token, norms, top)
+    assert torch.equal(scores, ref_scores) and torch.equal(partial, ref_partial)
+    assert not triton_kernels.args_ready(wide[:, 1 : h + 1])  # base off 16 bytes
+    assert not triton_kernels.args_ready(torch.zeros(n, 3))  # 12-byte rows
+    assert not triton_kernels.args_ready(g.t())  # column-strided
+
+
 @interp
 @pytest.mark.parametrize("n", [0, 1, 37, 100])
 @pytest.mark.parametrize("probs_dtype", [torch.float32, torch.bfloat16], ids=["p32", "p16"])

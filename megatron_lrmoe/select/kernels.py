@@ -75,15 +75,16 @@ import functools
 import math
 import os
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
+from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.select import scoring
 from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available
 
-__all__ = ["select_triton"]
+__all__ = ["score_select_triton", "select_triton"]
 
 # Rows per program of the row-parallel kernels, and of each step of the per-segment scans: 512
 # programs at N = 131072, a few per multiprocessor; the best of 256 / 512 / 1024 rows with 4 or 8
@@ -580,10 +581,23 @@ def _host_table(
     holds the float64 bits of host ``uniforms`` (if given). Pinned (``pin``): a copy from it
     returns at once, and the caching host allocator keeps the block alive until the copy ran.
     """
+    block = _host_block(counts_h, quota_h, uniforms, pin, lead=0)
+    return block.view(_HOST_ROWS, counts_h.numel())
+
+
+def _host_block(
+    counts_h: torch.Tensor,
+    quota_h: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    pin: bool,
+    lead: int,
+) -> torch.Tensor:
+    """``[lead + _HOST_ROWS * G]`` int64: ``lead`` slots for the caller (not written), then the
+    rows of :func:`_host_table`, so that both go to the device in one copy."""
     num_segments = counts_h.numel()
-    host = torch.empty((_HOST_ROWS, num_segments), dtype=torch.int64, pin_memory=pin)
+    flat = torch.empty(lead + _HOST_ROWS * num_segments, dtype=torch.int64, pin_memory=pin)
     # Filled through numpy: ~1 us per row where a torch CPU op costs ~5 us.
-    rows = host.numpy()
+    rows = flat.numpy()[lead:].reshape(_HOST_ROWS, num_segments)
     rows[:] = 0
     counts_np, quota_np = counts_h.numpy(), quota_h.numpy()
     np.cumsum(counts_np, out=rows[_END])
@@ -593,7 +607,7 @@ def _host_table(
     rows[_SLOT] -= quota_np
     if uniforms is not None:
         rows[_UNIFORM].view(np.float64)[:] = uniforms.to(torch.float64).numpy()
-    return host
+    return flat
 
 
 def _segment_table(
@@ -754,12 +768,110 @@ def _launch(
         )
 
 
+class _ScoreInputs(NamedTuple):
+    """The tensors :func:`score_select_triton` scores (read in place by a replayed graph)."""
+
+    g: torch.Tensor  # [T, H] gradient rows
+    x: torch.Tensor  # [T, H] input rows
+    probs: torch.Tensor  # [N] routing weight of each pair
+    token: torch.Tensor  # [N] token of each pair
+
+
+def _graph_scorable(inputs: _ScoreInputs) -> bool:
+    """Whether a captured graph can score ``inputs`` in place (else the caller scores eagerly)."""
+    g, x, probs, token = inputs
+    return (
+        g.dim() == 2
+        and g.shape == x.shape
+        and g.shape[0] > 0
+        and g.dtype in triton_kernels.KERNEL_DTYPES
+        and x.dtype in triton_kernels.KERNEL_DTYPES
+        and probs.dim() == 1
+        and probs.dtype in triton_kernels.KERNEL_DTYPES
+        and token.shape == probs.shape
+        and token.dtype in (torch.int32, torch.int64)
+        and probs.is_contiguous()
+        and token.is_contiguous()
+        and triton_kernels.args_ready(g, x, probs, token)
+    )
+
+
+def score_select_triton(
+    policy: str,
+    g: torch.Tensor,
+    x: torch.Tensor,
+    probs: torch.Tensor,
+    token: torch.Tensor,
+    counts: torch.Tensor,
+    quota: torch.Tensor,
+    uniforms: torch.Tensor | None = None,
+    *,
+    owned: bool = True,
+) -> tuple[scoring.PairScores, scoring.Selection] | None:
+    """``scoring.score_and_select`` as one replayed CUDA graph, or ``None`` where it cannot be.
+
+    The token norms, their maxima, the pair scores with their poison and total, and the
+    selection (``select_triton``'s kernels) are captured together per shape, the second time a
+    shape is seen, and replayed with the call's ``g``, ``x``, ``probs``, ``token`` read in place
+    (their addresses go into the graph with the segment table). Same kernels on the same inputs
+    as the eager composition, so the same bits.
+
+    ``None`` (the caller then scores and selects eagerly, which is also what the first sighting
+    of a shape does): not CUDA, graphs off (``LRMOE_SELECT_GRAPHS=0``, or
+    ``LRMOE_SCORE_GRAPHS=0`` for this one only) or inside another capture, device-side uniforms, nothing to keep, or inputs the graph cannot read in place
+    (dtypes, layouts, alignment: ``_graph_scorable``). Invalid inputs raise as in
+    ``select_triton``; ``owned`` as there (``PairScores`` too).
+    """
+    if policy not in scoring._POLICIES:
+        raise ValueError(
+            f"unknown selection policy {policy!r}; expected one of {scoring._POLICIES}"
+        )
+    sample = policy == "sample"
+    if sample and uniforms is None:
+        raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
+    device = probs.device
+    inputs = _ScoreInputs(g, x, probs, token)
+    scoring_graphs = os.environ.get(_SCORE_GRAPHS_ENV, "1") != "0"
+    if not (scoring_graphs and _graphs_wanted(device) and _graph_scorable(inputs)):
+        return None
+    n = probs.numel()
+    counts_h, quota_h = scoring._host_segments(counts, quota, n)
+    num_segments = counts_h.numel()
+    if sample:
+        scoring._check_uniforms(uniforms, num_segments)
+        if uniforms.device.type != "cpu":
+            return None
+    num_kept = int(quota_h.numpy().sum())
+    if num_kept == 0:
+        return None
+    key = (
+        device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK,
+        g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
+    )
+    entry, capture = _GRAPHS.lookup(key)
+    if entry is None and not capture:
+        return None
+    tk = triton_kernels
+    host = _host_block(counts_h, quota_h, uniforms if sample else None, True, tk.ARG_SLOTS)
+    args = host.numpy()
+    args[tk.ARG_G], args[tk.ARG_X] = g.data_ptr(), x.data_ptr()
+    args[tk.ARG_PROBS], args[tk.ARG_TOKEN] = probs.data_ptr(), token.data_ptr()
+    with _device_ctx(probs):
+        if entry is None:
+            entry = _CapturedScored(_kernels(), inputs, host, sample, _BLOCK)
+            _GRAPHS.add(key, entry)
+            return entry.scored(True), entry.outputs(num_kept)
+        return entry.run_scored(host, num_kept, owned)
+
+
 # --------------------------------------------------------------------------------------------
 # CUDA graphs
 # --------------------------------------------------------------------------------------------
 
-# Set LRMOE_SELECT_GRAPHS=0 to launch the selection kernels one by one on every call.
+# Set LRMOE_SELECT_GRAPHS=0 to launch the selection kernels one by one on every call, and
+# LRMOE_SCORE_GRAPHS=0 to keep the scoring out of the replayed selection (score_select_triton).
 _GRAPHS_ENV = "LRMOE_SELECT_GRAPHS"
+_SCORE_GRAPHS_ENV = "LRMOE_SCORE_GRAPHS"
 
 
 def _graphs_wanted(device: torch.device) -> bool:
@@ -791,29 +903,38 @@ class _Captured:
         sample: bool,
         block: int,
     ) -> None:
-        device, n, g = scores.device, scores.numel(), host.shape[1]
+        n, g = scores.numel(), host.shape[1]
         self.scores = torch.empty_like(scores)
-        self.table = torch.empty((_ROWS, g), dtype=torch.int64, device=device)
-        self.kept = torch.empty(n, dtype=torch.int64, device=device)
-        self.weight = torch.empty(n, dtype=torch.float32, device=device)
+        self._outputs(scores.device, n, g, lead=0)
         u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
         args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block)
         self._load(scores, host)
-        # This call's selection runs eagerly on a side stream (it also warms the allocator's
-        # and Triton's caches), then the same launches are recorded, once per shape. No
+        self._capture(lambda: _launch(*args), scores.device)
+
+    def _outputs(self, device: torch.device, n: int, g: int, lead: int) -> None:
+        """The segment table (after ``lead`` int64 slots of one flat buffer: the host part of
+        both goes in with one copy) and room for ``n`` kept rows."""
+        self.flat = torch.empty(lead + _ROWS * g, dtype=torch.int64, device=device)
+        self.table = self.flat[lead:].view(_ROWS, g)
+        self.kept = torch.empty(n, dtype=torch.int64, device=device)
+        self.weight = torch.empty(n, dtype=torch.float32, device=device)
+
+    def _capture(self, launch: Callable[[], None], device: torch.device) -> None:
+        # This call's work runs eagerly on a side stream (it also warms the allocator's and
+        # Triton's caches), then the same launches are recorded, once per shape. No
         # synchronisation: capture only records, and the side stream is ordered after the
-        # copies above and before whatever the caller queues next.
+        # copies in front and before whatever the caller queues next.
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
-            _launch(*args)
+            launch()
             # thread_local: other threads' CUDA calls (checkpoint writers, NCCL watchdogs) do
             # not invalidate this capture.
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
-                _launch(*args)
+                launch()
             finally:
                 self.graph.capture_end()
         current.wait_stream(side)
@@ -837,6 +958,71 @@ class _Captured:
         return self.outputs(num_kept, owned)
 
 
+class _CapturedScored(_Captured):
+    """Scoring and selection of one shape captured together (:func:`score_select_triton`).
+
+    The graph reads the call's tensors (``g``, ``x``, ``probs``, ``token``) in place, at the
+    addresses written into an argument block in front of the segment table (one host-to-device
+    copy for both); norms, scores and the selection's work live in static buffers. So a replay
+    replaces two Triton launches, a reduction, a copy of the scores and the selection's own
+    launches by one copy and one graph launch.
+    """
+
+    def __init__(
+        self,
+        kernels: SimpleNamespace,
+        inputs: _ScoreInputs,
+        host: torch.Tensor,
+        sample: bool,
+        block: int,
+    ) -> None:
+        g, x, probs, token = inputs
+        device, n, t = probs.device, probs.numel(), g.shape[0]
+        g_segments = (host.numel() - triton_kernels.ARG_SLOTS) // _HOST_ROWS
+        self.norms = torch.empty((2, t), dtype=torch.float32, device=device)
+        self.top = torch.empty(2, dtype=torch.float32, device=device)
+        self.scores = torch.empty(n, dtype=torch.float32, device=device)
+        self.partial = torch.empty(
+            (2, triton_kernels.pair_blocks(n)), dtype=torch.float32, device=device
+        )
+        self.sums = torch.empty(2, dtype=torch.float32, device=device)
+        self._outputs(device, n, g_segments, lead=triton_kernels.ARG_SLOTS)
+        self.args = self.flat[: triton_kernels.ARG_SLOTS]
+        u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
+        select_args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block)
+        shape, strides = (t, g.shape[1]), (g.stride(0), x.stride(0))
+        dtypes = (g.dtype, x.dtype), (probs.dtype, token.dtype)
+
+        def launch() -> None:
+            triton_kernels.row_norms_from_args(self.norms, self.args, shape, strides, dtypes[0])
+            torch.amax(self.norms, dim=1, out=self.top)
+            triton_kernels.pair_scores_from_args(
+                self.scores, self.partial, self.args, self.norms, self.top, dtypes[1]
+            )
+            torch.sum(self.partial, dim=1, out=self.sums)
+            _launch(*select_args)
+
+        self.load_host(host)
+        self._capture(launch, device)
+
+    def load_host(self, host: torch.Tensor) -> None:
+        self.flat[: host.numel()].copy_(host, non_blocking=True)
+
+    def scored(self, owned: bool) -> scoring.PairScores:
+        """The last run's scores, poison and score total (copies unless ``owned=False``)."""
+        scores, sums = self.scores, self.sums
+        if owned:
+            scores, sums = scores.clone(), sums.clone()
+        return scoring.PairScores(scores, sums[0], sums[1])
+
+    def run_scored(
+        self, host: torch.Tensor, num_kept: int, owned: bool
+    ) -> tuple[scoring.PairScores, scoring.Selection]:
+        self.load_host(host)
+        self.graph.replay()
+        return self.scored(owned), self.outputs(num_kept, owned)
+
+
 class _GraphCache:
     """Captured selections by shape, least recently used first out.
 
@@ -849,6 +1035,23 @@ class _GraphCache:
         self.capacity = capacity
         self.graphs: collections.OrderedDict[tuple, _Captured] = collections.OrderedDict()
         self.seen: collections.Counter[tuple] = collections.Counter()
+
+    def lookup(self, key: tuple) -> tuple[_Captured | None, bool]:
+        """``(graph, capture_now)``: the captured graph of ``key`` if there is one, else
+        whether this sighting should capture it (the second one)."""
+        entry = self.graphs.get(key)
+        if entry is not None:
+            self.graphs.move_to_end(key)
+            return entry, False
+        if len(self.seen) >= 1024:  # many one-off shapes (varying lengths): start over
+            self.seen.clear()
+        self.seen[key] += 1
+        return None, self.seen[key] >= 2
+
+    def add(self, key: tuple, entry: _Captured) -> None:
+        self.graphs[key] = entry
+        if len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
 
     def select(
         self,
@@ -864,24 +1067,17 @@ class _GraphCache:
     ) -> scoring.Selection:
         device = scores.device
         key = (device.index, scores.numel(), counts_h.numel(), sample, block, scores.dtype)
-        entry = self.graphs.get(key)
-        if entry is None:
-            if len(self.seen) >= 1024:  # many one-off shapes (varying lengths): start over
-                self.seen.clear()
-            self.seen[key] += 1
-            if self.seen[key] < 2:
-                return _select_eager(
-                    kernels, scores, counts_h, quota_h, host_uniforms, None, sample, block
-                )
+        entry, capture = self.lookup(key)
+        if entry is None and not capture:
+            return _select_eager(
+                kernels, scores, counts_h, quota_h, host_uniforms, None, sample, block
+            )
         host = _host_table(counts_h, quota_h, host_uniforms, pin=True)
         with _device_ctx(scores):
             if entry is None:
                 entry = _Captured(kernels, scores, host, sample, block)
-                self.graphs[key] = entry
-                if len(self.graphs) > self.capacity:
-                    self.graphs.popitem(last=False)
+                self.add(key, entry)
                 return entry.outputs(num_kept)
-            self.graphs.move_to_end(key)
             return entry.run(scores, host, num_kept, owned)
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "pair_scores",
     "row_sq_norms",
     "sanitize",
+    "score_and_select",
     "select",
     "select_sample",
     "select_topk",
@@ -672,6 +673,57 @@ def draw_uniforms(
     # non_blocking: a blocking host-to-device copy would wait for the whole stream; from pageable
     # memory the source is staged before the call returns, so the temporary may go away.
     return values.to(device, non_blocking=True)
+
+
+def score_and_select(
+    policy: str,
+    g: torch.Tensor,
+    x: torch.Tensor,
+    probs: torch.Tensor,
+    token: torch.Tensor,
+    counts: torch.Tensor,
+    quota: torch.Tensor,
+    uniforms: torch.Tensor | None = None,
+    *,
+    owned: bool = True,
+) -> tuple[PairScores, Selection]:
+    """Score every pair (:func:`token_norms`, each kind relative to its largest value in the
+    call, :func:`pair_scores`) and :func:`select` the survivors of each segment.
+
+    On CUDA, from the second call of a shape on, the whole of it is one replayed CUDA graph that
+    reads ``g``, ``x``, ``probs`` and ``token`` in place (``select/kernels.py``,
+    ``score_select_triton``: the same kernels, so the same bits); elsewhere, and where the graph
+    cannot take the inputs, the three steps below run one by one (the reference). For sources
+    that compete over the EP group (scope ``global``), the norms' maxima need an all-reduce
+    between the steps: call them one by one there.
+
+    Args:
+        policy: ``"topk"`` or ``"sample"``.
+        g: ``[T, H]`` gradient rows of the tokens.
+        x: ``[T, H]`` input rows of the tokens.
+        probs: ``[N]`` routing weight of each pair.
+        token: ``[N]`` token of each pair.
+        counts: ``[G]`` pairs per segment (the pairs are segment-major).
+        quota: ``[G]`` pairs to keep per segment.
+        uniforms: ``[G]`` uniforms, required by ``"sample"``.
+        owned: As in :func:`select` (for the scores too).
+
+    Returns:
+        ``(scores, selection)``.
+    """
+    if use_triton(g, x, probs, token):
+        # Imported here: kernels.py imports this module.
+        from megatron_lrmoe.select.kernels import score_select_triton
+
+        fused = score_select_triton(
+            policy, g, x, probs, token, counts, quota, uniforms, owned=owned
+        )
+        if fused is not None:
+            return fused
+    norms = token_norms(g, x)  # [2, T]
+    top = norms.amax(dim=1) if norms.shape[1] else norms.new_zeros(2)
+    scored = pair_scores(probs, token, norms, top)
+    return scored, select(policy, scored.scores, counts, quota, uniforms, owned=owned)
 
 
 def select(
