@@ -585,14 +585,15 @@ def select_kept(
     no replicas) scoring and selection are one step (:func:`score_and_select`: on CUDA one
     replayed graph), and its time is the ``selection`` span.
     """
-    lrmoe, token_of_pair = call.lrmoe, call.perm.token_of_pair
+    lrmoe, token_of_pair, stats = call.lrmoe, call.perm.token_of_pair, call.stats
+    kept_total = None
     if call.layout is None and (lrmoe.scope == "local" or call.plan.ep_size == 1):
         if timer:
             timer.start("selection")
         counts, quota, uniforms = _local_segments(call, key)
-        scored, sel = score_and_select(
+        scored, sel, kept_total = score_and_select(
             lrmoe.selection, g, hidden, probs, token_of_pair, counts, quota, uniforms,
-            owned=False,
+            kept_total=stats is not None, owned=False,
         )
         kept = _local_plan(call, sel, quota, counts, scored.poison)
         if timer:
@@ -614,12 +615,14 @@ def select_kept(
             kept = _select_global(call, scored.scores, scored.poison, key)
         if timer:
             timer.stop("selection")
-    stats = call.stats
     if stats is not None:
-        # A replayed graph's total is overwritten by the next replay: this one is read later.
-        stats.score_total = scored.total.clone()
-        kept_scores = scored.scores.index_select(0, kept.kept_index)
-        stats.score_kept = torch.nan_to_num(kept_scores, nan=0.0, posinf=0.0, neginf=0.0).sum()
+        if kept_total is None:
+            kept_scores = scored.scores.index_select(0, kept.kept_index)
+            kept_total = torch.nan_to_num(kept_scores, nan=0.0, posinf=0.0, neginf=0.0).sum()
+        # One copy of both: a replayed graph's sums are overwritten by its next replay, and
+        # these are read when the metrics are reported.
+        totals = torch.stack((scored.total, kept_total))
+        stats.score_total, stats.score_kept = totals[0], totals[1]
         if lrmoe.debug_record_selection:
             dense = torch.zeros(scored.scores.numel(), dtype=torch.float32, device=g.device)
             stats.kept_weight = dense.index_copy_(0, kept.kept_index, kept.weight).cpu()

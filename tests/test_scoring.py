@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from megatron_lrmoe.select import scoring
 from megatron_lrmoe.select.scoring import (
     PROB_BITS,
     Selection,
@@ -497,3 +498,32 @@ def test_no_device_to_host_sync_with_host_counts() -> None:
         sel.dense_weight(1000)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_score_and_select_is_the_steps(policy: str) -> None:
+    """Off CUDA ``score_and_select`` is norms -> maxima -> pair scores -> selection, and its
+    kept total is the kept rows' finite score sum (a non-finite gradient row included)."""
+    gen = torch.Generator().manual_seed(21)
+    t, h, k = 40, 16, 3
+    g, x = torch.randn(t, h, generator=gen), torch.randn(t, h, generator=gen)
+    g[7, 2] = float("inf")
+    probs = torch.rand(t * k, generator=gen)
+    token = torch.randint(0, t, (t * k,), generator=gen)
+    counts = torch.tensor([50, 0, 70])
+    quota = torch.tensor([20, 0, 33])
+    uniforms = torch.rand(3, generator=gen, dtype=torch.float64)
+    scored, sel, kept_total = scoring.score_and_select(
+        policy, g, x, probs, token, counts, quota, uniforms, kept_total=True
+    )
+    norms = scoring.token_norms(g, x)
+    ref = scoring.pair_scores(probs, token, norms, norms.amax(1))
+    ref_sel = scoring.select(policy, ref.scores, counts, quota, uniforms)
+    assert torch.equal(scored.scores.isnan(), ref.scores.isnan())
+    assert torch.equal(scored.scores.nan_to_num(), ref.scores.nan_to_num())
+    assert torch.equal(sel.kept_index, ref_sel.kept_index)
+    assert torch.equal(sel.weight, ref_sel.weight)
+    assert math.isnan(float(scored.poison))
+    kept = ref.scores[ref_sel.kept_index].nan_to_num(0.0, 0.0, 0.0)
+    assert torch.equal(kept_total, kept.sum())
+    assert scoring.score_and_select(policy, g, x, probs, token, counts, quota, uniforms)[2] is None

@@ -287,11 +287,12 @@ def test_gpu_captured_scoring_matches_eager(monkeypatch: pytest.MonkeyPatch, pol
     for call in range(5):
         tensors, counts, quota, uniforms = _scoring_case(gen, 300, 136, 4, 16, call == 3)
         owned = call != 4
-        scored, sel = scoring.score_and_select(
-            policy, *tensors, counts, quota, uniforms, owned=owned
+        scored, sel, kept_total = scoring.score_and_select(
+            policy, *tensors, counts, quota, uniforms, kept_total=True, owned=owned
         )
         got = (scored.scores, scored.poison, scored.total, sel.kept_index, sel.weight)
         got = tuple(t.clone() for t in got)  # queued before the next call, as in the backward
+        kept_total = kept_total.clone()
         pointers.append(scored.scores.data_ptr())
         graphs = [
             v for v in kernels._GRAPHS.graphs.values() if isinstance(v, kernels._CapturedScored)
@@ -308,6 +309,8 @@ def test_gpu_captured_scoring_matches_eager(monkeypatch: pytest.MonkeyPatch, pol
         for a, b in zip(got, ref):  # the same bits, NaN where the other has NaN
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
         assert math.isnan(float(got[1])) == (call == 3)
+        finite = ref_scored.scores.index_select(0, ref_sel.kept_index).nan_to_num(0.0, 0.0, 0.0)
+        torch.testing.assert_close(kept_total, finite.sum(), rtol=1e-6, atol=0.0)
     # Calls 2-3 replayed with copies out, call 4 handed out the graph's scores buffer.
     assert pointers[4] not in pointers[:4]
     assert pointers[4] == graphs[0].scores.data_ptr()
@@ -328,11 +331,13 @@ def test_gpu_captured_scoring_declines_unreadable_inputs(monkeypatch: pytest.Mon
         assert kernels.score_select_triton(
             "sample", g, x, probs, token, counts, quota, uniforms.cuda()
         ) is None
-        scored, sel = scoring.score_and_select(
-            "sample", g, x, shifted, token, counts, quota, uniforms
+        scored, sel, kept_total = scoring.score_and_select(
+            "sample", g, x, shifted, token, counts, quota, uniforms, kept_total=True
         )
         ref = scoring.select("sample", scored.scores, counts, quota, uniforms)
         assert torch.equal(sel.kept_index, ref.kept_index)
+        kept_scores = scored.scores[ref.kept_index].nan_to_num(0.0, 0.0, 0.0)
+        assert torch.equal(kept_total, kept_scores.sum())
     assert not any(isinstance(v, kernels._CapturedScored) for v in kernels._GRAPHS.graphs.values())
 
 

@@ -806,8 +806,9 @@ def score_select_triton(
     quota: torch.Tensor,
     uniforms: torch.Tensor | None = None,
     *,
+    kept_total: bool = False,
     owned: bool = True,
-) -> tuple[scoring.PairScores, scoring.Selection] | None:
+) -> scoring.Scored | None:
     """``scoring.score_and_select`` as one replayed CUDA graph, or ``None`` where it cannot be.
 
     The token norms, their maxima, the pair scores with their poison and total, and the
@@ -820,7 +821,9 @@ def score_select_triton(
     of a shape does): not CUDA, graphs off (``LRMOE_SELECT_GRAPHS=0``, or
     ``LRMOE_SCORE_GRAPHS=0`` for this one only) or inside another capture, device-side uniforms, nothing to keep, or inputs the graph cannot read in place
     (dtypes, layouts, alignment: ``_graph_scorable``). Invalid inputs raise as in
-    ``select_triton``; ``owned`` as there (``PairScores`` too).
+    ``select_triton``; ``owned`` as there (for every output). The kept scores' sum
+    (``kept_total``) is taken over the rows of the kept buffer below the device's kept count,
+    so its fp32 rounding may differ from the eager sum's in the last bits.
     """
     if policy not in scoring._POLICIES:
         raise ValueError(
@@ -845,7 +848,7 @@ def score_select_triton(
     if num_kept == 0:
         return None
     key = (
-        device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK,
+        device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK, kept_total,
         g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
     )
     entry, capture = _GRAPHS.lookup(key)
@@ -858,9 +861,10 @@ def score_select_triton(
     args[tk.ARG_PROBS], args[tk.ARG_TOKEN] = probs.data_ptr(), token.data_ptr()
     with _device_ctx(probs):
         if entry is None:
-            entry = _CapturedScored(_kernels(), inputs, host, sample, _BLOCK)
+            entry = _CapturedScored(_kernels(), inputs, host, sample, _BLOCK, kept_total)
             _GRAPHS.add(key, entry)
-            return entry.scored(True), entry.outputs(num_kept)
+            scored, total = entry.scored(True)
+            return scoring.Scored(scored, entry.outputs(num_kept), total)
         return entry.run_scored(host, num_kept, owned)
 
 
@@ -964,8 +968,8 @@ class _CapturedScored(_Captured):
     The graph reads the call's tensors (``g``, ``x``, ``probs``, ``token``) in place, at the
     addresses written into an argument block in front of the segment table (one host-to-device
     copy for both); norms, scores and the selection's work live in static buffers. So a replay
-    replaces two Triton launches, a reduction, a copy of the scores and the selection's own
-    launches by one copy and one graph launch.
+    replaces two Triton launches, a reduction, a copy of the scores, the selection's own
+    launches and (``kept_total``) the kept scores' sum by one copy and one graph launch.
     """
 
     def __init__(
@@ -975,6 +979,7 @@ class _CapturedScored(_Captured):
         host: torch.Tensor,
         sample: bool,
         block: int,
+        kept_total: bool,
     ) -> None:
         g, x, probs, token = inputs
         device, n, t = probs.device, probs.numel(), g.shape[0]
@@ -985,13 +990,15 @@ class _CapturedScored(_Captured):
         self.partial = torch.empty(
             (2, triton_kernels.pair_blocks(n)), dtype=torch.float32, device=device
         )
-        self.sums = torch.empty(2, dtype=torch.float32, device=device)
+        self.sums = torch.zeros(3, dtype=torch.float32, device=device)  # poison, total, kept
+        self.kept_total = kept_total
         self._outputs(device, n, g_segments, lead=triton_kernels.ARG_SLOTS)
         self.args = self.flat[: triton_kernels.ARG_SLOTS]
         u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
         select_args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block)
         shape, strides = (t, g.shape[1]), (g.stride(0), x.stride(0))
         dtypes = (g.dtype, x.dtype), (probs.dtype, token.dtype)
+        rows = torch.arange(n, device=device)
 
         def launch() -> None:
             triton_kernels.row_norms_from_args(self.norms, self.args, shape, strides, dtypes[0])
@@ -999,8 +1006,14 @@ class _CapturedScored(_Captured):
             triton_kernels.pair_scores_from_args(
                 self.scores, self.partial, self.args, self.norms, self.top, dtypes[1]
             )
-            torch.sum(self.partial, dim=1, out=self.sums)
+            torch.sum(self.partial, dim=1, out=self.sums[:2])
             _launch(*select_args)
+            if kept_total:
+                # The kept rows are kept[:K], K = the last segment's slot + quota, on the device.
+                valid = rows < self.table[_SLOT, -1] + self.table[_QUOTA, -1]
+                picked = self.scores.index_select(0, torch.where(valid, self.kept, 0))
+                picked = torch.where(valid, picked.nan_to_num(0.0, 0.0, 0.0), 0.0)
+                torch.sum(picked, dim=0, out=self.sums[2])
 
         self.load_host(host)
         self._capture(launch, device)
@@ -1008,19 +1021,19 @@ class _CapturedScored(_Captured):
     def load_host(self, host: torch.Tensor) -> None:
         self.flat[: host.numel()].copy_(host, non_blocking=True)
 
-    def scored(self, owned: bool) -> scoring.PairScores:
-        """The last run's scores, poison and score total (copies unless ``owned=False``)."""
+    def scored(self, owned: bool) -> tuple[scoring.PairScores, torch.Tensor | None]:
+        """The last run's scores, poison and score total, and (``kept_total``) the kept scores'
+        finite sum: copies unless ``owned=False``."""
         scores, sums = self.scores, self.sums
         if owned:
             scores, sums = scores.clone(), sums.clone()
-        return scoring.PairScores(scores, sums[0], sums[1])
+        return scoring.PairScores(scores, sums[0], sums[1]), sums[2] if self.kept_total else None
 
-    def run_scored(
-        self, host: torch.Tensor, num_kept: int, owned: bool
-    ) -> tuple[scoring.PairScores, scoring.Selection]:
+    def run_scored(self, host: torch.Tensor, num_kept: int, owned: bool) -> scoring.Scored:
         self.load_host(host)
         self.graph.replay()
-        return self.scored(owned), self.outputs(num_kept, owned)
+        scored, kept_total = self.scored(owned)
+        return scoring.Scored(scored, self.outputs(num_kept, owned), kept_total)
 
 
 class _GraphCache:

@@ -47,6 +47,7 @@ from megatron_lrmoe.triton_kernels import use_triton
 __all__ = [
     "PROB_BITS",
     "PairScores",
+    "Scored",
     "Selection",
     "draw_uniforms",
     "inclusion_probabilities",
@@ -675,6 +676,14 @@ def draw_uniforms(
     return values.to(device, non_blocking=True)
 
 
+class Scored(NamedTuple):
+    """What :func:`score_and_select` returns."""
+
+    scores: PairScores
+    selection: Selection
+    kept_total: torch.Tensor | None  # 0-dim fp32 sum of the kept rows' finite scores, if asked
+
+
 def score_and_select(
     policy: str,
     g: torch.Tensor,
@@ -685,17 +694,18 @@ def score_and_select(
     quota: torch.Tensor,
     uniforms: torch.Tensor | None = None,
     *,
+    kept_total: bool = False,
     owned: bool = True,
-) -> tuple[PairScores, Selection]:
+) -> Scored:
     """Score every pair (:func:`token_norms`, each kind relative to its largest value in the
     call, :func:`pair_scores`) and :func:`select` the survivors of each segment.
 
     On CUDA, from the second call of a shape on, the whole of it is one replayed CUDA graph that
     reads ``g``, ``x``, ``probs`` and ``token`` in place (``select/kernels.py``,
     ``score_select_triton``: the same kernels, so the same bits); elsewhere, and where the graph
-    cannot take the inputs, the three steps below run one by one (the reference). For sources
-    that compete over the EP group (scope ``global``), the norms' maxima need an all-reduce
-    between the steps: call them one by one there.
+    cannot take the inputs, the steps below run one by one (the reference). For sources that
+    compete over the EP group (scope ``global``), the norms' maxima need an all-reduce between
+    the steps: call them one by one there.
 
     Args:
         policy: ``"topk"`` or ``"sample"``.
@@ -706,24 +716,28 @@ def score_and_select(
         counts: ``[G]`` pairs per segment (the pairs are segment-major).
         quota: ``[G]`` pairs to keep per segment.
         uniforms: ``[G]`` uniforms, required by ``"sample"``.
-        owned: As in :func:`select` (for the scores too).
-
-    Returns:
-        ``(scores, selection)``.
+        kept_total: Also sum the kept rows' finite scores (statistics).
+        owned: As in :func:`select` (for every output).
     """
     if use_triton(g, x, probs, token):
         # Imported here: kernels.py imports this module.
         from megatron_lrmoe.select.kernels import score_select_triton
 
         fused = score_select_triton(
-            policy, g, x, probs, token, counts, quota, uniforms, owned=owned
+            policy, g, x, probs, token, counts, quota, uniforms,
+            kept_total=kept_total, owned=owned,
         )
         if fused is not None:
             return fused
     norms = token_norms(g, x)  # [2, T]
     top = norms.amax(dim=1) if norms.shape[1] else norms.new_zeros(2)
     scored = pair_scores(probs, token, norms, top)
-    return scored, select(policy, scored.scores, counts, quota, uniforms, owned=owned)
+    sel = select(policy, scored.scores, counts, quota, uniforms, owned=owned)
+    total = None
+    if kept_total:
+        kept = scored.scores.index_select(0, sel.kept_index)
+        total = torch.nan_to_num(kept, nan=0.0, posinf=0.0, neginf=0.0).sum()
+    return Scored(scored, sel, total)
 
 
 def select(
