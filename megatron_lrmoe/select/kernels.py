@@ -998,7 +998,9 @@ class _CapturedScored(_Captured):
         select_args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block)
         shape, strides = (t, g.shape[1]), (g.stride(0), x.stride(0))
         dtypes = (g.dtype, x.dtype), (probs.dtype, token.dtype)
-        rows = torch.arange(n, device=device)
+        # Held by the object: a replay reads every buffer the capture used, so none of them may
+        # go back to the allocator (a local tensor would, once this returns).
+        self.rows = torch.arange(n, device=device)
 
         def launch() -> None:
             triton_kernels.row_norms_from_args(self.norms, self.args, shape, strides, dtypes[0])
@@ -1010,7 +1012,7 @@ class _CapturedScored(_Captured):
             _launch(*select_args)
             if kept_total:
                 # The kept rows are kept[:K], K = the last segment's slot + quota, on the device.
-                valid = rows < self.table[_SLOT, -1] + self.table[_QUOTA, -1]
+                valid = self.rows < self.table[_SLOT, -1] + self.table[_QUOTA, -1]
                 picked = self.scores.index_select(0, torch.where(valid, self.kept, 0))
                 picked = torch.where(valid, picked.nan_to_num(0.0, 0.0, 0.0), 0.0)
                 torch.sum(picked, dim=0, out=self.sums[2])
