@@ -6,6 +6,7 @@ returns what the test compares. Shape legend: T tokens per rank, H hidden, E exp
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -404,6 +405,47 @@ def cuda_partial_routing_rerun(rank: int, world: int, bf16: bool) -> dict[str, A
         "backend": grouped_mm_backend(x, lr.experts.weights()[0]),
         "deferred": lr._gemms_take_device_offsets(x),
     }
+
+
+def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
+    """EP 1, bf16 on the GPU, keep 0.5 ``sample``: four calls of one shape with the scoring
+    replayed inside the selection graph (captured on the second call) against the same four
+    calls with the scoring launched before it (``LRMOE_SCORE_GRAPHS=0``), fresh layers with the
+    same weights. Returns the largest difference over outputs and the input, router and expert
+    weight gradients, and the scoring graphs each mode left."""
+    from megatron_lrmoe.select import kernels
+
+    pg = init_megatron_parallel(ep=1)
+    cfg = _config(1, moe_aux_loss_coeff=0.0, bf16=True, params_dtype=torch.bfloat16)
+    device = torch.device("cuda")
+    runs: dict[str, list[dict[str, torch.Tensor]]] = {}
+    graphs = {}
+    for mode in ("graph", "eager"):
+        os.environ["LRMOE_SCORE_GRAPHS"] = "1" if mode == "graph" else "0"
+        kernels._GRAPHS = kernels._GraphCache()
+        torch.manual_seed(5)
+        lr = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=0.5))(
+            config=cfg, pg_collection=pg, layer_number=1
+        ).to(device)
+        runs[mode] = []
+        for call in range(4):
+            x, up = (t.to(device, torch.bfloat16) for t in _inputs(0, cfg.hidden_size, 7 + call))
+            for p in lr.parameters():
+                p.grad = None
+            got = _run(lr, x, up)
+            got["router"] = lr.router.weight.grad.clone()
+            got["fc1"], got["fc2"] = (w.grad.clone() for w in lr.experts.weights())
+            runs[mode].append(got)
+        graphs[mode] = sum(
+            isinstance(v, kernels._CapturedScored) for v in kernels._GRAPHS.graphs.values()
+        )
+    del os.environ["LRMOE_SCORE_GRAPHS"]
+    diff = max(
+        (a[k].float() - b[k].float()).abs().max().item()
+        for a, b in zip(runs["graph"], runs["eager"])
+        for k in a
+    )
+    return {"diff": diff, "graphs": graphs, "device": str(device)}
 
 
 def fused_accumulation_under_saved_tensor_hooks(rank: int, world: int) -> list[dict[str, Any]]:
