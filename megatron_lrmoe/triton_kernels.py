@@ -871,7 +871,8 @@ def pair_scores_triton(
     return scores, partial
 
 
-# Slots of the int64 argument block that the ``*_args`` kernels read tensor addresses from.
+# Slots of the int64 argument block that the ``*_args`` kernels read tensor addresses from
+# (the kernels name them by number: ``_row_norms_args_kernel``, ``_pair_scores_args_kernel``).
 ARG_G, ARG_X, ARG_PROBS, ARG_TOKEN = range(4)
 ARG_SLOTS = 8  # 64 bytes, so what follows the block in one buffer stays 64-byte aligned
 

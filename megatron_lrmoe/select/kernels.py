@@ -819,8 +819,9 @@ def score_select_triton(
 
     ``None`` (the caller then scores and selects eagerly, which is also what the first sighting
     of a shape does): not CUDA, graphs off (``LRMOE_SELECT_GRAPHS=0``, or
-    ``LRMOE_SCORE_GRAPHS=0`` for this one only) or inside another capture, device-side uniforms, nothing to keep, or inputs the graph cannot read in place
-    (dtypes, layouts, alignment: ``_graph_scorable``). Invalid inputs raise as in
+    ``LRMOE_SCORE_GRAPHS=0`` for this one only) or inside another capture, device-side
+    uniforms, nothing to keep, or inputs the graph cannot read in place (dtypes, layouts,
+    alignment: ``_graph_scorable``). Invalid inputs raise as in
     ``select_triton``; ``owned`` as there (for every output). The kept scores' sum
     (``kept_total``) is taken over the rows of the kept buffer below the device's kept count,
     so its fp32 rounding may differ from the eager sum's in the last bits.
