@@ -125,24 +125,18 @@ def _base_variants(
             out.append(
                 Variant("LRMoE keep 0.5 sample global", LRMoEConfig(keep_ratio=0.5, scope="global"))
             )
-    if eager_selection:
-        out.append(
-            Variant(
-                "LRMoE keep 0.5 sample eager selection",
-                LRMoEConfig(keep_ratio=0.5),
-                env={"LRMOE_SELECT_GRAPHS": "0"},
+    # The same keep-0.5 call with the selection launched kernel by kernel, or with the scoring
+    # launched before the replayed selection (the code before it joined the graph): an A/B of
+    # each graph inside one process.
+    for wanted, what, env in (
+        (eager_selection, "selection", "LRMOE_SELECT_GRAPHS"),
+        (eager_scoring, "scoring", "LRMOE_SCORE_GRAPHS"),
+    ):
+        if wanted:
+            out.append(
+                Variant(f"LRMoE keep 0.5 sample eager {what}", LRMoEConfig(keep_ratio=0.5),
+                        env={env: "0"})
             )
-        )
-    if eager_scoring:
-        # The same keep-0.5 call with the scoring launched before the replayed selection (the
-        # code before it joined the graph): an A/B of that change inside one process.
-        out.append(
-            Variant(
-                "LRMoE keep 0.5 sample eager scoring",
-                LRMoEConfig(keep_ratio=0.5),
-                env={"LRMOE_SCORE_GRAPHS": "0"},
-            )
-        )
     return out
 
 

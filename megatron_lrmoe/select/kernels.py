@@ -658,13 +658,7 @@ def select_triton(
         ValueError: unknown policy, ``"sample"`` without uniforms, malformed shapes, counts not
             adding up to N, a quota out of range, or host tensors without the interpreter.
     """
-    if policy not in scoring._POLICIES:
-        raise ValueError(
-            f"unknown selection policy {policy!r}; expected one of {scoring._POLICIES}"
-        )
-    sample = policy == "sample"
-    if sample and uniforms is None:
-        raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
+    sample = scoring._check_policy(policy, uniforms)
     block = _BLOCK if block is None else block
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
@@ -826,13 +820,7 @@ def score_select_triton(
     (``kept_total``) is taken over the rows of the kept buffer below the device's kept count,
     so its fp32 rounding may differ from the eager sum's in the last bits.
     """
-    if policy not in scoring._POLICIES:
-        raise ValueError(
-            f"unknown selection policy {policy!r}; expected one of {scoring._POLICIES}"
-        )
-    sample = policy == "sample"
-    if sample and uniforms is None:
-        raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
+    sample = scoring._check_policy(policy, uniforms)
     device = probs.device
     inputs = _ScoreInputs(g, x, probs, token)
     scoring_graphs = os.environ.get(_SCORE_GRAPHS_ENV, "1") != "0"

@@ -348,6 +348,16 @@ def _host_segments(
     return counts_h, quota_h
 
 
+def _check_policy(policy: str, uniforms: torch.Tensor | None) -> bool:
+    """Rejects an unknown policy and ``"sample"`` without uniforms; returns whether it samples.
+    Shared by :func:`select` and the fused paths (``select/kernels.py``)."""
+    if policy not in _POLICIES:
+        raise ValueError(f"unknown selection policy {policy!r}; expected one of {_POLICIES}")
+    if policy == "sample" and uniforms is None:
+        raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
+    return policy == "sample"
+
+
 def _check_uniforms(uniforms: torch.Tensor, num_segments: int) -> None:
     if uniforms.shape != (num_segments,) or not uniforms.is_floating_point():
         raise ValueError(
@@ -774,10 +784,7 @@ def select(
         ValueError: unknown policy, ``"sample"`` without uniforms, or malformed inputs (see
             :func:`select_topk` / :func:`select_sample`).
     """
-    if policy not in _POLICIES:
-        raise ValueError(f"unknown selection policy {policy!r}; expected one of {_POLICIES}")
-    if policy == "sample" and uniforms is None:
-        raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
+    _check_policy(policy, uniforms)
     if use_triton(scores):
         # Imported here: kernels.py imports this module.
         from megatron_lrmoe.select.kernels import select_triton
