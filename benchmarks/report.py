@@ -78,9 +78,13 @@ def _at(series: dict[int, float], iteration: float) -> float:
 
 
 def train_summary(run: Path, target: float) -> str:
+    """One row per ``train_*.log``. The MoE layers' cumulative time is also given without
+    iteration 1 ("from it 2"), which carries one-off work (Triton compiling into a cold cache,
+    allocator warm-up) that depends on what ran before in the same machine, not on the run."""
     out = [
         f"| run | median s/iter (it 20-300) | val loss @150 / @250 / @300 | MoE layers: ms/iter "
-        f"(median), cumulative s | iterations, wall s, MoE s to val loss {target} |",
+        f"(median), cumulative s, from it 2 | iterations, wall s, MoE s (from it 2) to val loss "
+        f"{target} |",
         "|---|---|---|---|---|",
     ]
     for log in sorted(run.glob("train_*.log")):
@@ -92,17 +96,18 @@ def train_summary(run: Path, target: float) -> str:
         steady = [s for i, s in iters.items() if i >= 20]
         cross = _crossing(vals, target)
         to_target = "not reached"
+        first = moe[1][0] if 1 in moe else 0.0
         if cross is not None:
             wall = _at(iters, cross)
             moe_s = _at({i: v[0] for i, v in moe.items()}, cross)
-            to_target = f"{cross:.1f} it, {wall:.1f} s, {moe_s:.2f} s"
+            to_target = f"{cross:.1f} it, {wall:.1f} s, {moe_s:.2f} s ({moe_s - first:.2f} s)"
         last = moe[max(moe)] if moe else (0.0, 0.0)
         out.append(
             f"| {log.stem} | {statistics.median(steady):.3f} | "
             f"{vals_by.get(150, float('nan')):.4f} / {vals_by.get(250, float('nan')):.4f} / "
             f"{vals_by.get(300, float('nan')):.4f} | "
             f"{1e3 * statistics.median(v[0] for i, v in moe.items() if i >= 20):.1f}, "
-            f"{last[1]:.2f} | {to_target} |"
+            f"{last[1]:.2f}, {last[1] - first:.2f} | {to_target} |"
         )
     return "\n".join(out)
 
