@@ -128,7 +128,7 @@ def _check(policy: str, case: Case, **kwargs) -> scoring.Selection:
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter subprocess")
 def test_select_kernels_in_interpreter_subprocess() -> None:
     pytest.importorskip("triton")
-    run_interpreter_tests(__file__, min_passed=6)
+    run_interpreter_tests(__file__, min_passed=8)
 
 
 def test_select_takes_the_torch_path_on_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,6 +344,66 @@ def test_gpu_captured_scoring_declines_unreadable_inputs(monkeypatch: pytest.Mon
 # --------------------------------------------------------------------------------------------
 # run under TRITON_INTERPRET=1 (subprocess): host tensors, kernels interpreted
 # --------------------------------------------------------------------------------------------
+
+
+class _EagerGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on the host: a "replay" reruns the launches."""
+
+    def __init__(self, launch) -> None:
+        self.replay = launch
+
+
+@interp
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_interp_scored_graph_body_matches_steps(
+    monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """What ``score_select_triton`` captures, run on the host: the argument block it writes,
+    the launches of ``_CapturedScored`` (norms and scores through the block, the selection, the
+    kept-score sum under the device's kept count) and the outputs it hands out, over calls of
+    one shape on new tensors, against the eager steps. (CUDA graphs themselves need a GPU: the
+    ``test_gpu_captured_scoring_*`` tests.)"""
+    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    monkeypatch.setattr(kernels, "_graphs_wanted", lambda device: True)
+
+    def capture(self, launch, device) -> None:
+        launch()  # the eager run that precedes every capture
+        self.graph = _EagerGraph(launch)
+
+    monkeypatch.setattr(kernels._Captured, "_capture", capture)
+    block = kernels._host_block
+
+    def host_block(counts, quota, uniforms, _pin, lead) -> torch.Tensor:
+        return block(counts, quota, uniforms, False, lead)  # no pinned memory without CUDA
+
+    monkeypatch.setattr(kernels, "_host_block", host_block)
+    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 16)
+    gen = torch.Generator().manual_seed(9)
+    t, h, k, e = 30, 24, 3, 5
+    for call in range(4):
+        g = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        x = (2 * torch.randn(t, h, generator=gen)).to(torch.bfloat16)
+        probs = torch.rand(t * k, generator=gen)
+        token = torch.randint(0, t, (t * k,), generator=gen)
+        counts = torch.tensor([20, 0, 31, 17, 22])
+        quota = torch.tensor([7, 0, 31, 1, 10 + call])
+        uniforms = torch.rand(e, generator=gen, dtype=torch.float64)
+        got = kernels.score_select_triton(
+            policy, g, x, probs, token, counts, quota, uniforms, kept_total=True, owned=call != 3
+        )
+        assert (got is None) == (call == 0)  # the first sighting of a shape runs eagerly
+        if got is None:
+            continue
+        norms = triton_kernels.row_norms_triton(g, x)
+        ref = scoring.pair_scores(probs, token, norms, norms.amax(1))
+        ref_sel = scoring.select(policy, ref.scores, counts, quota, uniforms)
+        assert torch.equal(got.scores.scores, ref.scores)
+        assert float(got.scores.poison) == 0.0
+        torch.testing.assert_close(got.scores.total, ref.total, rtol=1e-6, atol=0.0)
+        assert torch.equal(got.selection.kept_index, ref_sel.kept_index)
+        assert torch.equal(got.selection.weight, ref_sel.weight)
+        kept = ref.scores[ref_sel.kept_index].sum()
+        torch.testing.assert_close(got.kept_total, kept, rtol=1e-6, atol=0.0)
 
 
 @interp
