@@ -640,8 +640,7 @@ def _local_segments(
     """
     plan, lrmoe = call.plan, call.lrmoe
     counts = plan.global_counts[plan.ep_rank]  # [E] segments = experts, in send order
-    quota_src = plan.source_quota if plan.source_quota is not None else plan.quota.unsqueeze(0)
-    quota = quota_src[plan.ep_rank]
+    quota = plan.quota_by_source[plan.ep_rank]
     uniforms = None
     if lrmoe.selection == "sample":
         num_experts = counts.numel()
@@ -661,10 +660,9 @@ def _local_plan(
     """The :class:`KeptPlan` of a scope-local selection (:func:`_local_segments`)."""
     plan = call.plan
     device = sel.kept_index.device
-    quota_src = plan.source_quota if plan.source_quota is not None else plan.quota.unsqueeze(0)
     p, nle = plan.ep_size, plan.num_local_experts
     send_kept = quota.reshape(p, nle)
-    recv_kept = quota_src[:, plan.local_experts].contiguous()
+    recv_kept = plan.quota_by_source[:, plan.local_experts].contiguous()
     kept_positions = None
     if call.activation_mode == "save":
         if p == 1:

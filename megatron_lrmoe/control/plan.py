@@ -135,6 +135,12 @@ class CallPlan:
         return self.recv_counts.sum(0)
 
     @cached_property
+    def quota_by_source(self) -> torch.Tensor:
+        """``[P, E]`` (or ``[1, E]`` without a split over sources) quota of each source's pairs
+        per expert: what a source selects among its own pairs (scope local)."""
+        return self.source_quota if self.source_quota is not None else self.quota.unsqueeze(0)
+
+    @cached_property
     def local_quota(self) -> torch.Tensor:
         """``[L]`` quota of this rank's experts."""
         return self.quota[self.local_experts].contiguous()
