@@ -362,6 +362,14 @@ def main() -> None:
         "(--lrmoe-grad-accumulation-fusion on; needs --main-grad): off, on, or both",
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel-launch profile")
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        help="experts in the layer (default: Qwen3-30B-A3B's 128). At EP 1, 16 experts with "
+        "top-8 give each GPU the expert-side load of Qwen3-30B-A3B at EP 8 (T tokens, 8T rows "
+        "over 16 experts), without the exchange",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "layer_bench.json"))
     args = parser.parse_args()
 
@@ -372,7 +380,7 @@ def main() -> None:
     ep = int(os.environ.get("WORLD_SIZE", "1"))
     pg = init_distributed(ep)
     rank = torch.distributed.get_rank()
-    cfg = moe_config(ep)
+    cfg = moe_config(ep) if args.experts is None else moe_config(ep, num_moe_experts=args.experts)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     stock = None
     if not args.no_stock:
