@@ -15,7 +15,8 @@ Per variant and token count (medians over ``--iters`` after ``--warmup``):
     fwd_ms, bwd_ms: CUDA events around the forward and the backward call.
     bwd_cpu_ms: host time of the ``backward()`` call (it returns once everything is queued, so
         below bwd_ms means the GPU, not Python, is the bottleneck).
-    overhead_ms: GPU time of scoring + selection + packing (the layer's own CUDA-event spans).
+    overhead_ms: GPU time of scoring + selection + packing (the layer's own CUDA-event spans;
+        with the front graph one span that also holds the router gradient's row-dot).
     saved_mib: memory allocated after the forward with the output alive, minus before.
     peak_mib: peak allocated during the backward, minus before the forward.
     bwd_syncs: synchronising CUDA calls inside the backward (torch's sync debug mode).
@@ -35,6 +36,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -72,22 +74,27 @@ class Variant:
         return statistics.median(vals) if vals else None
 
 
+# The A/B switches: ``--eager-<name>`` adds keep 0.5 ``sample`` with that graph off (its env).
+EAGER_SWITCHES = {
+    "selection": "LRMOE_SELECT_GRAPHS",  # the selection launched kernel by kernel
+    "scoring": "LRMOE_SCORE_GRAPHS",  # the scoring launched before the replayed selection
+    "front": "LRMOE_FRONT_GRAPHS",  # the row-dot and packing launched around the graph
+}
+
+
 def _variants(
     ep: int,
     keeps: list[float],
     selections: list[str],
     extras: bool,
-    eager_selection: bool,
+    eager: Sequence[str] = (),
     fusion: str = "off",
-    eager_scoring: bool = False,
 ) -> list[Variant]:
     """The LRMoE variants; ``fusion`` "on" / "both" adds each with its weight gradients
     accumulated into ``main_grad`` (name suffix " fused"; needs ``--main-grad``)."""
     from megatron_lrmoe import LRMoEConfig
 
-    base = _base_variants(
-        ep, keeps, selections, extras, eager_selection, eager_scoring, LRMoEConfig
-    )
+    base = _base_variants(ep, keeps, selections, extras, eager, LRMoEConfig)
     out = [] if fusion == "on" else list(base)
     if fusion in ("on", "both"):
         out += [
@@ -99,8 +106,8 @@ def _variants(
 
 
 def _base_variants(
-    ep: int, keeps: list[float], selections: list[str], extras: bool, eager_selection: bool,
-    eager_scoring: bool, config: Any,
+    ep: int, keeps: list[float], selections: list[str], extras: bool, eager: Sequence[str],
+    config: Any,
 ) -> list[Variant]:
     LRMoEConfig = config  # noqa: N806
     out = [Variant("LRMoE keep 1.0", LRMoEConfig(keep_ratio=1.0, grad_accumulation_fusion="off"))]
@@ -125,18 +132,13 @@ def _base_variants(
             out.append(
                 Variant("LRMoE keep 0.5 sample global", LRMoEConfig(keep_ratio=0.5, scope="global"))
             )
-    # The same keep-0.5 call with the selection launched kernel by kernel, or with the scoring
-    # launched before the replayed selection (the code before it joined the graph): an A/B of
-    # each graph inside one process.
-    for wanted, what, env in (
-        (eager_selection, "selection", "LRMOE_SELECT_GRAPHS"),
-        (eager_scoring, "scoring", "LRMOE_SCORE_GRAPHS"),
-    ):
-        if wanted:
-            out.append(
-                Variant(f"LRMoE keep 0.5 sample eager {what}", LRMoEConfig(keep_ratio=0.5),
-                        env={env: "0"})
-            )
+    # The same keep-0.5 call with one graph switched off (the code before that graph, or that
+    # part of it, existed): an A/B of each graph inside one process.
+    for what in eager:
+        out.append(
+            Variant(f"LRMoE keep 0.5 sample eager {what}", LRMoEConfig(keep_ratio=0.5),
+                    env={EAGER_SWITCHES[what]: "0"})
+        )
     return out
 
 
@@ -178,7 +180,9 @@ def _timed_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant) -> No
     stats = getattr(layer, "last_call_stats", None)
     if stats is not None:
         t = stats.timings_ms
-        v.add("overhead_ms", sum(t.get(k, 0.0) for k in ("scoring", "selection", "packing")))
+        # "front": one graph for the router gradient's row-dot, scoring, selection and packing.
+        spans = ("scoring", "selection", "packing", "front")
+        v.add("overhead_ms", sum(t.get(k, 0.0) for k in spans))
         for k, val in t.items():
             v.add(f"{k}_ms", val)
     del out, inp
@@ -345,6 +349,13 @@ def main() -> None:
         help="add keep 0.5 sample with the scoring launched before the replayed selection "
         "(LRMOE_SCORE_GRAPHS=0), beside the default one graph for both",
     )
+    parser.add_argument(
+        "--eager-front",
+        action="store_true",
+        help="add keep 0.5 sample with the router gradient's row-dot and the packing launched "
+        "around the replayed scoring and selection (LRMOE_FRONT_GRAPHS=0), beside the default "
+        "one graph for all four",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--no-stock", action="store_true", help="skip the stock layer")
@@ -396,10 +407,8 @@ def main() -> None:
         for module in (stock, lr):
             if module is not None:
                 _attach_main_grad(module)
-    variants = _variants(
-        ep, args.keep, args.selections, not args.no_extras, args.eager_selection, args.fusion,
-        args.eager_scoring,
-    )
+    eager = [name for name in EAGER_SWITCHES if getattr(args, f"eager_{name}")]
+    variants = _variants(ep, args.keep, args.selections, not args.no_extras, eager, args.fusion)
     if stock is not None:
         variants.insert(0, Variant("stock MoELayer (SequentialMLP)", None))
 

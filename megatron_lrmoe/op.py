@@ -62,7 +62,9 @@ from megatron_lrmoe.experts.grouped_gemm import GroupSizes
 from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
 from megatron_lrmoe.experts.replica_weights import fold_replica_grads
 from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
+from megatron_lrmoe.select.kernels import FrontBuffers, front_triton
 from megatron_lrmoe.select.scoring import (
+    PairScores,
     Selection,
     draw_uniforms,
     pair_scores,
@@ -70,6 +72,7 @@ from megatron_lrmoe.select.scoring import (
     select,
     token_norms,
 )
+from megatron_lrmoe.triton_kernels import use_triton
 
 __all__ = ["ExactMoEFunction", "ExpertCall", "TrimmedMoEFunction", "lrmoe_experts"]
 
@@ -476,20 +479,23 @@ class TrimmedMoEFunction(torch.autograd.Function):
         timer = SpanTimer(grad_out.device) if stats is not None else None
         g = grad_out.contiguous()
 
-        # Router gradient, exact for every pair: d probs = <g_token, z_pair>; then z goes.
-        # Walked token by token (each g row read once for its K pairs, not once per pair).
-        d_probs = call.to_pair_order(row_dot(g, z, probs.dtype, slots=call.slot_send))
-        del z
-
         key = call.sample_stream() if call.sample_stream is not None else ()
-        kept = select_kept(call, g, hidden, probs, key, timer)
-        if timer:
-            timer.start("packing")
-        # Packed row of each kept pair, written by the packing kernel, read by return_dx.
-        row_of_pair = new_row_of_pair(call, g.device) if ctx.needs_input_grad[0] else None
-        g_kept, x_kept = pack_kept(call, g, hidden, probs, kept, row_of_pair)
-        if timer:
-            timer.stop("packing")
+        front = replayed_front(call, g, hidden, probs, z, key, timer)
+        if front is not None:
+            d_probs, kept, g_kept, x_kept, row_of_pair = front
+        else:
+            # Router gradient, exact for every pair: d probs = <g_token, z_pair>. Walked token
+            # by token (each g row read once for its K pairs, not once per pair).
+            d_probs = call.to_pair_order(row_dot(g, z, probs.dtype, slots=call.slot_send))
+            kept = select_kept(call, g, hidden, probs, key, timer)
+            if timer:
+                timer.start("packing")
+            # Packed row of each kept pair, written by the packing kernel, read by return_dx.
+            row_of_pair = new_row_of_pair(call, g.device) if ctx.needs_input_grad[0] else None
+            g_kept, x_kept = pack_kept(call, g, hidden, probs, kept, row_of_pair)
+            if timer:
+                timer.stop("packing")
+        del z, front  # z is no longer needed (the router gradient is taken)
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
         x_k = _kept_inputs(ctx, kept, x_in)
         # Save mode: the activation backward reads the kept rows of the saved h in place.
@@ -616,18 +622,77 @@ def select_kept(
         if timer:
             timer.stop("selection")
     if stats is not None:
-        if kept_total is None:
-            kept_scores = scored.scores.index_select(0, kept.kept_index)
-            kept_total = torch.nan_to_num(kept_scores, nan=0.0, posinf=0.0, neginf=0.0).sum()
-        # One copy of both: a replayed graph's sums are overwritten by its next replay, and
-        # these are read when the metrics are reported.
-        totals = torch.stack((scored.total, kept_total))
-        stats.score_total, stats.score_kept = totals[0], totals[1]
-        if lrmoe.debug_record_selection:
-            dense = torch.zeros(scored.scores.numel(), dtype=torch.float32, device=g.device)
-            stats.kept_weight = dense.index_copy_(0, kept.kept_index, kept.weight).cpu()
-            stats.kept_mask = stats.kept_weight > 0
+        _record_selection(call, scored, kept, kept_total)
     return kept
+
+
+def _record_selection(
+    call: ExpertCall, scored: PairScores, kept: KeptPlan, kept_total: Optional[torch.Tensor]
+) -> None:
+    """The selection's statistics: the score total, the kept scores' (``kept_total`` when the
+    selection summed them already) and, when asked, the dense kept weights."""
+    stats = call.stats
+    if kept_total is None:
+        kept_scores = scored.scores.index_select(0, kept.kept_index)
+        kept_total = torch.nan_to_num(kept_scores, nan=0.0, posinf=0.0, neginf=0.0).sum()
+    # One copy of both: a replayed graph's sums are overwritten by its next replay, and these
+    # are read when the metrics are reported.
+    totals = torch.stack((scored.total, kept_total))
+    stats.score_total, stats.score_kept = totals[0], totals[1]
+    if call.lrmoe.debug_record_selection:
+        dense = torch.zeros(scored.scores.numel(), dtype=torch.float32, device=totals.device)
+        stats.kept_weight = dense.index_copy_(0, kept.kept_index, kept.weight).cpu()
+        stats.kept_mask = stats.kept_weight > 0
+
+
+def replayed_front(
+    call: ExpertCall,
+    g: torch.Tensor,
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    z: torch.Tensor,
+    key: tuple[int, ...],
+    timer: Optional[SpanTimer],
+) -> Optional[
+    tuple[torch.Tensor, KeptPlan, torch.Tensor, Optional[torch.Tensor], torch.Tensor]
+]:
+    """The router gradient, :func:`select_kept` and :func:`pack_kept` as one replayed CUDA
+    graph (``select/kernels.py``, ``front_triton``), where a source selects among its own pairs
+    (scope local or EP 1, no replicas) on CUDA; ``None`` elsewhere and where the graph cannot
+    run (its first sighting of a shape, graphs off, inputs it cannot read in place), and the
+    caller runs the stages one by one: the same kernels, so the same bits.
+
+    Returns ``(d_probs, kept, g_kept, x_kept, row_of_pair)`` as the stages give them; its time
+    is the ``front`` span (row-dot, scoring, selection and packing together).
+    """
+    lrmoe = call.lrmoe
+    local = call.layout is None and (lrmoe.scope == "local" or call.plan.ep_size == 1)
+    if not (local and use_triton(g, hidden, probs, z)):
+        return None
+    counts, quota, uniforms = _local_segments(call, key)
+    num_kept, width = int(quota.numpy().sum()), g.shape[1]
+    buffers = FrontBuffers(
+        z=z,
+        slots=call.slot_send,
+        d_probs=torch.empty(probs.shape, dtype=probs.dtype, device=probs.device),
+        g_kept=g.new_empty((num_kept, width)),
+        x_kept=hidden.new_empty((num_kept, width)) if _packs_inputs(call) else None,
+    )
+    if timer:
+        timer.start("front")
+    front = front_triton(
+        lrmoe.selection, g, hidden, probs, call.perm.token_of_pair, counts, quota, uniforms,
+        buffers, kept_total=call.stats is not None, owned=False,
+    )
+    if front is None:
+        return None
+    scored, sel, kept_total = front.scored
+    kept = _local_plan(call, sel, quota, counts, scored.poison)
+    if timer:
+        timer.stop("front")
+    if call.stats is not None:
+        _record_selection(call, scored, kept, kept_total)
+    return buffers.d_probs, kept, buffers.g_kept, buffers.x_kept, front.row_of_pair
 
 
 def _local_segments(
@@ -821,17 +886,22 @@ def pack_kept(
     ``row_of_pair`` (:func:`new_row_of_pair`) the kernel also records each kept pair's packed
     row, which is the row its ``dx`` comes back in (:func:`return_dx`).
     """
-    need_x = call.plan.ep_size == 1 or call.activation_mode == "recompute"
     return pack_pairs(
         g,
         call.perm.token_of_pair,
         kept.exchange_pairs,
         probs,
         kept.exchange_weight,
-        x=hidden if need_x else None,
+        x=hidden if _packs_inputs(call) else None,
         poison=kept.poison,
         row_of_pair=row_of_pair,
     )
+
+
+def _packs_inputs(call: ExpertCall) -> bool:
+    """Whether the kept rows' inputs go with their gradient rows (the expert side does not
+    hold them: EP 1, where it reads them from the tokens, and ``recompute`` mode)."""
+    return call.plan.ep_size == 1 or call.activation_mode == "recompute"
 
 
 def exchange_kept(

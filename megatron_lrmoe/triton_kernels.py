@@ -39,20 +39,28 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ARG_COUNT",
+    "ARG_D_PROBS",
     "ARG_G",
+    "ARG_G_OUT",
     "ARG_PROBS",
     "ARG_SLOTS",
+    "ARG_SLOT_PLAN",
     "ARG_TOKEN",
     "ARG_X",
+    "ARG_X_OUT",
+    "ARG_Z",
     "TRITON_ENV",
     "act_backward_triton",
     "act_forward_triton",
     "gather_sum_triton",
     "args_ready",
+    "pack_pairs_from_args",
     "pack_pairs_triton",
     "pair_blocks",
     "pair_scores_from_args",
     "pair_scores_triton",
+    "row_dot_from_args",
     "row_dot_triton",
     "row_norms_from_args",
     "row_norms_triton",
@@ -143,20 +151,9 @@ def _scale_rows_kernel(
     tl.store(out_ptr + dst, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _row_dot_kernel(
-    out_ptr,
-    a_ptr,
-    b_ptr,
-    a_index_ptr,
-    n_rows,
-    width,
-    a_stride,
-    b_stride,
-    slots_per_a,
-    A_INDEX: tl.constexpr,
-    SLOTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+def _row_dot_body(
+    out_ptr, a_ptr, b_ptr, a_index_ptr, n_rows, width, a_stride, b_stride, slots_per_a,
+    A_INDEX: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """``out[i] = sum_j a[a_index[i] (or i), j] * b[i, j]`` in fp32 for ``BLOCK_M`` rows.
 
@@ -187,6 +184,53 @@ def _row_dot_kernel(
         acc = acc + a.to(tl.float32) * b.to(tl.float32)
     dot = tl.sum(acc, axis=1)
     tl.store(out_ptr + rows, dot.to(out_ptr.dtype.element_ty), mask=mask_m)
+
+
+def _row_dot_kernel(
+    out_ptr,
+    a_ptr,
+    b_ptr,
+    a_index_ptr,
+    n_rows,
+    width,
+    a_stride,
+    b_stride,
+    slots_per_a,
+    A_INDEX: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """:func:`_row_dot_body` on the tensors given."""
+    _row_dot_body(
+        out_ptr, a_ptr, b_ptr, a_index_ptr, n_rows, width, a_stride, b_stride, slots_per_a,
+        A_INDEX, SLOTS, BLOCK_M, BLOCK_H,
+    )
+
+
+def _row_dot_args_kernel(
+    args_ptr,
+    n_rows,
+    width,
+    a_stride,
+    b_stride,
+    slots_per_a,
+    OUT_TY: tl.constexpr,
+    A_TY: tl.constexpr,
+    B_TY: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """:func:`_row_dot_body` with ``SLOTS``: ``a`` = ``args[0]`` (the gradient rows), ``b`` =
+    ``args[4]`` (the pairs' expert outputs), the slot table ``args[5]``, ``out`` ``args[6]``."""
+    a_ptr = _arg_ptr(args_ptr, 0, A_TY)
+    b_ptr = _arg_ptr(args_ptr, 4, B_TY)
+    slots_ptr = _arg_ptr(args_ptr, 5, tl.int64)
+    out_ptr = _arg_ptr(args_ptr, 6, OUT_TY)
+    _row_dot_body(
+        out_ptr, a_ptr, b_ptr, slots_ptr, n_rows, width, a_stride, b_stride, slots_per_a,
+        False, True, BLOCK_M, BLOCK_H,
+    )
 
 
 def _gather_sum_kernel(
@@ -377,28 +421,11 @@ def _pair_scores_args_kernel(
     )
 
 
-def _pack_pairs_kernel(
-    g_out_ptr,
-    x_out_ptr,
-    g_ptr,
-    x_ptr,
-    token_ptr,
-    pairs_ptr,
-    probs_ptr,
-    weight_ptr,
-    poison_ptr,
-    row_of_ptr,
-    n_out,
-    width,
-    g_stride,
-    x_stride,
-    g_out_stride,
-    x_out_stride,
-    HAS_X: tl.constexpr,
-    HAS_POISON: tl.constexpr,
-    HAS_ROW_OF: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+def _pack_pairs_body(
+    g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr, weight_ptr, poison_ptr,
+    row_of_ptr, n_out, width, g_stride, x_stride, g_out_stride, x_out_stride,
+    HAS_X: tl.constexpr, HAS_POISON: tl.constexpr, HAS_ROW_OF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Row ``i`` of pair ``j = pairs[i]`` of token ``t = token[j]``: ``g_out[i] = g[t] *
     (p[j] * w[i] (+ poison))`` in fp32, rounded once; ``x_out[i] = x[t]`` (a copy); with
@@ -425,6 +452,72 @@ def _pack_pairs_kernel(
     if HAS_X:
         x = tl.load(x_ptr + tok[:, None] * x_stride + offs_h[None, :], mask=mask, other=0.0)
         tl.store(x_out_ptr + dst * x_out_stride + offs_h[None, :], x, mask=mask)
+
+
+def _pack_pairs_kernel(
+    g_out_ptr,
+    x_out_ptr,
+    g_ptr,
+    x_ptr,
+    token_ptr,
+    pairs_ptr,
+    probs_ptr,
+    weight_ptr,
+    poison_ptr,
+    row_of_ptr,
+    n_out,
+    width,
+    g_stride,
+    x_stride,
+    g_out_stride,
+    x_out_stride,
+    HAS_X: tl.constexpr,
+    HAS_POISON: tl.constexpr,
+    HAS_ROW_OF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """:func:`_pack_pairs_body` on the tensors given."""
+    _pack_pairs_body(
+        g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr, weight_ptr,
+        poison_ptr, row_of_ptr, n_out, width, g_stride, x_stride, g_out_stride, x_out_stride,
+        HAS_X, HAS_POISON, HAS_ROW_OF, BLOCK_M, BLOCK_H,
+    )
+
+
+def _pack_pairs_args_kernel(
+    args_ptr,
+    pairs_ptr,
+    weight_ptr,
+    poison_ptr,
+    row_of_ptr,
+    width,
+    g_stride,
+    x_stride,
+    G_TY: tl.constexpr,
+    X_TY: tl.constexpr,
+    P_TY: tl.constexpr,
+    T_TY: tl.constexpr,
+    HAS_X: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """:func:`_pack_pairs_body` (poison and ``row_of`` on) with ``g``, ``x``, ``probs`` and
+    ``token`` at ``args[0..3]``, the dense outputs at ``args[7]`` (``g_out``) and ``args[8]``
+    (``x_out``), and the number of rows to pack in ``args[9]``: the grid covers the most rows
+    there can be, and programs past that count store nothing."""
+    g_ptr = _arg_ptr(args_ptr, 0, G_TY)
+    x_ptr = _arg_ptr(args_ptr, 1, X_TY)
+    probs_ptr = _arg_ptr(args_ptr, 2, P_TY)
+    token_ptr = _arg_ptr(args_ptr, 3, T_TY)
+    g_out_ptr = _arg_ptr(args_ptr, 7, G_TY)
+    x_out_ptr = _arg_ptr(args_ptr, 8, X_TY)
+    n_out = tl.load(args_ptr + 9)
+    _pack_pairs_body(
+        g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr, weight_ptr,
+        poison_ptr, row_of_ptr, n_out, width, g_stride, x_stride, width, width,
+        HAS_X, True, True, BLOCK_M, BLOCK_H,
+    )
 
 
 
@@ -550,7 +643,9 @@ def _act_bwd_kernel(
 
 # Device helpers called by the kernels above: plain functions until :func:`_kernels` replaces
 # them by their triton.jit versions in this module's globals (before any kernel compiles).
-_HELPERS = ("_arg_ptr", "_row_norms_body", "_pair_scores_body")
+_HELPERS = (
+    "_arg_ptr", "_row_dot_body", "_row_norms_body", "_pair_scores_body", "_pack_pairs_body"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -571,6 +666,7 @@ def _kernels() -> SimpleNamespace:
     kernels = SimpleNamespace(
         scale_rows=triton.jit(_scale_rows_kernel),
         row_dot=triton.jit(_row_dot_kernel),
+        row_dot_args=triton.jit(_row_dot_args_kernel),
         gather_sum=triton.jit(_gather_sum_kernel),
         act_fwd=triton.jit(_act_fwd_kernel),
         act_bwd=triton.jit(_act_bwd_kernel),
@@ -579,6 +675,7 @@ def _kernels() -> SimpleNamespace:
         row_norms_args=triton.jit(_row_norms_args_kernel),
         pair_scores_args=triton.jit(_pair_scores_args_kernel),
         pack_pairs=triton.jit(_pack_pairs_kernel),
+        pack_pairs_args=triton.jit(_pack_pairs_args_kernel),
     )
     kernels.interpreted = not isinstance(kernels.scale_rows, JITFunction)
     return kernels
@@ -871,10 +968,12 @@ def pair_scores_triton(
     return scores, partial
 
 
-# Slots of the int64 argument block that the ``*_args`` kernels read tensor addresses from
-# (the kernels name them by number: ``_row_norms_args_kernel``, ``_pair_scores_args_kernel``).
-ARG_G, ARG_X, ARG_PROBS, ARG_TOKEN = range(4)
-ARG_SLOTS = 8  # 64 bytes, so what follows the block in one buffer stays 64-byte aligned
+# Slots of the int64 argument block that the ``*_args`` kernels read tensor addresses (and, in
+# ``ARG_COUNT``, a row count) from; the kernels name them by number.
+ARG_G, ARG_X, ARG_PROBS, ARG_TOKEN = range(4)  # gradient and input rows, routing weights, tokens
+ARG_Z, ARG_SLOT_PLAN, ARG_D_PROBS = 4, 5, 6  # the router gradient's row-dot: inputs, output
+ARG_G_OUT, ARG_X_OUT, ARG_COUNT = 7, 8, 9  # packing: dense outputs, the rows they get
+ARG_SLOTS = 16  # 128 bytes, so what follows the block in one buffer stays 64-byte aligned
 
 
 def args_ready(*tensors: torch.Tensor) -> bool:
@@ -939,6 +1038,59 @@ def pair_scores_from_args(
         kernels.pair_scores_args[(blocks,)](
             scores, partial, args, norms, top, n, norms.shape[1], blocks,
             P_TY=_tl_dtype(dtypes[0]), T_TY=_tl_dtype(dtypes[1]), BLOCK=_PAIR_BLOCK, num_warps=4,
+        )
+
+
+def row_dot_from_args(
+    args: torch.Tensor,
+    shape: tuple[int, int],
+    slots_per_token: int,
+    strides: tuple[int, int],
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+) -> None:
+    """:func:`row_dot_triton` with ``slots``, every tensor read through the argument block:
+    ``out = args[ARG_D_PROBS]``, ``a = args[ARG_G]`` (``shape`` ``[T, H]``), ``b =
+    args[ARG_Z]``, ``slots = args[ARG_SLOT_PLAN]`` (``[T, slots_per_token]`` int64, contiguous);
+    ``strides`` are ``a``'s and ``b``'s row strides, ``dtypes`` those of ``out``, ``a``, ``b``.
+    :func:`args_ready` must hold for all four. ``T >= 1``."""
+    n_tokens, width = shape
+    n_walk = n_tokens * slots_per_token
+    block_h, block_m = _reduction_tile(width, None, max_block_h=512, accumulators=2)
+    with _device_ctx(args):
+        _kernels_for(args).row_dot_args[(_cdiv(n_walk, block_m),)](
+            args, n_walk, width, strides[0], strides[1], slots_per_token,
+            OUT_TY=_tl_dtype(dtypes[0]), A_TY=_tl_dtype(dtypes[1]), B_TY=_tl_dtype(dtypes[2]),
+            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+        )
+
+
+def pack_pairs_from_args(
+    args: torch.Tensor,
+    pairs: torch.Tensor,
+    weight: torch.Tensor,
+    poison: torch.Tensor,
+    row_of_pair: torch.Tensor,
+    width: int,
+    strides: tuple[int, int],
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype],
+    has_x: bool,
+) -> None:
+    """:func:`pack_pairs_triton` (with ``poison`` and ``row_of_pair``) for a row count known
+    only on the device: ``g``, ``x``, ``probs``, ``token`` at ``args[ARG_G..ARG_TOKEN]`` (row
+    ``strides`` of ``g`` and ``x``; ``dtypes`` of the four), the contiguous outputs at
+    ``args[ARG_G_OUT]``, ``args[ARG_X_OUT]`` (``has_x``), and the rows to pack, ``K``, in
+    ``args[ARG_COUNT]``. ``pairs`` and ``weight`` have room for the most rows there can be
+    (the grid covers all of it); rows from ``K`` on are not touched. ``width >= 1``."""
+    n_max = pairs.shape[0]
+    block_h = _col_block(width, None)
+    block_m = max(1, _TILE // block_h)
+    grid = (max(1, _cdiv(n_max, block_m)), _cdiv(width, block_h))
+    with _device_ctx(args):
+        _kernels_for(args).pack_pairs_args[grid](
+            args, pairs, weight, poison, row_of_pair, width, strides[0], strides[1],
+            G_TY=_tl_dtype(dtypes[0]), X_TY=_tl_dtype(dtypes[1]), P_TY=_tl_dtype(dtypes[2]),
+            T_TY=_tl_dtype(dtypes[3]), HAS_X=has_x, BLOCK_M=block_m, BLOCK_H=block_h,
+            num_warps=_NUM_WARPS,
         )
 
 

@@ -408,20 +408,28 @@ def cuda_partial_routing_rerun(rank: int, world: int, bf16: bool) -> dict[str, A
 
 
 def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
-    """EP 1, bf16 on the GPU, keep 0.5 ``sample``: four calls of one shape with the scoring
-    replayed inside the selection graph (captured on the second call) against the same four
-    calls with the scoring launched before it (``LRMOE_SCORE_GRAPHS=0``), fresh layers with the
-    same weights. Returns the largest difference over outputs and the input, router and expert
-    weight gradients, and the scoring graphs each mode left."""
+    """EP 1, bf16 on the GPU, keep 0.5 ``sample``: four calls of one shape in three modes,
+    fresh layers with the same weights: ``front`` (the default: the router gradient's row-dot,
+    the scoring, the selection and the packing replayed as one graph, captured on the second
+    call), ``scored`` (``LRMOE_FRONT_GRAPHS=0``: the scoring inside the selection graph, the
+    row-dot and packing launched eagerly) and ``eager`` (``LRMOE_SCORE_GRAPHS=0``: the
+    scoring launched before the replayed selection). Returns the largest difference of each
+    graph mode from ``eager`` over outputs and the input, router and expert weight gradients,
+    and the scoring graphs each mode left, with and without a front."""
     from megatron_lrmoe.select import kernels
 
     pg = init_megatron_parallel(ep=1)
     cfg = _config(1, moe_aux_loss_coeff=0.0, bf16=True, params_dtype=torch.bfloat16)
     device = torch.device("cuda")
+    modes = {
+        "front": {},
+        "scored": {"LRMOE_FRONT_GRAPHS": "0"},
+        "eager": {"LRMOE_SCORE_GRAPHS": "0"},
+    }
     runs: dict[str, list[dict[str, torch.Tensor]]] = {}
     graphs = {}
-    for mode in ("graph", "eager"):
-        os.environ["LRMOE_SCORE_GRAPHS"] = "1" if mode == "graph" else "0"
+    for mode, env in modes.items():
+        os.environ.update(env)
         kernels._GRAPHS = kernels._GraphCache()
         torch.manual_seed(5)
         lr = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=0.5))(
@@ -436,15 +444,23 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
             got["router"] = lr.router.weight.grad.clone()
             got["fc1"], got["fc2"] = (w.grad.clone() for w in lr.experts.weights())
             runs[mode].append(got)
-        graphs[mode] = sum(
-            isinstance(v, kernels._CapturedScored) for v in kernels._GRAPHS.graphs.values()
+        captured = [
+            v for v in kernels._GRAPHS.graphs.values() if isinstance(v, kernels._CapturedScored)
+        ]
+        graphs[mode] = {
+            "front": sum(v.has_front for v in captured),
+            "scored": sum(not v.has_front for v in captured),
+        }
+        for name in env:
+            del os.environ[name]
+    diff = {
+        mode: max(
+            (a[k].float() - b[k].float()).abs().max().item()
+            for a, b in zip(runs[mode], runs["eager"])
+            for k in a
         )
-    del os.environ["LRMOE_SCORE_GRAPHS"]
-    diff = max(
-        (a[k].float() - b[k].float()).abs().max().item()
-        for a, b in zip(runs["graph"], runs["eager"])
-        for k in a
-    )
+        for mode in ("front", "scored")
+    }
     return {"diff": diff, "graphs": graphs, "device": str(device)}
 
 

@@ -201,13 +201,19 @@ def test_cuda_partial_routing_map_reruns_the_forward(bf16: bool) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
 def test_cuda_scoring_graph_matches_eager_layer() -> None:
-    """The layer on the GPU, keep 0.5: with the scoring replayed inside the selection graph
-    (from the second call of a shape on) every output and gradient has the bits of the same
-    calls with the scoring launched eagerly; the graph was used, and only when allowed."""
+    """The layer on the GPU, keep 0.5: with the router gradient's row-dot, the scoring, the
+    selection and the packing replayed as one graph, and with only the scoring inside the
+    selection graph (from the second call of a shape on), every output and gradient has the
+    bits of the same calls with the scoring launched eagerly; each graph was used, and only
+    when allowed."""
     d = run_distributed(w.cuda_scoring_graph_matches_eager, 1)[0]
     assert d["device"].startswith("cuda"), d
-    assert d["graphs"] == {"graph": 1, "eager": 0}, d
-    assert d["diff"] == 0.0, d
+    assert d["graphs"] == {
+        "front": {"front": 1, "scored": 0},
+        "scored": {"front": 0, "scored": 1},
+        "eager": {"front": 0, "scored": 0},
+    }, d
+    assert d["diff"] == {"front": 0.0, "scored": 0.0}, d
 
 
 def test_selection_deterministic_across_runs_and_ranks() -> None:

@@ -341,6 +341,58 @@ def test_gpu_captured_scoring_declines_unreadable_inputs(monkeypatch: pytest.Mon
     assert not any(isinstance(v, kernels._CapturedScored) for v in kernels._GRAPHS.graphs.values())
 
 
+@cuda
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_gpu_front_graph_matches_steps(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """``front_triton`` on the GPU: the first call declines (the caller runs the steps), the
+    second captures the router gradient's row-dot, scoring, selection and packing into one
+    graph, later calls replay it into new per-call buffers, with a kept count that changes from
+    call to call and a non-finite gradient once. Every call gives the bits of the eager steps
+    (``row_dot``, ``score_and_select`` without graphs, ``pack_pairs`` with the map of packed
+    rows)."""
+    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    gen = torch.Generator().manual_seed(6)
+    t, h, k = 300, 136, 4
+    for call in range(5):
+        (g, x, probs, _), counts, quota, uniforms = _scoring_case(gen, t, h, k, 16, call == 3)
+        token = torch.arange(t).repeat_interleave(k)[torch.randperm(t * k, generator=gen)]
+        slots = _slot_plan(token, t, k).cuda()
+        token = token.cuda()
+        z = torch.randn(t * k, h, generator=gen).to(torch.bfloat16).cuda()
+        num_kept = int(quota.sum())
+        buffers = kernels.FrontBuffers(
+            z, slots, torch.empty_like(probs), g.new_empty(num_kept, h), x.new_empty(num_kept, h)
+        )
+        got = kernels.front_triton(
+            policy, g, x, probs, token, counts, quota, uniforms, buffers, kept_total=True,
+            owned=False,
+        )
+        graphs = [
+            v for v in kernels._GRAPHS.graphs.values() if isinstance(v, kernels._CapturedScored)
+        ]
+        assert (got is None) == (call == 0) and len(graphs) == (call > 0)
+        if got is None:
+            continue
+        got_sel = got.scored.selection
+        got = (buffers.d_probs, got_sel.kept_index, got_sel.weight, buffers.g_kept,
+               buffers.x_kept, got.row_of_pair)
+        got = tuple(v.clone() for v in got)  # queued before the next call, as in the backward
+        with monkeypatch.context() as eager:
+            eager.setenv("LRMOE_SELECT_GRAPHS", "0")
+            d_probs = triton_kernels.row_dot_triton(g, z, probs.dtype, slots=slots)
+            scored, sel, _ = scoring.score_and_select(
+                policy, g, x, probs, token, counts, quota, uniforms
+            )
+            row_of = torch.full((t * k + 1,), -1, dtype=torch.int64, device=g.device)
+            g_kept, x_kept = triton_kernels.pack_pairs_triton(
+                g, token, sel.kept_index, probs, sel.weight, x=x, poison=scored.poison,
+                row_of_pair=row_of,
+            )
+        for a, b in zip(got, (d_probs, sel.kept_index, sel.weight, g_kept, x_kept, row_of)):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+        assert bool(got[3].isnan().all()) == (call == 3)  # the poison reached every kept row
+
+
 # --------------------------------------------------------------------------------------------
 # run under TRITON_INTERPRET=1 (subprocess): host tensors, kernels interpreted
 # --------------------------------------------------------------------------------------------
@@ -404,6 +456,78 @@ def test_interp_scored_graph_body_matches_steps(
         assert torch.equal(got.selection.weight, ref_sel.weight)
         kept = ref.scores[ref_sel.kept_index].sum()
         torch.testing.assert_close(got.kept_total, kept, rtol=1e-6, atol=0.0)
+
+
+@interp
+@pytest.mark.parametrize("policy", ["topk", "sample"])
+def test_interp_front_graph_body_matches_steps(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """What ``front_triton`` captures, run on the host as in the test above: the router
+    gradient's row-dot, the scoring and selection, and the packing of the kept rows with the
+    map from pairs to packed rows, into new per-call buffers on every call, against the eager
+    steps (``row_dot_triton``, ``pack_pairs_triton`` on the reference selection)."""
+    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    monkeypatch.setattr(kernels, "_graphs_wanted", lambda device: True)
+
+    def capture(self, launch, device) -> None:
+        launch()
+        self.graph = _EagerGraph(launch)
+
+    monkeypatch.setattr(kernels._Captured, "_capture", capture)
+    block = kernels._host_block
+    monkeypatch.setattr(
+        kernels, "_host_block", lambda c, q, u, _pin, lead: block(c, q, u, False, lead)
+    )
+    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 16)
+    gen = torch.Generator().manual_seed(10)
+    t, h, k = 30, 24, 4
+    counts = torch.tensor([20, 0, 31, 17, 22])  # 90 pairs, 3 per token, in 4 slots each
+    token = torch.arange(t).repeat_interleave(3)[torch.randperm(90, generator=gen)]
+    slots = _slot_plan(token, t, k)
+    for call in range(4):
+        g = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        x = (2 * torch.randn(t, h, generator=gen)).to(torch.bfloat16)
+        z = torch.randn(token.numel(), h, generator=gen).to(torch.bfloat16)
+        probs = torch.rand(token.numel(), generator=gen)
+        quota = torch.tensor([7, 0, 31, 1, 10 + call])
+        uniforms = torch.rand(counts.numel(), generator=gen, dtype=torch.float64)
+        num_kept = int(quota.sum())
+        buffers = kernels.FrontBuffers(
+            z, slots, torch.empty_like(probs), torch.empty(num_kept, h, dtype=g.dtype),
+            torch.empty(num_kept, h, dtype=x.dtype),
+        )
+        got = kernels.front_triton(
+            policy, g, x, probs, token, counts, quota, uniforms, buffers, kept_total=True,
+            owned=call != 3,
+        )
+        assert (got is None) == (call == 0)  # the first sighting of a shape runs eagerly
+        if got is None:
+            continue
+        assert torch.equal(buffers.d_probs, triton_kernels.row_dot_triton(g, z, probs.dtype, slots=slots))
+        norms = triton_kernels.row_norms_triton(g, x)
+        ref = scoring.pair_scores(probs, token, norms, norms.amax(1))
+        ref_sel = scoring.select(policy, ref.scores, counts, quota, uniforms)
+        assert torch.equal(got.scored.selection.kept_index, ref_sel.kept_index)
+        assert torch.equal(got.scored.selection.weight, ref_sel.weight)
+        row_of = torch.full((token.numel() + 1,), -1, dtype=torch.int64)
+        ref_g, ref_x = triton_kernels.pack_pairs_triton(
+            g, token, ref_sel.kept_index, probs, ref_sel.weight, x=x, poison=ref.poison,
+            row_of_pair=row_of,
+        )
+        assert torch.equal(buffers.g_kept, ref_g) and torch.equal(buffers.x_kept, ref_x)
+        assert torch.equal(got.row_of_pair, row_of)
+    # Buffers the graph cannot use in place: no graph, the caller runs the steps.
+    bad = buffers._replace(g_kept=torch.empty(num_kept - 1, h, dtype=g.dtype))
+    assert kernels.front_triton(policy, g, x, probs, token, counts, quota, uniforms, bad) is None
+
+
+def _slot_plan(token: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """``[t, k]`` int64: each token's pairs in ascending order, ``-1`` after them."""
+    slots = torch.full((t, k), -1, dtype=torch.int64)
+    fill = [0] * t
+    for pair, tok in enumerate(token.tolist()):
+        slots[tok, fill[tok]] = pair
+        fill[tok] += 1
+    return slots
 
 
 @interp

@@ -490,6 +490,59 @@ def test_interp_scoring_from_arg_block(monkeypatch: pytest.MonkeyPatch, dtype, n
 
 
 @interp
+@pytest.mark.parametrize("n", [1, 9, 37])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_router_grad_and_packing_from_arg_block(dtype, n: int) -> None:
+    """The router gradient's row-dot and the packing, as a replayed graph launches them (every
+    tensor at the argument block's addresses, the packed row count in the block, the grid over
+    the most rows there can be), give the bits of the direct launchers; rows past the count and
+    the pairs not packed are left alone."""
+    gen = _gen(950 + n)
+    h, k = 72, 3
+    g = torch.randn(n, h, generator=gen).to(dtype)
+    x = (3 * torch.randn(n, h, generator=gen)).to(torch.bfloat16)
+    pairs = n * k - 1 if n > 1 else 1
+    slots = torch.full((n, k), -1, dtype=torch.int64)
+    slots.view(-1)[torch.randperm(n * k, generator=gen)[:pairs]] = torch.arange(pairs)
+    token = torch.empty(pairs, dtype=torch.int64)  # the token of each pair, as slots say
+    for t, row in enumerate(slots.tolist()):
+        token[[p for p in row if p >= 0]] = t
+    z = torch.randn(pairs, h, generator=gen).to(torch.bfloat16)
+    probs = torch.rand(pairs, generator=gen)
+    d_probs = torch.full((pairs,), float("nan"), dtype=probs.dtype)
+    args = _arg_block(g=g, x=x, probs=probs, token=token, z=z, slot_plan=slots, d_probs=d_probs)
+    triton_kernels.row_dot_from_args(
+        args, (n, h), k, (g.stride(0), z.stride(0)), (d_probs.dtype, g.dtype, z.dtype)
+    )
+    assert torch.equal(d_probs, triton_kernels.row_dot_triton(g, z, probs.dtype, slots=slots))
+
+    kept = max(1, pairs // 2)
+    order = torch.randperm(pairs, generator=gen)
+    room = torch.full((pairs,), 10**9, dtype=torch.int64)  # rows past the count: never read
+    room[:kept] = order[:kept]
+    weight = torch.full((pairs,), float("nan"))
+    weight[:kept] = 1 + torch.rand(kept, generator=gen)
+    poison = torch.tensor(0.0)
+    g_out = torch.full((kept + 2, h), 7.0, dtype=dtype)  # two rows past the count stay 7
+    x_out = torch.full((kept + 2, h), 7.0, dtype=x.dtype)
+    row_of = torch.full((pairs + 1,), -1, dtype=torch.int64)
+    args = _arg_block(g=g, x=x, probs=probs, token=token, g_out=g_out, x_out=x_out)
+    args[triton_kernels.ARG_COUNT] = kept
+    triton_kernels.pack_pairs_from_args(
+        args, room, weight, poison, row_of, h, (g.stride(0), x.stride(0)),
+        (g.dtype, x.dtype, probs.dtype, token.dtype), True,
+    )
+    ref_row_of = torch.full((pairs + 1,), -1, dtype=torch.int64)
+    ref_g, ref_x = triton_kernels.pack_pairs_triton(
+        g, token, room[:kept], probs, weight[:kept], x=x, poison=poison, row_of_pair=ref_row_of
+    )
+    assert torch.equal(g_out[:kept], ref_g) and torch.equal(x_out[:kept], ref_x)
+    assert bool((g_out[kept:] == 7).all()) and bool((x_out[kept:] == 7).all())
+    assert torch.equal(row_of, ref_row_of)
+    assert int((row_of >= 0).sum()) == kept
+
+
+@interp
 @pytest.mark.parametrize("n", [0, 1, 37, 100])
 @pytest.mark.parametrize("probs_dtype", [torch.float32, torch.bfloat16], ids=["p32", "p16"])
 def test_interp_pair_scores(monkeypatch: pytest.MonkeyPatch, n: int, probs_dtype) -> None:

@@ -84,7 +84,7 @@ from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.select import scoring
 from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available
 
-__all__ = ["score_select_triton", "select_triton"]
+__all__ = ["Front", "FrontBuffers", "front_triton", "score_select_triton", "select_triton"]
 
 # Rows per program of the row-parallel kernels, and of each step of the per-segment scans: 512
 # programs at N = 131072, a few per multiprocessor; the best of 256 / 512 / 1024 rows with 4 or 8
@@ -790,6 +790,55 @@ def _graph_scorable(inputs: _ScoreInputs) -> bool:
     )
 
 
+class FrontBuffers(NamedTuple):
+    """The rest of the trimmed backward's front that :func:`front_triton` runs in the same
+    graph: the router gradient's row-dot and the packing of the kept rows. Per-call tensors,
+    read or written in place by a replayed graph."""
+
+    z: torch.Tensor  # [N, H] the pairs' expert outputs: d_probs[i] = <g[token of i], z[i]>
+    slots: torch.Tensor  # [T, S] int64 the pair of each token slot, -1 for none
+    d_probs: torch.Tensor  # [N] written: the router gradient of every pair
+    g_kept: torch.Tensor  # [K, H] written: the kept pairs' gradient rows times p * w (+ poison)
+    x_kept: torch.Tensor | None  # [K, H] written: their input rows (None: not packed)
+
+
+class Front(NamedTuple):
+    """What :func:`front_triton` hands out besides the caller's buffers."""
+
+    scored: scoring.Scored
+    row_of_pair: torch.Tensor  # [N + 1] int64 packed row of each pair, -1 if it was not kept
+
+
+def _front_ready(inputs: _ScoreInputs, front: FrontBuffers, num_kept: int) -> bool:
+    """Whether a captured graph can run ``front`` on ``inputs`` in place."""
+    g, x, probs, _ = inputs
+    z, slots, d_probs, g_kept, x_kept = front
+    n, (t, h) = probs.shape[0], g.shape
+    outputs_ok = (
+        d_probs.shape == probs.shape
+        and d_probs.dtype in triton_kernels.KERNEL_DTYPES
+        and d_probs.is_contiguous()
+        and g_kept.shape == (num_kept, h)
+        and g_kept.dtype == g.dtype
+        and g_kept.is_contiguous()
+        and (
+            x_kept is None
+            or (x_kept.shape == g_kept.shape and x_kept.dtype == x.dtype and x_kept.is_contiguous())
+        )
+    )
+    return (
+        outputs_ok
+        and z.shape == (n, h)
+        and z.dtype in triton_kernels.KERNEL_DTYPES
+        and slots.dim() == 2
+        and slots.shape[0] == t
+        and slots.numel() >= n
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and triton_kernels.args_ready(z, slots, d_probs, g_kept, *([] if x_kept is None else [x_kept]))
+    )
+
+
 def score_select_triton(
     policy: str,
     g: torch.Tensor,
@@ -820,9 +869,61 @@ def score_select_triton(
     (``kept_total``) is taken over the rows of the kept buffer below the device's kept count,
     so its fp32 rounding may differ from the eager sum's in the last bits.
     """
-    sample = scoring._check_policy(policy, uniforms)
-    device = probs.device
     inputs = _ScoreInputs(g, x, probs, token)
+    run = _run_scored(policy, inputs, counts, quota, uniforms, None, kept_total, owned)
+    return None if run is None else run.scored
+
+
+def front_triton(
+    policy: str,
+    g: torch.Tensor,
+    x: torch.Tensor,
+    probs: torch.Tensor,
+    token: torch.Tensor,
+    counts: torch.Tensor,
+    quota: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    front: FrontBuffers,
+    *,
+    kept_total: bool = False,
+    owned: bool = True,
+) -> Front | None:
+    """:func:`score_select_triton` with the router gradient's row-dot in front and the packing
+    of the kept rows behind, all in one replayed graph; ``None`` where it cannot be.
+
+    Besides the scores and the selection, a replay writes ``front.d_probs`` (``row_dot`` with
+    ``slots``: ``<g[t], z[i]>`` for every pair), ``front.g_kept`` and ``front.x_kept``
+    (``pack_pairs`` of the kept pairs, in kept order, their routing weights and sample weights
+    and the scores' poison applied) and a map from every pair to its packed row, -1 for the
+    pairs not kept (``Front.row_of_pair``, :func:`gather_sum_triton`'s ``row_of``). The kept
+    rows are ``sum(quota)`` (host integers), which the buffers must match. Same kernel bodies as
+    the eager ``row_dot_triton`` and ``pack_pairs_triton`` (the packing grid covers every pair,
+    the programs past the kept count store nothing), so the same bits.
+
+    ``None`` as :func:`score_select_triton`, also with ``LRMOE_FRONT_GRAPHS=0`` or buffers the
+    graph cannot use in place (``_front_ready``). ``row_of_pair`` is a graph buffer (valid until
+    the next replay) unless ``owned``; the other outputs are the caller's.
+    """
+    if os.environ.get(_FRONT_GRAPHS_ENV, "1") == "0":
+        return None
+    inputs = _ScoreInputs(g, x, probs, token)
+    return _run_scored(policy, inputs, counts, quota, uniforms, front, kept_total, owned)
+
+
+def _run_scored(
+    policy: str,
+    inputs: _ScoreInputs,
+    counts: torch.Tensor,
+    quota: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    front: FrontBuffers | None,
+    kept_total: bool,
+    owned: bool,
+) -> Front | None:
+    """:func:`score_select_triton` (``front=None``) and :func:`front_triton`."""
+    sample = scoring._check_policy(policy, uniforms)
+    g, x, probs, token = inputs
+    device = probs.device
     scoring_graphs = os.environ.get(_SCORE_GRAPHS_ENV, "1") != "0"
     if not (scoring_graphs and _graphs_wanted(device) and _graph_scorable(inputs)):
         return None
@@ -834,11 +935,12 @@ def score_select_triton(
         if uniforms.device.type != "cpu":
             return None
     num_kept = int(quota_h.numpy().sum())
-    if num_kept == 0:
+    if num_kept == 0 or (front is not None and not _front_ready(inputs, front, num_kept)):
         return None
     key = (
         device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK, kept_total,
         g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
+        None if front is None else _FrontShape.of(front),
     )
     entry, capture = _GRAPHS.lookup(key)
     if entry is None and not capture:
@@ -848,13 +950,33 @@ def score_select_triton(
     args = host.numpy()
     args[tk.ARG_G], args[tk.ARG_X] = g.data_ptr(), x.data_ptr()
     args[tk.ARG_PROBS], args[tk.ARG_TOKEN] = probs.data_ptr(), token.data_ptr()
+    if front is not None:
+        args[tk.ARG_Z], args[tk.ARG_SLOT_PLAN] = front.z.data_ptr(), front.slots.data_ptr()
+        args[tk.ARG_D_PROBS], args[tk.ARG_G_OUT] = front.d_probs.data_ptr(), front.g_kept.data_ptr()
+        args[tk.ARG_X_OUT] = 0 if front.x_kept is None else front.x_kept.data_ptr()
+        args[tk.ARG_COUNT] = num_kept
     with _device_ctx(probs):
         if entry is None:
-            entry = _CapturedScored(_kernels(), inputs, host, sample, _BLOCK, kept_total)
+            entry = _CapturedScored(_kernels(), inputs, host, sample, _BLOCK, kept_total, front)
             _GRAPHS.add(key, entry)
-            scored, total = entry.scored(True)
-            return scoring.Scored(scored, entry.outputs(num_kept), total)
+            return entry.front(num_kept, True)
         return entry.run_scored(host, num_kept, owned)
+
+
+class _FrontShape(NamedTuple):
+    """What a captured front depends on besides the scoring's shape (part of its key)."""
+
+    z_stride: int
+    slots_per_token: int
+    dtypes: tuple[torch.dtype, torch.dtype]  # z, d_probs
+    pack_x: bool
+
+    @classmethod
+    def of(cls, front: FrontBuffers) -> "_FrontShape":
+        return cls(
+            front.z.stride(0), front.slots.shape[1], (front.z.dtype, front.d_probs.dtype),
+            front.x_kept is not None,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -862,9 +984,12 @@ def score_select_triton(
 # --------------------------------------------------------------------------------------------
 
 # Set LRMOE_SELECT_GRAPHS=0 to launch the selection kernels one by one on every call, and
-# LRMOE_SCORE_GRAPHS=0 to keep the scoring out of the replayed selection (score_select_triton).
+# LRMOE_SCORE_GRAPHS=0 to keep the scoring out of the replayed selection (score_select_triton);
 _GRAPHS_ENV = "LRMOE_SELECT_GRAPHS"
 _SCORE_GRAPHS_ENV = "LRMOE_SCORE_GRAPHS"
+# LRMOE_FRONT_GRAPHS=0 keeps the router gradient's row-dot and the packing out of it
+# (front_triton).
+_FRONT_GRAPHS_ENV = "LRMOE_FRONT_GRAPHS"
 
 
 def _graphs_wanted(device: torch.device) -> bool:
@@ -952,13 +1077,17 @@ class _Captured:
 
 
 class _CapturedScored(_Captured):
-    """Scoring and selection of one shape captured together (:func:`score_select_triton`).
+    """Scoring and selection of one shape captured together (:func:`score_select_triton`),
+    with the router gradient's row-dot in front and the packing behind when it captures a
+    front (:func:`front_triton`).
 
-    The graph reads the call's tensors (``g``, ``x``, ``probs``, ``token``) in place, at the
-    addresses written into an argument block in front of the segment table (one host-to-device
-    copy for both); norms, scores and the selection's work live in static buffers. So a replay
+    The graph reads the call's tensors (``g``, ``x``, ``probs``, ``token``; ``z``, the slot
+    plan and the front's outputs) in place, at the addresses written into an argument block in
+    front of the segment table (one host-to-device copy for both); norms, scores, the
+    selection's work and the map from pairs to packed rows live in static buffers. So a replay
     replaces two Triton launches, a reduction, a copy of the scores, the selection's own
-    launches and (``kept_total``) the kept scores' sum by one copy and one graph launch.
+    launches, (``kept_total``) the kept scores' sum and (a front) the row-dot, a fill and the
+    packing by one copy and one graph launch.
     """
 
     def __init__(
@@ -969,20 +1098,20 @@ class _CapturedScored(_Captured):
         sample: bool,
         block: int,
         kept_total: bool,
+        front: FrontBuffers | None = None,
     ) -> None:
         g, x, probs, token = inputs
+        tk = triton_kernels
         device, n, t = probs.device, probs.numel(), g.shape[0]
-        g_segments = (host.numel() - triton_kernels.ARG_SLOTS) // _HOST_ROWS
+        g_segments = (host.numel() - tk.ARG_SLOTS) // _HOST_ROWS
         self.norms = torch.empty((2, t), dtype=torch.float32, device=device)
         self.top = torch.empty(2, dtype=torch.float32, device=device)
         self.scores = torch.empty(n, dtype=torch.float32, device=device)
-        self.partial = torch.empty(
-            (2, triton_kernels.pair_blocks(n)), dtype=torch.float32, device=device
-        )
+        self.partial = torch.empty((2, tk.pair_blocks(n)), dtype=torch.float32, device=device)
         self.sums = torch.zeros(3, dtype=torch.float32, device=device)  # poison, total, kept
         self.kept_total = kept_total
-        self._outputs(device, n, g_segments, lead=triton_kernels.ARG_SLOTS)
-        self.args = self.flat[: triton_kernels.ARG_SLOTS]
+        self._outputs(device, n, g_segments, lead=tk.ARG_SLOTS)
+        self.args = self.flat[: tk.ARG_SLOTS]
         u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
         select_args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block)
         shape, strides = (t, g.shape[1]), (g.stride(0), x.stride(0))
@@ -990,11 +1119,18 @@ class _CapturedScored(_Captured):
         # Held by the object: a replay reads every buffer the capture used, so none of them may
         # go back to the allocator (a local tensor would, once this returns).
         self.rows = torch.arange(n, device=device)
+        self.row_of_pair = torch.empty(n + 1, dtype=torch.int64, device=device)
+        self.has_front = front is not None
 
         def launch() -> None:
-            triton_kernels.row_norms_from_args(self.norms, self.args, shape, strides, dtypes[0])
+            if front is not None:
+                tk.row_dot_from_args(
+                    self.args, shape, front.slots.shape[1], (g.stride(0), front.z.stride(0)),
+                    (front.d_probs.dtype, g.dtype, front.z.dtype),
+                )
+            tk.row_norms_from_args(self.norms, self.args, shape, strides, dtypes[0])
             torch.amax(self.norms, dim=1, out=self.top)
-            triton_kernels.pair_scores_from_args(
+            tk.pair_scores_from_args(
                 self.scores, self.partial, self.args, self.norms, self.top, dtypes[1]
             )
             torch.sum(self.partial, dim=1, out=self.sums[:2])
@@ -1005,6 +1141,12 @@ class _CapturedScored(_Captured):
                 picked = self.scores.index_select(0, torch.where(valid, self.kept, 0))
                 picked = torch.where(valid, picked.nan_to_num(0.0, 0.0, 0.0), 0.0)
                 torch.sum(picked, dim=0, out=self.sums[2])
+            if front is not None:
+                self.row_of_pair.fill_(-1)
+                tk.pack_pairs_from_args(
+                    self.args, self.kept, self.weight, self.sums[0], self.row_of_pair, shape[1],
+                    strides, (*dtypes[0], *dtypes[1]), front.x_kept is not None,
+                )
 
         self.load_host(host)
         self._capture(launch, device)
@@ -1020,11 +1162,17 @@ class _CapturedScored(_Captured):
             scores, sums = scores.clone(), sums.clone()
         return scoring.PairScores(scores, sums[0], sums[1]), sums[2] if self.kept_total else None
 
-    def run_scored(self, host: torch.Tensor, num_kept: int, owned: bool) -> scoring.Scored:
+    def front(self, num_kept: int, owned: bool) -> Front:
+        """The last run's outputs (copies unless ``owned=False``); ``row_of_pair`` is only
+        meaningful when this graph captured a front."""
+        scored, kept_total = self.scored(owned)
+        row_of = self.row_of_pair.clone() if owned else self.row_of_pair
+        return Front(scoring.Scored(scored, self.outputs(num_kept, owned), kept_total), row_of)
+
+    def run_scored(self, host: torch.Tensor, num_kept: int, owned: bool) -> Front:
         self.load_host(host)
         self.graph.replay()
-        scored, kept_total = self.scored(owned)
-        return scoring.Scored(scored, self.outputs(num_kept, owned), kept_total)
+        return self.front(num_kept, owned)
 
 
 class _GraphCache:
