@@ -14,7 +14,8 @@ layer_number - 1``, Megatron's ``moe/<name>_layer_<i>`` convention, when ``per_l
 ``backward_bytes_saved``       stock bytes minus ``backward_bytes`` (what stock Megatron's backward
                                all-to-alls would have sent), per rank and iteration
 ``overhead_ms``                milliseconds in LRMoE's scoring, selection and packing, per rank
-                               and iteration
+                               and iteration (where they replay as one graph, with the router
+                               gradient's row-dot, which is in the same graph)
 ``budget_trimmed_fraction``    only for calls the controller planned (budgets, ``auto``): pairs the
                                budgets took from the keep ratio's quotas / all pairs of those calls
 ``planner_ms``                 same calls: the controller's milliseconds per rank and iteration
