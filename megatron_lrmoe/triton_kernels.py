@@ -281,8 +281,10 @@ def _arg_ptr(args_ptr, index, TY: tl.constexpr):
     """Pointer ``index`` of an argument block (int64 addresses, each 16-byte aligned: the
     launcher checks), typed ``TY``: kernels replayed from a CUDA graph read the addresses of
     tensors that change from call to call from such a block."""
-    addr = tl.multiple_of(tl.load(args_ptr + index), 16)
-    return addr.to(tl.pointer_type(TY))
+    # The hint goes on the pointer: the alignment of an integer does not survive its cast to a
+    # pointer, and without it the loads and stores are not vectorised (one element each).
+    ptr = tl.load(args_ptr + index).to(tl.pointer_type(TY))
+    return tl.multiple_of(ptr, 16)
 
 
 def _row_norms_body(

@@ -188,6 +188,66 @@ def test_kernels_in_interpreter_subprocess() -> None:
     run_interpreter_tests(__file__, min_passed=80)
 
 
+def _hopper_ptx(kernel, types: dict[str, str], constexprs: dict[str, object]) -> str:
+    """PTX of ``kernel`` for sm_90, compiled here (no GPU needed): ``types`` names each runtime
+    argument's Triton type (pointers and integers 16-divisible, as the launcher specialises
+    the tensors and strides of these shapes), ``constexprs`` the rest."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {n: types.get(n, "constexpr") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in types}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    return compiled.asm["ptx"]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="compiles for a GPU; the interpreter does not")
+def test_arg_block_kernels_vectorise_like_direct_ones() -> None:
+    """The ``*_args`` kernels read their tensors at addresses loaded from the argument block;
+    unless the 16-byte alignment reaches the pointers, Triton loads and stores one bf16 at a
+    time (it did: the packing inside the graph took twice the time of the direct kernel on an
+    H200, docs/benchmarks.md section 13). Their PTX must use the direct kernels' 16-byte
+    accesses."""
+    pytest.importorskip("triton")
+    kernels = triton_kernels._kernels()
+    if kernels.interpreted:
+        pytest.skip("triton runs interpreted in this process")
+    tl = triton_kernels.tl
+    ints = dict.fromkeys(
+        ("n_out", "n_rows", "width", "g_stride", "x_stride", "g_out_stride", "x_out_stride",
+         "a_stride", "b_stride", "slots_per_a"), "i32",
+    )
+    bf16_ptrs = dict.fromkeys(
+        ("g_out_ptr", "x_out_ptr", "g_ptr", "x_ptr", "a_ptr", "b_ptr"), "*bf16"
+    )
+    other_ptrs = {
+        "token_ptr": "*i64", "pairs_ptr": "*i64", "probs_ptr": "*fp32", "weight_ptr": "*fp32",
+        "poison_ptr": "*fp32", "row_of_ptr": "*i64", "a_index_ptr": "*i64", "out_ptr": "*fp32",
+        "args_ptr": "*i64",
+    }
+    types = {**ints, **bf16_ptrs, **other_ptrs}
+    bf16 = dict(G_TY=tl.bfloat16, X_TY=tl.bfloat16, A_TY=tl.bfloat16, B_TY=tl.bfloat16)
+    pairs = (
+        (kernels.pack_pairs, kernels.pack_pairs_args,
+         dict(HAS_X=True, HAS_POISON=True, HAS_ROW_OF=True, BLOCK_M=4, BLOCK_H=1024),
+         dict(P_TY=tl.float32, T_TY=tl.int64)),
+        (kernels.row_dot, kernels.row_dot_args,
+         dict(A_INDEX=False, SLOTS=True, BLOCK_M=8, BLOCK_H=512), dict(OUT_TY=tl.float32)),
+        (kernels.row_norms, kernels.row_norms_args, dict(BLOCK_M=4, BLOCK_H=256), {}),
+    )
+    for direct, args, constexprs, arg_types in pairs:
+        common = {k: v for k, v in constexprs.items() if k in args.arg_names}
+        want = _hopper_ptx(direct, types, constexprs)
+        typed = {k: v for k, v in bf16.items() if k in args.arg_names}
+        got = _hopper_ptx(args, types, {**common, **arg_types, **typed})
+        for op in ("ld.global.v4", "ld.global.v2", "st.global.v4", "st.global.v2"):
+            assert got.count(op) == want.count(op), (args.fn.__name__, op)
+        assert "ld.global.b16" not in got, args.fn.__name__
+
+
 # --------------------------------------------------------------------------------------------
 # run under TRITON_INTERPRET=1 (subprocess): each kernel against the torch path, host tensors
 # --------------------------------------------------------------------------------------------
