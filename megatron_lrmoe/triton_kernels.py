@@ -424,15 +424,15 @@ def _pair_scores_args_kernel(
 
 
 def _pack_pairs_body(
-    g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr, weight_ptr, poison_ptr,
-    row_of_ptr, n_out, width, g_stride, x_stride, g_out_stride, x_out_stride,
+    pid_m, g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr, weight_ptr,
+    poison_ptr, row_of_ptr, n_out, width, g_stride, x_stride, g_out_stride, x_out_stride,
     HAS_X: tl.constexpr, HAS_POISON: tl.constexpr, HAS_ROW_OF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Row ``i`` of pair ``j = pairs[i]`` of token ``t = token[j]``: ``g_out[i] = g[t] *
     (p[j] * w[i] (+ poison))`` in fp32, rounded once; ``x_out[i] = x[t]`` (a copy); with
-    ``HAS_ROW_OF`` also ``row_of[j] = i`` (stored by the first column block only)."""
-    pid_m = tl.program_id(0)
+    ``HAS_ROW_OF`` also ``row_of[j] = i`` (stored by the first column block only). For the
+    ``BLOCK_M`` rows of row block ``pid_m`` and the column block ``program_id(1)``."""
     pid_h = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -479,9 +479,9 @@ def _pack_pairs_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """:func:`_pack_pairs_body` on the tensors given."""
+    """:func:`_pack_pairs_body` on the tensors given, a row block per program."""
     _pack_pairs_body(
-        g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr, weight_ptr,
+        tl.program_id(0), g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr, weight_ptr,
         poison_ptr, row_of_ptr, n_out, width, g_stride, x_stride, g_out_stride, x_out_stride,
         HAS_X, HAS_POISON, HAS_ROW_OF, BLOCK_M, BLOCK_H,
     )
@@ -506,8 +506,8 @@ def _pack_pairs_args_kernel(
 ):
     """:func:`_pack_pairs_body` (poison and ``row_of`` on) with ``g``, ``x``, ``probs`` and
     ``token`` at ``args[0..3]``, the dense outputs at ``args[7]`` (``g_out``) and ``args[8]``
-    (``x_out``), and the number of rows to pack in ``args[9]``: the grid covers the most rows
-    there can be, and programs past that count store nothing."""
+    (``x_out``), and the number of rows to pack in ``args[9]``, which only the device knows
+    when a graph replays this launch: the programs stride over the row blocks up to it."""
     g_ptr = _arg_ptr(args_ptr, 0, G_TY)
     x_ptr = _arg_ptr(args_ptr, 1, X_TY)
     probs_ptr = _arg_ptr(args_ptr, 2, P_TY)
@@ -515,11 +515,12 @@ def _pack_pairs_args_kernel(
     g_out_ptr = _arg_ptr(args_ptr, 7, G_TY)
     x_out_ptr = _arg_ptr(args_ptr, 8, X_TY)
     n_out = tl.load(args_ptr + 9)
-    _pack_pairs_body(
-        g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr, weight_ptr,
-        poison_ptr, row_of_ptr, n_out, width, g_stride, x_stride, width, width,
-        HAS_X, True, True, BLOCK_M, BLOCK_H,
-    )
+    for pid_m in range(tl.program_id(0), tl.cdiv(n_out, BLOCK_M), tl.num_programs(0)):
+        _pack_pairs_body(
+            pid_m, g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr,
+            weight_ptr, poison_ptr, row_of_ptr, n_out, width, g_stride, x_stride, width, width,
+            HAS_X, True, True, BLOCK_M, BLOCK_H,
+        )
 
 
 
@@ -1081,12 +1082,14 @@ def pack_pairs_from_args(
     only on the device: ``g``, ``x``, ``probs``, ``token`` at ``args[ARG_G..ARG_TOKEN]`` (row
     ``strides`` of ``g`` and ``x``; ``dtypes`` of the four), the contiguous outputs at
     ``args[ARG_G_OUT]``, ``args[ARG_X_OUT]`` (``has_x``), and the rows to pack, ``K``, in
-    ``args[ARG_COUNT]``. ``pairs`` and ``weight`` have room for the most rows there can be
-    (the grid covers all of it); rows from ``K`` on are not touched. ``width >= 1``."""
+    ``args[ARG_COUNT]``. ``pairs`` and ``weight`` have room for the most rows there can be;
+    at most :data:`_STRIDING_PROGRAMS` programs per column block stride over the row blocks
+    up to ``K`` (so a replayed graph launches no idle ones); rows from ``K`` on are not
+    touched. ``width >= 1``."""
     n_max = pairs.shape[0]
     block_h = _col_block(width, None)
     block_m = max(1, _TILE // block_h)
-    grid = (max(1, _cdiv(n_max, block_m)), _cdiv(width, block_h))
+    grid = (max(1, min(_cdiv(n_max, block_m), _STRIDING_PROGRAMS)), _cdiv(width, block_h))
     with _device_ctx(args):
         _kernels_for(args).pack_pairs_args[grid](
             args, pairs, weight, poison, row_of_pair, width, strides[0], strides[1],
@@ -1094,6 +1097,11 @@ def pack_pairs_from_args(
             T_TY=_tl_dtype(dtypes[3]), HAS_X=has_x, BLOCK_M=block_m, BLOCK_H=block_h,
             num_warps=_NUM_WARPS,
         )
+
+
+# Programs per column block of the striding packing kernel: a few per multiprocessor of an
+# H100 / H200 (132), enough to keep their memory pipes busy.
+_STRIDING_PROGRAMS = 1024
 
 
 def pair_blocks(n: int) -> int:

@@ -550,13 +550,19 @@ def test_interp_scoring_from_arg_block(monkeypatch: pytest.MonkeyPatch, dtype, n
 
 
 @interp
+@pytest.mark.parametrize("programs", [2, 1024])
 @pytest.mark.parametrize("n", [1, 9, 37])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_interp_router_grad_and_packing_from_arg_block(dtype, n: int) -> None:
+def test_interp_router_grad_and_packing_from_arg_block(
+    monkeypatch: pytest.MonkeyPatch, dtype, n: int, programs: int
+) -> None:
     """The router gradient's row-dot and the packing, as a replayed graph launches them (every
-    tensor at the argument block's addresses, the packed row count in the block, the grid over
-    the most rows there can be), give the bits of the direct launchers; rows past the count and
-    the pairs not packed are left alone."""
+    tensor at the argument block's addresses, the packed row count in the block, programs
+    striding over the row blocks up to it: two programs for several blocks, or one program per
+    block), give the bits of the direct launchers; rows past the count and the pairs not packed
+    are left alone."""
+    monkeypatch.setattr(triton_kernels, "_STRIDING_PROGRAMS", programs)
+    monkeypatch.setattr(triton_kernels, "_TILE", 64)  # 4-row blocks: up to 14 of them
     gen = _gen(950 + n)
     h, k = 72, 3
     g = torch.randn(n, h, generator=gen).to(dtype)
