@@ -11,9 +11,13 @@
 # layer benchmark; the default MBS=1 is 4096 tokens per micro-batch.
 #
 # Runs A and B default to keep 1.0 and keep 0.5; A_KEEP / B_KEEP change the keep ratios and
-# A_FLAGS / B_FLAGS add flags to one run (logs: train_<name>.log with NAME_A / NAME_B, default
-# keep<ratio>). The cost of LRMoE's statistics and metrics at log interval 1:
+# A_FLAGS / B_FLAGS add flags to one run and A_ENV / B_ENV environment variables (VAR=value
+# words; logs: train_<name>.log with NAME_A / NAME_B, default keep<ratio>). The cost of LRMoE's
+# statistics and metrics at log interval 1:
 #   A_KEEP=0.5 B_KEEP=0.5 B_FLAGS=--no-lrmoe-record-stats NAME_A=stats NAME_B=nostats \
+#     bash benchmarks/train_compare.sh OUT
+# The front graph against the stages launched around the replayed scoring and selection:
+#   A_KEEP=0.5 B_KEEP=0.5 B_ENV=LRMOE_FRONT_GRAPHS=0 NAME_A=front NAME_B=eagerfront \
 #     bash benchmarks/train_compare.sh OUT
 #
 # With two visible GPUs runs A and B go concurrently on GPU 0 and 1; with one they run one after
@@ -34,10 +38,11 @@ common=(GPUS_PER_NODE=1 NNODES=1 NUM_LAYERS=4 TP=1 PP=1 EP=1 SEQ_LENGTH=4096 MBS
         GBS="${GBS:-4}" TRANSFORMER_IMPL=local TRAIN_ITERS="$iters" LR=5e-4 MIN_LR=5e-5
         WARMUP_ITERS=20 EVAL_INTERVAL=50 EVAL_ITERS=8 LOG_INTERVAL=1
         DATA_PREFIX="$PWD/.data/pystdlib_bytes")
-run() {  # run GPU PORT KEEP LOG [FLAGS...]
-  local gpu=$1 port=$2 keep=$3 log=$4
-  shift 4
-  env "${common[@]}" CUDA_VISIBLE_DEVICES="$gpu" MASTER_PORT="$port" KEEP_RATIO="$keep" \
+run() {  # run GPU PORT KEEP LOG ENV_WORDS [FLAGS...]
+  local gpu=$1 port=$2 keep=$3 log=$4 extra=$5
+  shift 5
+  # shellcheck disable=SC2086  # the VAR=value words are meant to split
+  env "${common[@]}" $extra CUDA_VISIBLE_DEVICES="$gpu" MASTER_PORT="$port" KEEP_RATIO="$keep" \
     DATA_CACHE="/tmp/lrmoe_data_cache_$gpu" \
     timeout "$limit" bash examples/qwen3_30b_a3b/pretrain.sh --moe-layer-timing "$@" \
     >"$log" 2>&1
@@ -48,18 +53,18 @@ b_keep=${B_KEEP:-0.5}
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${gpus:-0}" -ge 2 ]; then
   # shellcheck disable=SC2086  # the flags are meant to split
-  run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" ${A_FLAGS:-} &
+  run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" "${A_ENV:-}" ${A_FLAGS:-} &
   a=$!
   # shellcheck disable=SC2086
-  run 1 29612 "$b_keep" "$out/train_${NAME_B:-keep$b_keep}.log" ${B_FLAGS:-} &
+  run 1 29612 "$b_keep" "$out/train_${NAME_B:-keep$b_keep}.log" "${B_ENV:-}" ${B_FLAGS:-} &
   b=$!
   wait $a $b
 else
   echo "one GPU visible: run A, then run B, on GPU 0"
   # shellcheck disable=SC2086
-  run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" ${A_FLAGS:-}
+  run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" "${A_ENV:-}" ${A_FLAGS:-}
   # shellcheck disable=SC2086
-  run 0 29612 "$b_keep" "$out/train_${NAME_B:-keep$b_keep}.log" ${B_FLAGS:-}
+  run 0 29612 "$b_keep" "$out/train_${NAME_B:-keep$b_keep}.log" "${B_ENV:-}" ${B_FLAGS:-}
 fi
 for f in "$out"/train_*.log; do
   echo "== $f"; grep -E "iteration +(1|50|100|150|200|250|300)/|validation loss at|moe layers:|exit" "$f" | tail -n 30
