@@ -44,9 +44,10 @@ PHASES = ("lrmoe_bench::forward", "lrmoe_bench::backward")
 
 # Functions of megatron_lrmoe.op timed by --stages (module-level names the op calls).
 STAGES = (
-    "row_dot", "select_kept", "score_and_select", "token_norms", "pair_scores", "_local_segments",
-    "_local_plan", "pack_kept", "exchange_kept", "_kept_inputs", "expert_backward_parts",
-    "return_dx", "gather_sum", "_record_trimmed", "_record_exact",
+    "replayed_front", "front_triton", "_record_selection", "row_dot", "select_kept",
+    "score_and_select", "token_norms", "pair_scores", "_local_segments", "_local_plan",
+    "pack_kept", "exchange_kept", "_kept_inputs", "expert_backward_parts", "return_dx",
+    "gather_sum", "_record_trimmed", "_record_exact",
 )
 
 
