@@ -685,6 +685,8 @@ def replayed_front(
         buffers, kept_total=call.stats is not None, owned=False,
     )
     if front is None:
+        if timer:
+            timer.cancel("front")
         return None
     scored, sel, kept_total = front.scored
     kept = _local_plan(call, sel, quota, counts, scored.poison)

@@ -481,9 +481,9 @@ def _pack_pairs_kernel(
 ):
     """:func:`_pack_pairs_body` on the tensors given, a row block per program."""
     _pack_pairs_body(
-        tl.program_id(0), g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr, weight_ptr,
-        poison_ptr, row_of_ptr, n_out, width, g_stride, x_stride, g_out_stride, x_out_stride,
-        HAS_X, HAS_POISON, HAS_ROW_OF, BLOCK_M, BLOCK_H,
+        tl.program_id(0), g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr,
+        weight_ptr, poison_ptr, row_of_ptr, n_out, width, g_stride, x_stride, g_out_stride,
+        x_out_stride, HAS_X, HAS_POISON, HAS_ROW_OF, BLOCK_M, BLOCK_H,
     )
 
 

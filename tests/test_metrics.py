@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_lrmoe.observe.metrics import LRMoEMetrics, format_log_string, stock_backward_bytes
-from megatron_lrmoe.observe.stats import CallStats, ExchangeStats
+from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
 from megatron_lrmoe.testing import run_distributed
 
 TIMEOUT_S = 180.0
@@ -370,3 +370,17 @@ def test_kept_ratio_matches_kept_masks_of_real_calls() -> None:
 def test_kept_ratio_is_reported_under_moe_recompute() -> None:
     for res in run_distributed(_kept_ratio_of_real_calls, 1, True, timeout=TIMEOUT_S):
         assert res["scalars"].get("lrmoe/kept_ratio") == pytest.approx(res["expected"])
+
+
+def test_span_timer_cancel_forgets_a_span() -> None:
+    """A cancelled span is not reported, and the other spans still are (host clock here; the
+    CUDA events path returns the start event to the spare pool)."""
+    timer = SpanTimer(torch.device("cpu"))
+    timer.start("front")
+    timer.cancel("front")
+    timer.start("selection")
+    timer.stop("selection")
+    spans = timer.milliseconds()
+    assert set(spans) == {"selection"} and spans["selection"] >= 0.0
+    with pytest.raises(KeyError):
+        timer.cancel("front")

@@ -460,7 +460,9 @@ def test_interp_scored_graph_body_matches_steps(
 
 @interp
 @pytest.mark.parametrize("policy", ["topk", "sample"])
-def test_interp_front_graph_body_matches_steps(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+def test_interp_front_graph_body_matches_steps(
+    monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
     """What ``front_triton`` captures, run on the host as in the test above: the router
     gradient's row-dot, the scoring and selection, and the packing of the kept rows with the
     map from pairs to packed rows, into new per-call buffers on every call, against the eager
@@ -502,7 +504,8 @@ def test_interp_front_graph_body_matches_steps(monkeypatch: pytest.MonkeyPatch, 
         assert (got is None) == (call == 0)  # the first sighting of a shape runs eagerly
         if got is None:
             continue
-        assert torch.equal(buffers.d_probs, triton_kernels.row_dot_triton(g, z, probs.dtype, slots=slots))
+        ref_d_probs = triton_kernels.row_dot_triton(g, z, probs.dtype, slots=slots)
+        assert torch.equal(buffers.d_probs, ref_d_probs)
         norms = triton_kernels.row_norms_triton(g, x)
         ref = scoring.pair_scores(probs, token, norms, norms.amax(1))
         ref_sel = scoring.select(policy, ref.scores, counts, quota, uniforms)

@@ -77,6 +77,13 @@ class SpanTimer:
         self._spans[name][1] = self._now()
         self._read = None
 
+    def cancel(self, name: str) -> None:
+        """Forget a started span (the work it was to time did not run)."""
+        start, _ = self._spans.pop(name)
+        if self._stream is not None and len(_SPARE_EVENTS) < _MAX_SPARE_EVENTS:
+            _SPARE_EVENTS.append(start)
+        self._read = None
+
     def milliseconds(self) -> dict[str, float]:
         """Elapsed ms per span. NOTE: device-to-host sync on GPU (event.synchronize).
 

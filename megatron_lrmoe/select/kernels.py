@@ -806,7 +806,8 @@ class Front(NamedTuple):
     """What :func:`front_triton` hands out besides the caller's buffers."""
 
     scored: scoring.Scored
-    row_of_pair: torch.Tensor  # [N + 1] int64 packed row of each pair, -1 if it was not kept
+    row_of_pair: torch.Tensor | None  # [N + 1] int64 packed row of each pair, -1 if not kept
+    # (None from a graph without a front: score_select_triton)
 
 
 def _front_ready(inputs: _ScoreInputs, front: FrontBuffers, num_kept: int) -> bool:
@@ -823,7 +824,11 @@ def _front_ready(inputs: _ScoreInputs, front: FrontBuffers, num_kept: int) -> bo
         and g_kept.is_contiguous()
         and (
             x_kept is None
-            or (x_kept.shape == g_kept.shape and x_kept.dtype == x.dtype and x_kept.is_contiguous())
+            or (
+                x_kept.shape == g_kept.shape
+                and x_kept.dtype == x.dtype
+                and x_kept.is_contiguous()
+            )
         )
     )
     return (
@@ -835,7 +840,8 @@ def _front_ready(inputs: _ScoreInputs, front: FrontBuffers, num_kept: int) -> bo
         and slots.numel() >= n
         and slots.dtype == torch.int64
         and slots.is_contiguous()
-        and triton_kernels.args_ready(z, slots, d_probs, g_kept, *([] if x_kept is None else [x_kept]))
+        and triton_kernels.args_ready(z, slots, d_probs, g_kept)
+        and (x_kept is None or triton_kernels.args_ready(x_kept))
     )
 
 
@@ -897,8 +903,8 @@ def front_triton(
     and the scores' poison applied) and a map from every pair to its packed row, -1 for the
     pairs not kept (``Front.row_of_pair``, :func:`gather_sum_triton`'s ``row_of``). The kept
     rows are ``sum(quota)`` (host integers), which the buffers must match. Same kernel bodies as
-    the eager ``row_dot_triton`` and ``pack_pairs_triton`` (the packing grid covers every pair,
-    the programs past the kept count store nothing), so the same bits.
+    the eager ``row_dot_triton`` and ``pack_pairs_triton`` (the packing's programs stride over
+    the kept rows, whose count the graph reads from the argument block), so the same bits.
 
     ``None`` as :func:`score_select_triton`, also with ``LRMOE_FRONT_GRAPHS=0`` or buffers the
     graph cannot use in place (``_front_ready``). ``row_of_pair`` is a graph buffer (valid until
@@ -952,7 +958,8 @@ def _run_scored(
     args[tk.ARG_PROBS], args[tk.ARG_TOKEN] = probs.data_ptr(), token.data_ptr()
     if front is not None:
         args[tk.ARG_Z], args[tk.ARG_SLOT_PLAN] = front.z.data_ptr(), front.slots.data_ptr()
-        args[tk.ARG_D_PROBS], args[tk.ARG_G_OUT] = front.d_probs.data_ptr(), front.g_kept.data_ptr()
+        args[tk.ARG_D_PROBS] = front.d_probs.data_ptr()
+        args[tk.ARG_G_OUT] = front.g_kept.data_ptr()
         args[tk.ARG_X_OUT] = 0 if front.x_kept is None else front.x_kept.data_ptr()
         args[tk.ARG_COUNT] = num_kept
     with _device_ctx(probs):
@@ -1119,8 +1126,10 @@ class _CapturedScored(_Captured):
         # Held by the object: a replay reads every buffer the capture used, so none of them may
         # go back to the allocator (a local tensor would, once this returns).
         self.rows = torch.arange(n, device=device)
-        self.row_of_pair = torch.empty(n + 1, dtype=torch.int64, device=device)
         self.has_front = front is not None
+        self.row_of_pair = (
+            torch.empty(n + 1, dtype=torch.int64, device=device) if self.has_front else None
+        )
 
         def launch() -> None:
             if front is not None:
@@ -1163,10 +1172,12 @@ class _CapturedScored(_Captured):
         return scoring.PairScores(scores, sums[0], sums[1]), sums[2] if self.kept_total else None
 
     def front(self, num_kept: int, owned: bool) -> Front:
-        """The last run's outputs (copies unless ``owned=False``); ``row_of_pair`` is only
-        meaningful when this graph captured a front."""
+        """The last run's outputs (copies unless ``owned=False``); ``row_of_pair`` is ``None``
+        unless this graph captured a front."""
         scored, kept_total = self.scored(owned)
-        row_of = self.row_of_pair.clone() if owned else self.row_of_pair
+        row_of = self.row_of_pair
+        if owned and row_of is not None:
+            row_of = row_of.clone()
         return Front(scoring.Scored(scored, self.outputs(num_kept, owned), kept_total), row_of)
 
     def run_scored(self, host: torch.Tensor, num_kept: int, owned: bool) -> Front:
