@@ -464,6 +464,70 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     return {"diff": diff, "graphs": graphs, "device": str(device)}
 
 
+def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[str, Any]:
+    """EP 1 on the host, fp32, under ``TRITON_INTERPRET=1`` (set by the test before the spawn):
+    the layer's backward through ``op.replayed_front`` (the op told Triton may run, the CUDA
+    graph replaced by re-running its launches, so its kernels run in the interpreter) against
+    the same four keep-0.5 calls with ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the
+    torch paths). Returns the largest differences of outputs and gradients, whether the kept
+    pairs were the same, and the fronts captured."""
+    from megatron_lrmoe import op, triton_kernels
+    from megatron_lrmoe.select import kernels
+
+    assert triton_kernels._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
+    op.use_triton = lambda *tensors: True  # the op only; dispatch/rows still sees CPU tensors
+    kernels._graphs_wanted = lambda device: True
+    host_block = kernels._host_block
+    kernels._host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
+
+    class _Rerun:  # stands in for torch.cuda.CUDAGraph: a "replay" reruns the launches
+        def __init__(self, launch) -> None:
+            self.replay = launch
+
+    def capture(self, launch, device) -> None:
+        launch()  # the eager run that precedes every capture
+        self.graph = _Rerun(launch)
+
+    kernels._Captured._capture = capture
+    pg = init_megatron_parallel(ep=1)
+    cfg = _config(1, moe_aux_loss_coeff=0.0)
+    runs: dict[str, list[dict[str, torch.Tensor]]] = {}
+    fronts = {}
+    for mode in ("front", "stages"):
+        if mode == "stages":
+            os.environ["LRMOE_FRONT_GRAPHS"] = "0"
+        kernels._GRAPHS = kernels._GraphCache()
+        torch.manual_seed(5)
+        lrmoe = LRMoEConfig(keep_ratio=0.5, selection=selection, debug_record_selection=True)
+        lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
+        runs[mode] = []
+        for call in range(4):
+            x, up = _inputs(0, cfg.hidden_size, 7 + call)
+            for p in lr.parameters():
+                p.grad = None
+            got = _run(lr, x, up)
+            got["router"] = lr.router.weight.grad.clone()
+            got["fc1"], got["fc2"] = (w.grad.clone() for w in lr.experts.weights())
+            got["kept"] = lr.last_call_stats.kept_mask.clone()
+            runs[mode].append(got)
+        fronts[mode] = sum(
+            getattr(v, "has_front", False) for v in kernels._GRAPHS.graphs.values()
+        )
+    del os.environ["LRMOE_FRONT_GRAPHS"]
+    pairs = list(zip(runs["front"], runs["stages"]))
+    return {
+        "same_kept": all(torch.equal(a["kept"], b["kept"]) for a, b in pairs),
+        "diff": {
+            k: max(
+                ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)).item()
+                for a, b in pairs
+            )
+            for k in ("out", "dx", "router", "fc1", "fc2")
+        },
+        "fronts": fronts,
+    }
+
+
 def fused_accumulation_under_saved_tensor_hooks(rank: int, world: int) -> list[dict[str, Any]]:
     """``grad_accumulation_fusion="on"`` with saved-tensor hooks in force (what activation
     offloading and non-reentrant checkpointing install): the layer must still find the weights'
