@@ -465,7 +465,8 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
 
 
 def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[str, Any]:
-    """EP 1 on the host, fp32, under ``TRITON_INTERPRET=1`` (set by the test before the spawn):
+    """EP ``world`` (scope local) on the host, fp32, under ``TRITON_INTERPRET=1`` (set by the
+    test before the spawn):
     the layer's backward through ``op.replayed_front`` (the op told Triton may run, the CUDA
     graph replaced by re-running its launches, so its kernels run in the interpreter) against
     the same four keep-0.5 calls with ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the
@@ -489,8 +490,8 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
         self.graph = _Rerun(launch)
 
     kernels._Captured._capture = capture
-    pg = init_megatron_parallel(ep=1)
-    cfg = _config(1, moe_aux_loss_coeff=0.0)
+    pg = init_megatron_parallel(ep=world)
+    cfg = _config(world, moe_aux_loss_coeff=0.0)
     runs: dict[str, list[dict[str, torch.Tensor]]] = {}
     fronts = {}
     for mode in ("front", "stages"):
@@ -502,7 +503,7 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
         lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
         runs[mode] = []
         for call in range(4):
-            x, up = _inputs(0, cfg.hidden_size, 7 + call)
+            x, up = _inputs(rank, cfg.hidden_size, 7 + call)
             for p in lr.parameters():
                 p.grad = None
             got = _run(lr, x, up)

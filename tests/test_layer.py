@@ -220,23 +220,24 @@ def test_cuda_scoring_graph_matches_eager_layer() -> None:
     torch.cuda.is_available(),
     reason="host tensors only; on a GPU test_cuda_scoring_graph_matches_eager_layer covers it",
 )
-@pytest.mark.parametrize("selection", ["topk", "sample"])
+@pytest.mark.parametrize(("ep", "selection"), [(1, "topk"), (1, "sample"), (2, "sample")])
 def test_front_graph_wiring_matches_stages_on_cpu(
-    monkeypatch: pytest.MonkeyPatch, selection: str
+    monkeypatch: pytest.MonkeyPatch, ep: int, selection: str
 ) -> None:
     """The op's use of the front graph (``replayed_front``: the router gradient, the kept plan,
-    the packed rows and the map that brings ``dx`` home) on the host: the graph's kernels run in
+    the packed rows and the map that brings ``dx`` home; at EP 2 the kept rows' positions go to
+    the expert side and only gradient rows are packed) on the host: the graph's kernels run in
     Triton's interpreter, the graph itself re-runs its launches (CUDA graphs need a GPU:
     ``test_cuda_scoring_graph_matches_eager_layer``). Four keep-0.5 calls against the stages on
-    the torch paths: the same kept pairs, outputs and gradients equal up to fp32 summation
-    order; one front captured, none with ``LRMOE_FRONT_GRAPHS=0``."""
+    the torch paths, on every rank: the same kept pairs, outputs and gradients equal up to fp32
+    summation order; one front captured, none with ``LRMOE_FRONT_GRAPHS=0``."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by triton in the spawned worker
-    d = run_distributed(w.interp_front_matches_stages, 1, selection, timeout=300)[0]
-    assert d["fronts"] == {"front": 1, "stages": 0}, d
-    assert d["same_kept"], d
-    for name, rel in d["diff"].items():
-        assert rel < 1e-5, (name, d)
+    for d in run_distributed(w.interp_front_matches_stages, ep, selection, timeout=300):
+        assert d["fronts"] == {"front": 1, "stages": 0}, d
+        assert d["same_kept"], d
+        for name, rel in d["diff"].items():
+            assert rel < 1e-5, (name, d)
 
 
 def test_selection_deterministic_across_runs_and_ranks() -> None:
