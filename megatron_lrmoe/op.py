@@ -62,7 +62,7 @@ from megatron_lrmoe.experts.grouped_gemm import GroupSizes
 from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
 from megatron_lrmoe.experts.replica_weights import fold_replica_grads
 from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
-from megatron_lrmoe.select.kernels import FrontBuffers, front_triton
+from megatron_lrmoe.select.kernels import FrontBuffers, front_graphs_wanted, front_triton
 from megatron_lrmoe.select.scoring import (
     PairScores,
     Selection,
@@ -667,7 +667,8 @@ def replayed_front(
     """
     lrmoe = call.lrmoe
     local = call.layout is None and (lrmoe.scope == "local" or call.plan.ep_size == 1)
-    if not (local and use_triton(g, hidden, probs, z)):
+    # Nothing is prepared where no graph can run (switched off, inside a capture, not CUDA).
+    if not (local and use_triton(g, hidden, probs, z) and front_graphs_wanted(g.device)):
         return None
     counts, quota, uniforms = _local_segments(call, key)
     num_kept, width = int(quota.numpy().sum()), g.shape[1]

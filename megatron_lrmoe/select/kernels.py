@@ -84,7 +84,14 @@ from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.select import scoring
 from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available
 
-__all__ = ["Front", "FrontBuffers", "front_triton", "score_select_triton", "select_triton"]
+__all__ = [
+    "Front",
+    "FrontBuffers",
+    "front_graphs_wanted",
+    "front_triton",
+    "score_select_triton",
+    "select_triton",
+]
 
 # Rows per program of the row-parallel kernels, and of each step of the per-segment scans: 512
 # programs at N = 131072, a few per multiprocessor; the best of 256 / 512 / 1024 rows with 4 or 8
@@ -910,10 +917,20 @@ def front_triton(
     graph cannot use in place (``_front_ready``). ``row_of_pair`` is a graph buffer (valid until
     the next replay) unless ``owned``; the other outputs are the caller's.
     """
-    if os.environ.get(_FRONT_GRAPHS_ENV, "1") == "0":
+    if not front_graphs_wanted(probs.device):
         return None
     inputs = _ScoreInputs(g, x, probs, token)
     return _run_scored(policy, inputs, counts, quota, uniforms, front, kept_total, owned)
+
+
+def front_graphs_wanted(device: torch.device) -> bool:
+    """Whether :func:`front_triton` may replay a graph on ``device`` at all (CUDA, outside
+    another capture, no switch off), so that a caller can skip preparing its buffers."""
+    return (
+        os.environ.get(_FRONT_GRAPHS_ENV, "1") != "0"
+        and os.environ.get(_SCORE_GRAPHS_ENV, "1") != "0"
+        and _graphs_wanted(device)
+    )
 
 
 def _run_scored(
@@ -990,12 +1007,12 @@ class _FrontShape(NamedTuple):
 # CUDA graphs
 # --------------------------------------------------------------------------------------------
 
-# Set LRMOE_SELECT_GRAPHS=0 to launch the selection kernels one by one on every call, and
-# LRMOE_SCORE_GRAPHS=0 to keep the scoring out of the replayed selection (score_select_triton);
+# Set LRMOE_SELECT_GRAPHS=0 to launch the selection kernels one by one on every call,
+# LRMOE_SCORE_GRAPHS=0 to keep the scoring out of the replayed selection (score_select_triton),
+# LRMOE_FRONT_GRAPHS=0 to keep the router gradient's row-dot and the packing out of it
+# (front_triton).
 _GRAPHS_ENV = "LRMOE_SELECT_GRAPHS"
 _SCORE_GRAPHS_ENV = "LRMOE_SCORE_GRAPHS"
-# LRMOE_FRONT_GRAPHS=0 keeps the router gradient's row-dot and the packing out of it
-# (front_triton).
 _FRONT_GRAPHS_ENV = "LRMOE_FRONT_GRAPHS"
 
 
