@@ -47,7 +47,7 @@ STAGES = (
     "replayed_front", "front_triton", "_record_selection", "row_dot", "select_kept",
     "score_and_select", "token_norms", "pair_scores", "_local_segments", "_local_plan",
     "pack_kept", "exchange_kept", "_kept_inputs", "expert_backward_parts", "return_dx",
-    "gather_sum", "_record_trimmed", "_record_exact",
+    "gather_sum", "_record_trimmed", "_record_exact", "run_expert_graph", "expert_graph_rows",
 )
 
 

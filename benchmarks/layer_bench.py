@@ -79,6 +79,7 @@ EAGER_SWITCHES = {
     "selection": "LRMOE_SELECT_GRAPHS",  # the selection launched kernel by kernel
     "scoring": "LRMOE_SCORE_GRAPHS",  # the scoring launched before the replayed selection
     "front": "LRMOE_FRONT_GRAPHS",  # the row-dot and packing launched around the graph
+    "experts": "LRMOE_EXPERT_GRAPHS",  # the expert half (EP 1, fused main_grad) launched eagerly
 }
 
 
@@ -355,6 +356,13 @@ def main() -> None:
         help="add keep 0.5 sample with the router gradient's row-dot and the packing launched "
         "around the replayed scoring and selection (LRMOE_FRONT_GRAPHS=0), beside the default "
         "one graph for all four",
+    )
+    parser.add_argument(
+        "--eager-experts",
+        action="store_true",
+        help="add keep 0.5 sample with the expert half of the backward launched kernel by kernel "
+        "(LRMOE_EXPERT_GRAPHS=0), beside the default replayed graph per layer (EP 1 with "
+        "--main-grad --fusion on only)",
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=15)

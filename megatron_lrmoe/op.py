@@ -58,6 +58,12 @@ from megatron_lrmoe.dispatch.permutation import PairPermutation
 from megatron_lrmoe.dispatch.replicas import KeptLayout, ReplicaLayout
 from megatron_lrmoe.dispatch.rows import gather_sum, pack_pairs, row_dot
 from megatron_lrmoe.experts.activation import GluSpec
+from megatron_lrmoe.experts.backward_graph import (
+    ExpertRows,
+    expert_graph_rows,
+    expert_graph_wanted,
+    run_expert_graph,
+)
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes
 from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
 from megatron_lrmoe.experts.replica_weights import fold_replica_grads
@@ -480,9 +486,18 @@ class TrimmedMoEFunction(torch.autograd.Function):
         g = grad_out.contiguous()
 
         key = call.sample_stream() if call.sample_stream is not None else ()
-        front = replayed_front(call, g, hidden, probs, z, key, timer)
+        into = _main_grad_targets(call, *ctx.params)
+        # EP 1 with a replayed front: the expert half can be one replayed graph too (the front
+        # packs the kept rows into its buffers).
+        graphed = (
+            call.plan.ep_size == 1
+            and call.layout is None
+            and expert_graph_wanted(g, (w1, w2), into, ctx.h)
+        )
+        front = replayed_front(call, g, hidden, probs, z, key, timer, graphed)
+        rows = None
         if front is not None:
-            d_probs, kept, g_kept, x_kept, row_of_pair = front
+            d_probs, kept, g_kept, x_kept, row_of_pair, rows = front
         else:
             # Router gradient, exact for every pair: d probs = <g_token, z_pair>. Walked token
             # by token (each g row read once for its K pairs, not once per pair).
@@ -496,30 +511,56 @@ class TrimmedMoEFunction(torch.autograd.Function):
             if timer:
                 timer.stop("packing")
         del z, front  # z is no longer needed (the router gradient is taken)
+        if rows is not None:
+            done, d_hidden = run_expert_graph(
+                rows, kept.kept_index, kept.rows_per_instance, ctx.h, call.perm.slot_pair,
+                row_of_pair if ctx.needs_input_grad[0] else None, (w1, w2), into, call.spec,
+            )
+            if done:
+                ctx.h = ctx.x = None
+                return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer)
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
         x_k = _kept_inputs(ctx, kept, x_in)
         # Save mode: the activation backward reads the kept rows of the saved h in place.
         h, h_rows = ctx.h, (kept.kept_positions if ctx.h is not None else None)
         ctx.h = ctx.x = None
         kept_groups = GroupSizes(kept.rows_per_instance)
-        into = _main_grad_targets(call, *ctx.params)
         dx_k, dw1, dw2, _ = expert_backward_parts(
             dz, x_k, h, call.weight_stacks(w1, w2), call.stack_counts(kept_groups), call.spec,
             need_dx=ctx.needs_input_grad[0], h_rows=h_rows, wgrad_into=into,
         )
         del h
         dw1, dw2 = call.fold_grads(dw1, dw2, into)
-        if into is not None:
-            dw1, dw2 = _fused_weight_grads(*ctx.params)
         d_hidden = return_dx(call, kept, dx_k, row_of_pair) if dx_k is not None else None
+        return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer, (dw1, dw2))
 
-        # Non-finite scores must reach Megatron's NaN check, never hide in a selection: the
-        # poison (0 or NaN) went into every packed gradient row's scale, so into the expert
-        # weight gradients of every rank that kept a row; the router gradient gets it here.
-        d_probs.add_(kept.poison.to(d_probs.dtype))
-        if stats is not None:
-            _record_trimmed(call, g, kept, timer)
-        return d_hidden, d_probs, None, dw1, dw2
+
+def _trimmed_grads(
+    call: ExpertCall,
+    ctx,
+    g: torch.Tensor,
+    kept: KeptPlan,
+    d_probs: torch.Tensor,
+    d_hidden: Optional[torch.Tensor],
+    into: Optional[tuple[torch.Tensor, torch.Tensor]],
+    timer: Optional[SpanTimer],
+    weight_grads: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+) -> tuple:
+    """What :meth:`TrimmedMoEFunction.backward` returns, after the poison and the statistics.
+
+    Where the weight gradients went into ``main_grad`` (``into``: fused accumulation),
+    autograd gets Megatron's placeholders (:func:`_fused_weight_grads`), else ``weight_grads``.
+    """
+    dw1, dw2 = weight_grads
+    if into is not None:
+        dw1, dw2 = _fused_weight_grads(*ctx.params)
+    # Non-finite scores must reach Megatron's NaN check, never hide in a selection: the
+    # poison (0 or NaN) went into every packed gradient row's scale, so into the expert
+    # weight gradients of every rank that kept a row; the router gradient gets it here.
+    d_probs.add_(kept.poison.to(d_probs.dtype))
+    if call.stats is not None:
+        _record_trimmed(call, g, kept, timer)
+    return d_hidden, d_probs, None, dw1, dw2
 
 
 def _main_grad_targets(
@@ -653,8 +694,12 @@ def replayed_front(
     z: torch.Tensor,
     key: tuple[int, ...],
     timer: Optional[SpanTimer],
+    graphed: bool = False,
 ) -> Optional[
-    tuple[torch.Tensor, KeptPlan, torch.Tensor, Optional[torch.Tensor], torch.Tensor]
+    tuple[
+        torch.Tensor, KeptPlan, torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+        Optional[ExpertRows],
+    ]
 ]:
     """The router gradient, :func:`select_kept` and :func:`pack_kept` as one replayed CUDA
     graph (``select/kernels.py``, ``front_triton``), where a source selects among its own pairs
@@ -662,8 +707,11 @@ def replayed_front(
     run (its first sighting of a shape, graphs off, inputs it cannot read in place), and the
     caller runs the stages one by one: the same kernels, so the same bits.
 
-    Returns ``(d_probs, kept, g_kept, x_kept, row_of_pair)`` as the stages give them; its time
-    is the ``front`` span (row-dot, scoring, selection and packing together).
+    Returns ``(d_probs, kept, g_kept, x_kept, row_of_pair, rows)``, the first five as the
+    stages give them; its time is the ``front`` span (row-dot, scoring, selection and packing
+    together). With ``graphed`` (the expert half may replay a graph:
+    ``experts/backward_graph.py``) the kept rows are packed into the shared buffers ``rows``
+    that graph reads, else ``rows`` is ``None``.
     """
     lrmoe = call.lrmoe
     local = call.layout is None and (lrmoe.scope == "local" or call.plan.ep_size == 1)
@@ -672,12 +720,22 @@ def replayed_front(
         return None
     counts, quota, uniforms = _local_segments(call, key)
     num_kept, width = int(quota.numpy().sum()), g.shape[1]
+    rows = None
+    if graphed and num_kept:
+        rows = expert_graph_rows(
+            num_kept, g, call.perm.slot_pair, call.perm.num_pairs, counts.numel(),
+            _packs_inputs(call),
+        )
+        g_kept, x_kept = rows.kept(num_kept)
+    else:
+        g_kept = g.new_empty((num_kept, width))
+        x_kept = hidden.new_empty((num_kept, width)) if _packs_inputs(call) else None
     buffers = FrontBuffers(
         z=z,
         slots=call.slot_send,
         d_probs=torch.empty(probs.shape, dtype=probs.dtype, device=probs.device),
-        g_kept=g.new_empty((num_kept, width)),
-        x_kept=hidden.new_empty((num_kept, width)) if _packs_inputs(call) else None,
+        g_kept=g_kept,
+        x_kept=x_kept,
     )
     if timer:
         timer.start("front")
@@ -695,7 +753,7 @@ def replayed_front(
         timer.stop("front")
     if call.stats is not None:
         _record_selection(call, scored, kept, kept_total)
-    return buffers.d_probs, kept, buffers.g_kept, buffers.x_kept, front.row_of_pair
+    return buffers.d_probs, kept, buffers.g_kept, buffers.x_kept, front.row_of_pair, rows
 
 
 def _local_segments(

@@ -43,6 +43,7 @@ __all__ = [
     "ARG_D_PROBS",
     "ARG_G",
     "ARG_G_OUT",
+    "ARG_H",
     "ARG_PROBS",
     "ARG_SLOTS",
     "ARG_SLOT_PLAN",
@@ -51,6 +52,7 @@ __all__ = [
     "ARG_X_OUT",
     "ARG_Z",
     "TRITON_ENV",
+    "act_backward_from_args",
     "act_backward_triton",
     "act_forward_triton",
     "gather_sum_triton",
@@ -563,29 +565,13 @@ def _act_fwd_kernel(
     tl.store(out_ptr + dst, a.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _act_bwd_kernel(
-    dh_ptr,
-    act_ptr,
-    dprobs_ptr,
-    d_ptr,
-    h_ptr,
-    p_ptr,
-    h_rows_ptr,
-    n_rows,
-    width,
-    h_stride,
-    d_stride,
-    dh_stride,
-    act_stride,
-    GATED: tl.constexpr,
-    KIND: tl.constexpr,
-    HAS_PROBS: tl.constexpr,
-    STORE_ACT: tl.constexpr,
-    H_INDEXED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_F: tl.constexpr,
+def _act_bwd_body(
+    pid, dh_ptr, act_ptr, dprobs_ptr, d_ptr, h_ptr, p_ptr, h_rows_ptr, n_rows, width, h_stride,
+    d_stride, dh_stride, act_stride,
+    GATED: tl.constexpr, KIND: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_ACT: tl.constexpr,
+    H_INDEXED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
-    """Activation backward for ``BLOCK_M`` rows, looping over F.
+    """Activation backward for the ``BLOCK_M`` rows of row block ``pid``, looping over F.
 
     ``d`` is the gradient of the activation output, or with probs of ``act * p`` (Megatron's
     order: the routing weight scales the activation before fc2). Writes ``dh`` (with probs:
@@ -593,7 +579,6 @@ def _act_bwd_kernel(
     gradient) and with probs ``dprobs = <d, act>`` in fp32. With ``H_INDEXED`` row ``i`` reads
     ``h`` row ``h_rows[i]`` (the kept rows of a larger saved ``h``, no gathered copy).
     """
-    pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
     rows = offs_m.to(tl.int64)
@@ -644,10 +629,72 @@ def _act_bwd_kernel(
         tl.store(dprobs_ptr + rows, tl.sum(dot, axis=1), mask=mask_m)
 
 
+def _act_bwd_kernel(
+    dh_ptr,
+    act_ptr,
+    dprobs_ptr,
+    d_ptr,
+    h_ptr,
+    p_ptr,
+    h_rows_ptr,
+    n_rows,
+    width,
+    h_stride,
+    d_stride,
+    dh_stride,
+    act_stride,
+    GATED: tl.constexpr,
+    KIND: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    STORE_ACT: tl.constexpr,
+    H_INDEXED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """:func:`_act_bwd_body`, one program per row block."""
+    _act_bwd_body(
+        tl.program_id(0), dh_ptr, act_ptr, dprobs_ptr, d_ptr, h_ptr, p_ptr, h_rows_ptr, n_rows,
+        width, h_stride, d_stride, dh_stride, act_stride, GATED, KIND, HAS_PROBS, STORE_ACT,
+        H_INDEXED, BLOCK_M, BLOCK_F,
+    )
+
+
+def _act_bwd_args_kernel(
+    args_ptr,
+    dh_ptr,
+    act_ptr,
+    d_ptr,
+    h_rows_ptr,
+    width,
+    h_stride,
+    d_stride,
+    dh_stride,
+    act_stride,
+    H_TY: tl.constexpr,
+    GATED: tl.constexpr,
+    KIND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """:func:`_act_bwd_body` (``act`` stored, no routing weights, ``h`` indexed by ``h_rows``)
+    with ``h`` at ``args[ARG_H]`` and the row count in ``args[ARG_COUNT]``, which only the
+    device knows when a graph replays this launch: the programs stride over the row blocks up
+    to it."""
+    h_ptr = _arg_ptr(args_ptr, 10, H_TY)
+    n_rows = tl.load(args_ptr + 9)
+    for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        _act_bwd_body(
+            pid, dh_ptr, act_ptr, dh_ptr, d_ptr, h_ptr, dh_ptr, h_rows_ptr, n_rows, width,
+            h_stride, d_stride, dh_stride, act_stride, GATED, KIND, False, True, True,
+            BLOCK_M, BLOCK_F,
+        )
+
+
 # Device helpers called by the kernels above: plain functions until :func:`_kernels` replaces
 # them by their triton.jit versions in this module's globals (before any kernel compiles).
 _HELPERS = (
-    "_arg_ptr", "_row_dot_body", "_row_norms_body", "_pair_scores_body", "_pack_pairs_body"
+    "_arg_ptr", "_row_dot_body", "_row_norms_body", "_pair_scores_body", "_pack_pairs_body",
+    "_act_bwd_body",
 )
 
 
@@ -673,6 +720,7 @@ def _kernels() -> SimpleNamespace:
         gather_sum=triton.jit(_gather_sum_kernel),
         act_fwd=triton.jit(_act_fwd_kernel),
         act_bwd=triton.jit(_act_bwd_kernel),
+        act_bwd_args=triton.jit(_act_bwd_args_kernel),
         row_norms=triton.jit(_row_norms_kernel),
         pair_scores=triton.jit(_pair_scores_kernel),
         row_norms_args=triton.jit(_row_norms_args_kernel),
@@ -976,6 +1024,7 @@ def pair_scores_triton(
 ARG_G, ARG_X, ARG_PROBS, ARG_TOKEN = range(4)  # gradient and input rows, routing weights, tokens
 ARG_Z, ARG_SLOT_PLAN, ARG_D_PROBS = 4, 5, 6  # the router gradient's row-dot: inputs, output
 ARG_G_OUT, ARG_X_OUT, ARG_COUNT = 7, 8, 9  # packing: dense outputs, the rows they get
+ARG_H = 10  # the activation backward's saved fc1 output (experts/backward_graph.py)
 ARG_SLOTS = 16  # 128 bytes, so what follows the block in one buffer stays 64-byte aligned
 
 
@@ -1206,6 +1255,7 @@ def gather_sum_triton(
     row_of: torch.Tensor | None = None,
     *,
     block_h: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k scale[i] * rows[i]`` for ``i = index[t, k] >= 0``, fp32, one kernel.
 
@@ -1217,9 +1267,12 @@ def gather_sum_triton(
             index[t, k]`` reads row ``i = row_of[j]``; ``j < 0`` (never looked up) or ``i < 0``
             adds nothing. Not range-checked.
         block_h: Column block override (a power of two), for tests and tuning.
+        out: Optional ``[T, H]`` of ``rows.dtype`` with unit column stride to write into
+            (e.g. a replayed graph's static output).
 
     Returns:
-        ``[T, H]`` in ``rows.dtype``; slots are added in ``k`` order, rounded once.
+        ``[T, H]`` in ``rows.dtype`` (``out`` when given); slots are added in ``k`` order,
+        rounded once.
     """
     if rows.dim() != 2 or index.dim() != 2 or index.dtype != torch.int64:
         raise ValueError(
@@ -1236,7 +1289,13 @@ def gather_sum_triton(
     _check_dtype("rows", rows)
     n_out, slots = index.shape
     width = rows.shape[1]
-    out = torch.empty((n_out, width), dtype=rows.dtype, device=rows.device)
+    if out is None:
+        out = torch.empty((n_out, width), dtype=rows.dtype, device=rows.device)
+    elif out.shape != (n_out, width) or out.dtype != rows.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"gather_sum_triton: out {tuple(out.shape)} {out.dtype}, want ({n_out}, {width}) "
+            f"{rows.dtype} with unit column stride"
+        )
     if out.numel() == 0:
         return out
     rows = _unit_cols(rows)
@@ -1432,6 +1491,49 @@ def act_backward_triton(
             num_warps=_NUM_WARPS,
         )
     return _lead_view(dh, out_lead), _lead_view(act, out_lead), dprobs
+
+
+def act_backward_from_args(
+    args: torch.Tensor,
+    d: torch.Tensor,
+    h_rows: torch.Tensor,
+    dh: torch.Tensor,
+    act: torch.Tensor,
+    h_stride: int,
+    h_dtype: torch.dtype,
+    gated: bool,
+    kind: str,
+) -> None:
+    """:func:`act_backward_triton` (``store_act``, no routing weights, ``h`` indexed by
+    ``h_rows``) for an ``h`` and a row count known only on the device: ``h`` (2-D, row stride
+    ``h_stride``, ``h_dtype``) at ``args[ARG_H]``, the rows ``M`` in ``args[ARG_COUNT]``. ``d``
+    ``[N, F]``, ``h_rows`` ``[N]`` and the outputs ``dh`` ``[N, F1]``, ``act`` ``[N, F]``
+    (unit column strides, ``h_dtype``) have room for the most rows there can be; at most
+    :data:`_STRIDING_PROGRAMS` programs stride over the row blocks up to ``M``, and rows from
+    ``M`` on are not touched."""
+    width1 = dh.shape[1]
+    width = width1 // 2 if gated else width1
+    n_max = d.shape[0]
+    if (
+        d.shape != (n_max, width) or act.shape != d.shape or dh.shape[0] != n_max
+        or h_rows.shape != (n_max,) or h_rows.dtype != torch.int64
+        or not all(t.stride(-1) == 1 for t in (d, dh, act)) or not h_rows.is_contiguous()
+    ):
+        raise ValueError(
+            f"act_backward_from_args: d {tuple(d.shape)}, h_rows {tuple(h_rows.shape)}, dh "
+            f"{tuple(dh.shape)}, act {tuple(act.shape)} (gated={gated}) do not match"
+        )
+    if n_max == 0 or width == 0:
+        return
+    block_f = min(_col_block(width, None), 256)
+    block_m = max(1, (_TILE // 2) // block_f)
+    grid = (max(1, min(_cdiv(n_max, block_m), _STRIDING_PROGRAMS)),)
+    with _device_ctx(args):
+        _kernels_for(args).act_bwd_args[grid](
+            args, dh, act, d, h_rows, width, h_stride, d.stride(0), dh.stride(0),
+            act.stride(0), H_TY=_tl_dtype(h_dtype), GATED=bool(gated), KIND=_kind_code(kind),
+            BLOCK_M=block_m, BLOCK_F=block_f, num_warps=_NUM_WARPS,
+        )
 
 
 def _lead_view(t: torch.Tensor | None, lead: tuple[int, ...] | None) -> torch.Tensor | None:

@@ -464,6 +464,61 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     return {"diff": diff, "graphs": graphs, "device": str(device)}
 
 
+def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
+    """EP 1, bf16 on the GPU, keep 0.5, weight gradients fused into ``main_grad``: two layers
+    (different weights, so two graphs sharing the buffers and the memory pool) run forward and
+    backward on four inputs (the kept count changes), per case (``save`` with ``sample``,
+    ``recompute`` with ``topk``), with the expert half replayed as a graph (captured on each
+    layer's second call) and with ``LRMOE_EXPERT_GRAPHS=0``. Returns per case the largest
+    difference of outputs, input and router gradients and ``main_grad`` (after every call) and
+    the expert graphs each mode left."""
+    from megatron_lrmoe.experts import backward_graph
+
+    pg = init_megatron_parallel(ep=1)
+    cfg = _config(1, moe_aux_loss_coeff=0.0, bf16=True, params_dtype=torch.bfloat16)
+    device = torch.device("cuda")
+    cases = {
+        "save_sample": dict(activation_mode="save", selection="sample"),
+        "recompute_topk": dict(activation_mode="recompute", selection="topk"),
+    }
+    result: dict[str, Any] = {"device": str(device), "diff": {}, "graphs": {}}
+    for case, overrides in cases.items():
+        runs: dict[str, list[torch.Tensor]] = {}
+        for mode, env in {"graph": {}, "eager": {backward_graph.EXPERT_GRAPHS_ENV: "0"}}.items():
+            os.environ.update(env)
+            backward_graph._GRAPHS.clear()
+            backward_graph._ROWS.clear()
+            lrmoe = LRMoEConfig(keep_ratio=0.5, grad_accumulation_fusion="on", **overrides)
+            layers = []
+            for number in (1, 2):
+                torch.manual_seed(5 + number)
+                layer = get_lrmoe_moe_spec(lrmoe)(
+                    config=cfg, pg_collection=pg, layer_number=number
+                ).to(device)
+                for p in layer.experts.weights():
+                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+                layers.append(layer)
+            runs[mode] = []
+            for call in range(4):
+                for number, layer in enumerate(layers):
+                    x, up = (
+                        t.to(device, torch.bfloat16)
+                        for t in _inputs(0, cfg.hidden_size, 7 + call + 10 * number)
+                    )
+                    got = _run(layer, x, up)
+                    runs[mode] += [got["out"], got["dx"], layer.router.weight.grad.clone()]
+                    runs[mode] += [p.main_grad.clone() for p in layer.experts.weights()]
+                    layer.router.weight.grad = None
+            result["graphs"].setdefault(case, {})[mode] = len(backward_graph._GRAPHS.graphs)
+            for name in env:
+                del os.environ[name]
+        result["diff"][case] = max(
+            (a.float() - b.float()).abs().max().item()
+            for a, b in zip(runs["graph"], runs["eager"])
+        )
+    return result
+
+
 def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[str, Any]:
     """EP ``world`` (scope local) on the host, fp32, under ``TRITON_INTERPRET=1`` (set by the
     test before the spawn):

@@ -216,6 +216,21 @@ def test_cuda_scoring_graph_matches_eager_layer() -> None:
     assert d["diff"] == {"front": 0.0, "scored": 0.0}, d
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
+def test_cuda_expert_graph_matches_eager_layer() -> None:
+    """The layer on the GPU, keep 0.5, fused ``main_grad``, two layers sharing the expert
+    graphs' buffers and memory pool: with the expert half of the backward replayed as one graph
+    per layer (from each layer's second call), outputs, input and router gradients and
+    ``main_grad`` after every call have the bits of the eager stages, in ``save`` and
+    ``recompute`` mode; one graph per layer, none with ``LRMOE_EXPERT_GRAPHS=0``."""
+    d = run_distributed(w.cuda_expert_graph_matches_eager, 1)[0]
+    assert d["device"].startswith("cuda"), d
+    assert d["graphs"] == {
+        case: {"graph": 2, "eager": 0} for case in ("save_sample", "recompute_topk")
+    }, d
+    assert d["diff"] == {"save_sample": 0.0, "recompute_topk": 0.0}, d
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="host tensors only; on a GPU test_cuda_scoring_graph_matches_eager_layer covers it",

@@ -70,7 +70,6 @@ imported) the launcher accepts CPU tensors and runs them in Triton's interpreter
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 import os
@@ -81,6 +80,7 @@ import numpy as np
 import torch
 
 from megatron_lrmoe import triton_kernels
+from megatron_lrmoe.cuda_graphs import GraphCache, capture as capture_graph
 from megatron_lrmoe.select import scoring
 from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available
 
@@ -1062,24 +1062,7 @@ class _Captured:
         self.weight = torch.empty(n, dtype=torch.float32, device=device)
 
     def _capture(self, launch: Callable[[], None], device: torch.device) -> None:
-        # This call's work runs eagerly on a side stream (it also warms the allocator's and
-        # Triton's caches), then the same launches are recorded, once per shape. No
-        # synchronisation: capture only records, and the side stream is ordered after the
-        # copies in front and before whatever the caller queues next.
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            launch()
-            # thread_local: other threads' CUDA calls (checkpoint writers, NCCL watchdogs) do
-            # not invalidate this capture.
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                launch()
-            finally:
-                self.graph.capture_end()
-        current.wait_stream(side)
+        self.graph = capture_graph(launch, device)
 
     def _load(self, scores: torch.Tensor, host: torch.Tensor) -> None:
         self.scores.copy_(scores)
@@ -1203,35 +1186,9 @@ class _CapturedScored(_Captured):
         return self.front(num_kept, owned)
 
 
-class _GraphCache:
-    """Captured selections by shape, least recently used first out.
-
-    A shape is captured the second time it is seen (a one-off shape, e.g. a last, shorter
-    micro-batch, never pays for a capture); at most ``capacity`` graphs are kept, each holding
-    a few ``[N]`` buffers in its memory pool.
-    """
-
-    def __init__(self, capacity: int = 8) -> None:
-        self.capacity = capacity
-        self.graphs: collections.OrderedDict[tuple, _Captured] = collections.OrderedDict()
-        self.seen: collections.Counter[tuple] = collections.Counter()
-
-    def lookup(self, key: tuple) -> tuple[_Captured | None, bool]:
-        """``(graph, capture_now)``: the captured graph of ``key`` if there is one, else
-        whether this sighting should capture it (the second one)."""
-        entry = self.graphs.get(key)
-        if entry is not None:
-            self.graphs.move_to_end(key)
-            return entry, False
-        if len(self.seen) >= 1024:  # many one-off shapes (varying lengths): start over
-            self.seen.clear()
-        self.seen[key] += 1
-        return None, self.seen[key] >= 2
-
-    def add(self, key: tuple, entry: _Captured) -> None:
-        self.graphs[key] = entry
-        if len(self.graphs) > self.capacity:
-            self.graphs.popitem(last=False)
+class _GraphCache(GraphCache[_Captured]):
+    """Captured selections by shape (at most 8, each holding a few ``[N]`` buffers in its
+    memory pool)."""
 
     def select(
         self,

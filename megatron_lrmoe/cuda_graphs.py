@@ -1,0 +1,80 @@
+"""Capturing and caching the CUDA graphs the backward replays (the selection's front in
+``select/kernels.py``, the expert half in ``experts/backward_graph.py``).
+
+A graph replaces the host's per-kernel launch work by one launch; what it reads and writes
+must stay at the addresses it was captured with, so every user keeps those buffers on the
+object that holds the graph.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Generic, TypeVar
+
+import torch
+
+__all__ = ["GraphCache", "capture"]
+
+Entry = TypeVar("Entry")
+
+
+def capture(
+    launch: Callable[[], None], device: torch.device, pool: tuple | None = None
+) -> torch.cuda.CUDAGraph:
+    """Runs ``launch`` once eagerly and returns a graph of the same launches.
+
+    The eager run (it also warms the allocator's and Triton's caches) and the capture happen on
+    a side stream ordered after the current one, which then waits for it; no synchronisation
+    (capture only records). ``pool`` is a memory pool shared with other graphs that are never
+    replayed concurrently (``torch.cuda.graph_pool_handle()``), else the graph gets its own.
+    """
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        launch()
+        # thread_local: other threads' CUDA calls (checkpoint writers, NCCL watchdogs) do not
+        # invalidate this capture.
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            launch()
+        finally:
+            graph.capture_end()
+    current.wait_stream(side)
+    return graph
+
+
+class GraphCache(Generic[Entry]):
+    """Captured graphs by key, least recently used first out.
+
+    A key is captured the second time it is seen (a one-off shape, e.g. a last, shorter
+    micro-batch, never pays for a capture); at most ``capacity`` entries are kept.
+    """
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self.graphs: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()
+        self.seen: collections.Counter[tuple] = collections.Counter()
+
+    def lookup(self, key: tuple) -> tuple[Entry | None, bool]:
+        """``(entry, capture_now)``: the captured entry of ``key`` if there is one, else
+        whether this sighting should capture it (the second one)."""
+        entry = self.graphs.get(key)
+        if entry is not None:
+            self.graphs.move_to_end(key)
+            return entry, False
+        if len(self.seen) >= 1024:  # many one-off shapes (varying lengths): start over
+            self.seen.clear()
+        self.seen[key] += 1
+        return None, self.seen[key] >= 2
+
+    def add(self, key: tuple, entry: Entry) -> None:
+        self.graphs[key] = entry
+        if len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drops every entry and sighting."""
+        self.graphs.clear()
+        self.seen.clear()

@@ -1,0 +1,292 @@
+"""The trimmed backward's expert half at EP 1 as one replayed CUDA graph per layer.
+
+Where the front of the trimmed backward (router gradient, scoring, selection, packing) is one
+replayed graph (``select/kernels.py``, ``front_triton``) and the expert side is this rank (EP
+1), what follows it is fixed work on the ``K`` kept rows: fc2's input gradient, the activation
+backward on the kept rows of the saved fc1 output (or its recomputation), both weight
+gradients added into the weights' ``main_grad``, fc1's input gradient and the return (each
+token adds up its kept pairs' ``dx``). Launched one by one that is about twenty launches and,
+at 4096 tokens, more host time than GPU time. :func:`run_expert_graph` replays them as one
+graph per layer, the same kernels on the same rows, so the same bits.
+
+What a replay reads and writes:
+
+==================  ===========================================================================
+shared buffers      one set per shape (tokens, slots per token, pairs, width, experts, dtype,
+                    packed inputs), used by every layer's graph (they never run concurrently:
+                    one stream): ``[C, H]`` kept gradient rows and (EP 1 ``save`` and
+                    ``recompute`` alike) kept input rows, which the front packs straight into;
+                    ``[C]`` rows of the saved ``h``; the slot plan; the pairs' packed rows;
+                    ``[T, H]`` input gradient, copied out; an argument block with the saved
+                    ``h``'s address, ``K`` and the rows per expert. ``C >= K`` (a new, larger
+                    set, and new graphs, when a call keeps more).
+per layer           the weights and their ``main_grad`` (graph key: their addresses).
+inside the graph    fc2's input gradient, ``dh``, the activation output, ``dx``: one memory pool
+                    shared by every layer's graph.
+==================  ===========================================================================
+
+``K`` changes from call to call: the grouped GEMMs take device offsets (rows past ``K`` are
+not computed), the activation backward reads ``K`` from the argument block, and the weight
+gradients' tile is part of the key (``wgrad_triton.config_for``), so it is the one the eager
+path picks.
+
+Scope (:func:`expert_graph_wanted`): CUDA, EP 1 without replicas, the front graph ran,
+weight gradients fused into ``main_grad`` (``grad_accumulation_fusion``), torch's grouped GEMM
+and the Triton kernels. ``LRMOE_EXPERT_GRAPHS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from megatron_lrmoe import triton_kernels
+from megatron_lrmoe.cuda_graphs import GraphCache, capture
+from megatron_lrmoe.experts.activation import GluSpec
+from megatron_lrmoe.experts.grouped_gemm import (
+    GroupSizes,
+    grouped_mm_backend,
+    grouped_mm_nn,
+    grouped_mm_nt,
+)
+from megatron_lrmoe.experts.wgrad_triton import config_for, grouped_wgrad_triton
+
+__all__ = [
+    "EXPERT_GRAPHS_ENV",
+    "ExpertRows",
+    "expert_graph_rows",
+    "expert_graph_wanted",
+    "run_expert_graph",
+]
+
+EXPERT_GRAPHS_ENV = "LRMOE_EXPERT_GRAPHS"
+
+# Room for this many more rows than the call that sized a shared set keeps, so that the small
+# changes of K from call to call (quotas rounded per expert) reuse it.
+_HEADROOM = 1 / 16
+_ROW_QUANTUM = 256
+
+
+class _Shape(NamedTuple):
+    device: int
+    tokens: int
+    slots: int
+    pairs: int
+    width: int
+    experts: int
+    dtype: torch.dtype
+    pack_x: bool
+
+
+class ExpertRows:
+    """The buffers every layer's graph of one :class:`_Shape` reads and writes (see the
+    module docstring); ``capacity`` kept rows at most."""
+
+    def __init__(self, shape: _Shape, capacity: int) -> None:
+        device = torch.device("cuda", shape.device)
+        self.shape, self.capacity = shape, capacity
+        rows = (capacity, shape.width)
+        self.g = torch.empty(rows, dtype=shape.dtype, device=device)
+        self.x = torch.empty(rows, dtype=shape.dtype, device=device) if shape.pack_x else None
+        self.h_rows = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.slots = torch.full((shape.tokens, shape.slots), -1, dtype=torch.int64, device=device)
+        self.row_of_pair = torch.full((shape.pairs + 1,), -1, dtype=torch.int64, device=device)
+        self.d_hidden = torch.empty((shape.tokens, shape.width), dtype=shape.dtype, device=device)
+        slots = triton_kernels.ARG_SLOTS
+        self.flat = torch.zeros(slots + shape.experts, dtype=torch.int64, device=device)
+        self.args, self.counts = self.flat[:slots], self.flat[slots:]
+
+    def kept(self, num_kept: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The views the front packs ``num_kept`` gradient (and input) rows into."""
+        return self.g[:num_kept], None if self.x is None else self.x[:num_kept]
+
+
+class _Weights(NamedTuple):
+    w1: torch.Tensor  # [G, F1, H]
+    w2: torch.Tensor  # [G, H, F]
+    acc1: torch.Tensor  # w1's main_grad
+    acc2: torch.Tensor  # w2's main_grad
+
+
+class _LayerGraph:
+    """One layer's captured expert backward over an :class:`ExpertRows` set."""
+
+    def __init__(
+        self,
+        rows: ExpertRows,
+        weights: _Weights,
+        h: torch.Tensor | None,
+        spec: GluSpec,
+        need_dx: bool,
+        config,
+    ) -> None:
+        self.rows, self.weights, self.need_dx = rows, weights, need_dx
+        w1, w2, acc1, acc2 = weights
+        h_meta = None if h is None else (h.stride(0), h.dtype)
+        x = rows.x
+
+        def launch() -> None:
+            g = rows.g
+            groups = GroupSizes(rows.counts)  # device counts: offsets by a captured cumsum
+            offs = groups.offsets(g.device)
+            da = grouped_mm_nn(g, w2, groups)
+            if h_meta is None:  # recompute: fc1 again, on the kept rows
+                h_kept = grouped_mm_nt(x, w1, groups)
+                dh, act, _ = triton_kernels.act_backward_triton(
+                    da, h_kept, spec.gated, spec.kind, None, True
+                )
+            else:
+                dh = torch.empty((rows.capacity, w1.shape[1]), dtype=g.dtype, device=g.device)
+                act = torch.empty_like(da)
+                triton_kernels.act_backward_from_args(
+                    rows.args, da, rows.h_rows, dh, act, h_meta[0], h_meta[1], spec.gated,
+                    spec.kind,
+                )
+            grouped_wgrad_triton(g, act, offs, acc2, config=config)
+            grouped_wgrad_triton(dh, x, offs, acc1, config=config)
+            if need_dx:
+                dx = grouped_mm_nn(dh, w1, groups)
+                triton_kernels.gather_sum_triton(
+                    dx, rows.slots, row_of=rows.row_of_pair, out=rows.d_hidden
+                )
+
+        self.launch = launch
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def capture(self) -> None:
+        """Runs this call's work eagerly and records it (the first run of a captured key)."""
+        self.graph = capture(self.launch, self.rows.g.device, pool=_pool(self.rows.g.device))
+
+
+def _pool(device: torch.device) -> tuple:
+    """The memory pool every expert graph on ``device`` shares (they never overlap)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pool = _POOLS.get(index)
+    if pool is None:
+        pool = _POOLS[index] = torch.cuda.graph_pool_handle()
+    return pool
+
+
+_POOLS: dict[int, tuple] = {}
+_ROWS: dict[_Shape, ExpertRows] = {}
+# Keyed per layer (its weights' addresses): room for every MoE layer of a large model, twice.
+_GRAPHS: GraphCache[_LayerGraph] = GraphCache(capacity=1024)
+
+
+def _enabled() -> bool:
+    return os.environ.get(EXPERT_GRAPHS_ENV, "1") != "0"
+
+
+def expert_graph_wanted(
+    g: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    into: tuple[torch.Tensor, torch.Tensor] | None,
+    h: torch.Tensor | None,
+) -> bool:
+    """Whether :func:`run_expert_graph` can take this backward (the caller has checked EP 1,
+    no replicas and a replayed front): CUDA outside another capture, the switch on, the weight
+    gradients going into ``main_grad``, and tensors the captured kernels can use."""
+    w1, w2 = weights
+    tensors = (g, w1, w2) if h is None else (g, w1, w2, h)
+    return (
+        _enabled()
+        and into is not None
+        and g.is_cuda
+        and not torch.cuda.is_current_stream_capturing()
+        and g.dtype in (torch.bfloat16, torch.float16)
+        and all(t.dtype == g.dtype for t in tensors)
+        and all(a.is_contiguous() for a in into)
+        and triton_kernels.use_triton(*tensors)
+        and grouped_mm_backend(g, w1) == "torch_grouped_mm"
+        and grouped_mm_backend(g, w2) == "torch_grouped_mm"
+        and (h is None or triton_kernels.args_ready(h))
+    )
+
+
+def expert_graph_rows(
+    num_kept: int,
+    g: torch.Tensor,
+    slot_plan: torch.Tensor,
+    num_pairs: int,
+    num_experts: int,
+    pack_x: bool,
+) -> ExpertRows:
+    """The shared buffers for a call that keeps ``num_kept`` rows (a larger set when they do
+    not fit; the graphs captured on the smaller one are dropped)."""
+    device = g.device.index if g.device.index is not None else torch.cuda.current_device()
+    shape = _Shape(
+        device, g.shape[0], slot_plan.shape[1], num_pairs, g.shape[1], num_experts, g.dtype,
+        pack_x,
+    )
+    rows = _ROWS.get(shape)
+    if rows is None or rows.capacity < num_kept:
+        if rows is not None:
+            for key in [k for k, v in _GRAPHS.graphs.items() if v.rows is rows]:
+                del _GRAPHS.graphs[key]
+        want = num_kept + int(num_kept * _HEADROOM)
+        capacity = -(-want // _ROW_QUANTUM) * _ROW_QUANTUM
+        rows = _ROWS[shape] = ExpertRows(shape, capacity)
+    return rows
+
+
+def run_expert_graph(
+    rows: ExpertRows,
+    kept_index: torch.Tensor,
+    counts: torch.Tensor,
+    h: torch.Tensor | None,
+    slot_plan: torch.Tensor,
+    row_of_pair: torch.Tensor | None,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    into: tuple[torch.Tensor, torch.Tensor],
+    spec: GluSpec,
+) -> tuple[bool, torch.Tensor | None]:
+    """The expert backward of the kept rows the front packed into ``rows`` (``rows.kept(K)``)
+    and the return, from a replayed graph: ``(True, d_hidden or None)``; ``(False, None)``
+    on a key's first sighting, where the caller runs the eager stages on the same buffers.
+
+    Args:
+        rows: From :func:`expert_graph_rows`, holding this call's packed rows.
+        kept_index: ``[K]`` the kept pairs (at EP 1 the rows of the saved ``h`` they read).
+        counts: ``[G]`` host int64 kept rows per expert.
+        h: The saved ``[S, F1]`` fc1 output (``save``), or ``None`` (``recompute``).
+        slot_plan: ``[T, slots]`` int64 pair of each token slot (``PairPermutation.slot_pair``).
+        row_of_pair: ``[S + 1]`` int64 packed row of each pair, -1 if not kept, or ``None``
+            when the input gradient is not needed.
+        weights: ``(w1 [G, F1, H], w2 [G, H, F])``.
+        into: Their ``main_grad``, into which the weight gradients are added.
+        spec: The activation.
+    """
+    num_kept = kept_index.numel()
+    need_dx = row_of_pair is not None
+    w1, w2 = weights
+    config = config_for(num_kept, counts.numel())
+    key = (
+        id(rows), w1.data_ptr(), w2.data_ptr(), into[0].data_ptr(), into[1].data_ptr(),
+        tuple(w1.shape), tuple(w2.shape),
+        None if h is None else (tuple(h.shape), h.stride(0), h.dtype),
+        need_dx, config, spec.gated, spec.kind,
+    )
+    entry, capture_now = _GRAPHS.lookup(key)
+    if entry is None and not capture_now:
+        return False, None
+    slots = triton_kernels.ARG_SLOTS
+    host = torch.empty(slots + counts.numel(), dtype=torch.int64, pin_memory=True)
+    block = host.numpy()
+    block[triton_kernels.ARG_H] = 0 if h is None else h.data_ptr()
+    block[triton_kernels.ARG_COUNT] = num_kept
+    block[slots:] = counts.numpy()
+    rows.flat.copy_(host, non_blocking=True)
+    if h is not None:
+        rows.h_rows[:num_kept].copy_(kept_index)
+    if need_dx:
+        rows.slots.copy_(slot_plan)
+        rows.row_of_pair.copy_(row_of_pair)
+    if entry is None:
+        entry = _LayerGraph(rows, _Weights(w1, w2, *into), h, spec, need_dx, config)
+        entry.capture()
+        _GRAPHS.add(key, entry)
+    else:
+        entry.graph.replay()
+    return True, rows.d_hidden.clone() if need_dx else None
