@@ -19,6 +19,10 @@ Per variant and token count (medians over ``--iters`` after ``--warmup``):
         with the front graph one span that also holds the router gradient's row-dot).
     saved_mib: memory allocated after the forward with the output alive, minus before.
     peak_mib: peak allocated during the backward, minus before the forward.
+    graph_mib: what the expert graphs (``experts/backward_graph.py``) hold from call to call,
+        beside peak_mib: their shared buffers and memory pool (a replay's intermediates live in
+        the pool, which memory_allocated does not count). Measured on a replay after a fresh
+        capture; the front graph's few ``[pairs]`` buffers are not counted.
     bwd_syncs: synchronising CUDA calls inside the backward (torch's sync debug mode).
     kernels_fwd / kernels_bwd: CUDA kernel launches per call (torch.profiler), with the
         profiler's backward CPU and CUDA totals.
@@ -395,6 +399,7 @@ def main() -> None:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+    from megatron_lrmoe.experts import backward_graph
 
     ep = int(os.environ.get("WORLD_SIZE", "1"))
     pg = init_distributed(ep)
@@ -448,7 +453,13 @@ def main() -> None:
         for v in variants:
             torch.distributed.barrier()
             with v.environ():
+                # The expert graphs' memory, per variant: captured afresh (the second call
+                # captures), measured on a replay.
+                backward_graph.reset()
+                for _ in range(2):
+                    _memory_step(layer_for(v), x, up, Variant("warmup", None))
                 _memory_step(layer_for(v), x, up, v)
+                v.add("graph_mib", backward_graph.graph_memory_bytes() / 2**20)
                 if not args.no_profile and rank == 0 and ep == 1:
                     # Profiling one rank of several would desynchronise the collectives; at
                     # EP > 1 run benchmarks/profile_layer.py instead.
@@ -494,7 +505,8 @@ def main() -> None:
                     f"(cpu {r['bwd_cpu_ms']:6.2f}) bwd/keep1 {r.get('bwd_vs_keep1', 0):.3f} "
                     f"(attainable {r.get('bwd_attainable') or 0:.3f}) "
                     f"ovh {r.get('overhead_ms') or 0:.3f} saved {r['saved_mib']:7.0f} peak "
-                    f"{r['peak_mib']:7.0f} MiB syncs {r['bwd_syncs']:.0f} "
+                    f"{r['peak_mib']:7.0f} (+graphs {r.get('graph_mib') or 0:.0f}) MiB syncs "
+                    f"{r['bwd_syncs']:.0f} "
                     + (  # not counted under --no-profile
                         f"launches {r['kernels_fwd']:.0f}/{r['kernels_bwd']:.0f}"
                         if "kernels_fwd" in r

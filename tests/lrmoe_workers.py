@@ -486,8 +486,7 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
         runs: dict[str, list[torch.Tensor]] = {}
         for mode, env in {"graph": {}, "eager": {backward_graph.EXPERT_GRAPHS_ENV: "0"}}.items():
             os.environ.update(env)
-            backward_graph._GRAPHS.clear()
-            backward_graph._ROWS.clear()
+            backward_graph.reset()
             lrmoe = LRMoEConfig(keep_ratio=0.5, grad_accumulation_fusion="on", **overrides)
             layers = []
             for number in (1, 2):

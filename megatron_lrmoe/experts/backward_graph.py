@@ -38,6 +38,7 @@ and the Triton kernels. ``LRMOE_EXPERT_GRAPHS=0`` turns it off.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -58,6 +59,8 @@ __all__ = [
     "ExpertRows",
     "expert_graph_rows",
     "expert_graph_wanted",
+    "graph_memory_bytes",
+    "reset",
     "run_expert_graph",
 ]
 
@@ -97,6 +100,31 @@ class ExpertRows:
         slots = triton_kernels.ARG_SLOTS
         self.flat = torch.zeros(slots + shape.experts, dtype=torch.int64, device=device)
         self.args, self.counts = self.flat[:slots], self.flat[slots:]
+        # The memory pool of the graphs over this set, and those graphs while they live: a
+        # pool whose graphs are all gone cannot take another capture (torch asserts), so the
+        # next capture then starts a new one.
+        self._pool: tuple | None = None
+        self._graphs: weakref.WeakSet[_LayerGraph] = weakref.WeakSet()
+
+    def pool_for(self, graph: "_LayerGraph") -> tuple:
+        """The memory pool ``graph`` captures into: shared by every live graph of this set."""
+        if self._pool is None or not self._graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+        self._graphs.add(graph)
+        return self._pool
+
+    def nbytes(self) -> int:
+        """Device bytes of the buffers and of the graphs' memory pool."""
+        own = (self.g, self.x, self.h_rows, self.slots, self.row_of_pair, self.d_hidden, self.flat)
+        total = sum(t.numel() * t.element_size() for t in own if t is not None)
+        if self._pool is not None and self._graphs:
+            pool = tuple(self._pool)
+            total += sum(
+                seg["total_size"]
+                for seg in torch.cuda.memory_snapshot()
+                if tuple(seg.get("segment_pool_id", ())) == pool
+            )
+        return total
 
     def kept(self, num_kept: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The views the front packs ``num_kept`` gradient (and input) rows into."""
@@ -156,20 +184,24 @@ class _LayerGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def capture(self) -> None:
-        """Runs this call's work eagerly and records it (the first run of a captured key)."""
-        self.graph = capture(self.launch, self.rows.g.device, pool=_pool(self.rows.g.device))
+        """Runs this call's work eagerly and records it (the first run of a captured key), in
+        the memory pool of every graph over the same buffers (they never overlap)."""
+        self.graph = capture(self.launch, self.rows.g.device, pool=self.rows.pool_for(self))
 
 
-def _pool(device: torch.device) -> tuple:
-    """The memory pool every expert graph on ``device`` shares (they never overlap)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    pool = _POOLS.get(index)
-    if pool is None:
-        pool = _POOLS[index] = torch.cuda.graph_pool_handle()
-    return pool
+def graph_memory_bytes() -> int:
+    """Device memory the expert graphs hold from call to call: the shared buffers (ordinary
+    allocations that stay) and the graphs' memory pools (reserved; ``memory_allocated`` does
+    not count what a replay writes there). For benchmarks: it reads the allocator's snapshot."""
+    return sum(rows.nbytes() for rows in _ROWS.values())
 
 
-_POOLS: dict[int, tuple] = {}
+def reset() -> None:
+    """Drops every expert graph and shared buffer (a benchmark's variants, tests)."""
+    _GRAPHS.clear()
+    _ROWS.clear()
+
+
 _ROWS: dict[_Shape, ExpertRows] = {}
 # Keyed per layer (its weights' addresses): room for every MoE layer of a large model, twice.
 _GRAPHS: GraphCache[_LayerGraph] = GraphCache(capacity=1024)
