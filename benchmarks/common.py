@@ -141,3 +141,26 @@ def write_json(path: str, payload: Any) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2)
+
+
+def zero_grads(layer: Any) -> None:
+    """Drops every ``.grad`` and clears DDP's fused-accumulation flag (between benchmark calls)."""
+    for p in layer.parameters():
+        p.grad = None
+        if hasattr(p, "grad_added_to_main_grad"):
+            p.grad_added_to_main_grad = False
+
+
+def attach_main_grad(layer: Any) -> None:
+    """What Megatron's DDP gives every parameter: an fp32 ``main_grad`` and a hook that adds
+    each new ``.grad`` into it (unless the layer already did) and drops the ``.grad``."""
+
+    def hook(p: torch.Tensor) -> None:
+        if not p.grad_added_to_main_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    for p in layer.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+        p.register_post_accumulate_grad_hook(hook)

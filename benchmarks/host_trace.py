@@ -38,7 +38,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import init_distributed, moe_config, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    attach_main_grad,
+    init_distributed,
+    moe_config,
+    write_json,
+    zero_grads,
+)
 
 PHASES = ("lrmoe_bench::forward", "lrmoe_bench::backward")
 
@@ -258,6 +264,12 @@ def main() -> None:
         help="more functions for the stage clock, e.g. megatron_lrmoe.select.kernels:_host_table "
         "or megatron_lrmoe.select.kernels:_Captured.run (looked up by name at call time)",
     )
+    parser.add_argument(
+        "--main-grad",
+        action="store_true",
+        help="fp32 main_grad on every parameter, DDP-like, and the weight gradients fused into "
+        "it (grad_accumulation_fusion on): what Megatron training runs",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--trace-dir", default=None, help="where the Chrome traces go (default --out)")
     args = parser.parse_args()
@@ -271,6 +283,9 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     cfg = moe_config(ep)
     layer = get_lrmoe_moe_spec(LRMoEConfig())(config=cfg, pg_collection=pg, layer_number=1).cuda()
+    fusion = "on" if args.main_grad else "off"
+    if args.main_grad:
+        attach_main_grad(layer)
     x = torch.randn(args.tokens, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     up = torch.randn_like(x)
     summary: dict[str, Any] = dict(tokens=args.tokens, ep=ep, torch=torch.__version__, calls={})
@@ -288,12 +303,13 @@ def main() -> None:
         torch.cuda.synchronize()
         # As in layer_bench.py: no accumulation into an existing ``.grad`` (a full-size add per
         # weight, the same for every variant, that would hide in the backward's kernel table).
-        for p in layer.parameters():
-            p.grad = None
+        zero_grads(layer)
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
     for keep in args.keep:
-        layer.lrmoe_config = LRMoEConfig(keep_ratio=keep, selection=args.selection)
+        layer.lrmoe_config = LRMoEConfig(
+            keep_ratio=keep, selection=args.selection, grad_accumulation_fusion=fusion
+        )
         for _ in range(5):
             step(False)
         host = [step(False) for _ in range(args.iters)]

@@ -47,7 +47,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import init_distributed, moe_config, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    attach_main_grad,
+    init_distributed,
+    moe_config,
+    write_json,
+    zero_grads,
+)
 
 
 @dataclasses.dataclass
@@ -147,28 +153,6 @@ def _base_variants(
     return out
 
 
-def _zero_grads(layer: Any) -> None:
-    for p in layer.parameters():
-        p.grad = None
-        if hasattr(p, "grad_added_to_main_grad"):
-            p.grad_added_to_main_grad = False
-
-
-def _attach_main_grad(layer: Any) -> None:
-    """What Megatron's DDP gives every parameter: an fp32 ``main_grad`` and a hook that adds
-    each new ``.grad`` into it (unless the layer already did) and drops the ``.grad``."""
-
-    def hook(p: torch.Tensor) -> None:
-        if not p.grad_added_to_main_grad:
-            p.main_grad.add_(p.grad)
-        p.grad = None
-
-    for p in layer.parameters():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        p.grad_added_to_main_grad = False
-        p.register_post_accumulate_grad_hook(hook)
-
-
 def _timed_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant) -> None:
     inp = x.detach().requires_grad_(True)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -191,7 +175,7 @@ def _timed_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant) -> No
         for k, val in t.items():
             v.add(f"{k}_ms", val)
     del out, inp
-    _zero_grads(layer)
+    zero_grads(layer)
 
 
 def _memory_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant) -> None:
@@ -214,7 +198,7 @@ def _memory_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant) -> N
     v.add("peak_mib", (torch.cuda.max_memory_allocated() - base) / 2**20)
     v.add("bwd_syncs", sum("synchroniz" in str(w.message) for w in caught))
     del out, inp
-    _zero_grads(layer)
+    zero_grads(layer)
 
 
 def _profile_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant, out_dir: str) -> None:
@@ -246,7 +230,7 @@ def _profile_step(layer: Any, x: torch.Tensor, up: torch.Tensor, v: Variant, out
     with open(os.path.join(out_dir, f"profile_{safe}.txt"), "w", encoding="utf-8") as f:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     del out, inp
-    _zero_grads(layer)
+    zero_grads(layer)
 
 
 def _floor(
@@ -419,7 +403,7 @@ def main() -> None:
     if args.main_grad:
         for module in (stock, lr):
             if module is not None:
-                _attach_main_grad(module)
+                attach_main_grad(module)
     eager = [name for name in EAGER_SWITCHES if getattr(args, f"eager_{name}")]
     variants = _variants(ep, args.keep, args.selections, not args.no_extras, eager, args.fusion)
     if stock is not None:

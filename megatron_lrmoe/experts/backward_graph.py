@@ -165,6 +165,7 @@ class _LayerGraph:
                 dh, act, _ = triton_kernels.act_backward_triton(
                     da, h_kept, spec.gated, spec.kind, None, True
                 )
+                del h_kept
             else:
                 dh = torch.empty((rows.capacity, w1.shape[1]), dtype=g.dtype, device=g.device)
                 act = torch.empty_like(da)
@@ -172,7 +173,11 @@ class _LayerGraph:
                     rows.args, da, rows.h_rows, dh, act, h_meta[0], h_meta[1], spec.gated,
                     spec.kind,
                 )
+            # Each intermediate goes back to the pool once read, as in expert_backward: the
+            # pool then holds the most that is alive at once, not their sum.
+            del da
             grouped_wgrad_triton(g, act, offs, acc2, config=config)
+            del act
             grouped_wgrad_triton(dh, x, offs, acc1, config=config)
             if need_dx:
                 dx = grouped_mm_nn(dh, w1, groups)
