@@ -44,6 +44,9 @@ __all__ = [
     "ARG_G",
     "ARG_G_OUT",
     "ARG_H",
+    "ARG_H_ROWS",
+    "ARG_OUT",
+    "ARG_ROW_OF",
     "ARG_PROBS",
     "ARG_SLOTS",
     "ARG_SLOT_PLAN",
@@ -55,6 +58,7 @@ __all__ = [
     "act_backward_from_args",
     "act_backward_triton",
     "act_forward_triton",
+    "gather_sum_from_args",
     "gather_sum_triton",
     "args_ready",
     "pack_pairs_from_args",
@@ -235,23 +239,14 @@ def _row_dot_args_kernel(
     )
 
 
-def _gather_sum_kernel(
-    out_ptr,
-    rows_ptr,
-    index_ptr,
-    scale_ptr,
-    row_of_ptr,
-    n_out,
-    width,
-    slots,
-    rows_stride,
+def _gather_sum_body(
+    out_ptr, rows_ptr, index_ptr, scale_ptr, row_of_ptr, n_out, width, slots, rows_stride,
     out_stride,
-    HAS_SCALE: tl.constexpr,
-    HAS_ROW_OF: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_ROW_OF: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``out[t] = sum_k scale[i] * rows[i]`` over ``i = index[t, k] >= 0``, k in order, fp32.
+    """``out[t] = sum_k scale[i] * rows[i]`` over ``i = index[t, k] >= 0``, k in order, fp32,
+    for the row block ``program_id(0)`` and the column block ``program_id(1)``.
 
     With ``HAS_ROW_OF`` the slot holds a key ``j`` and the row is ``i = row_of[j]`` (``j < 0``
     reads nothing; ``row_of[j] < 0``: nothing to add)."""
@@ -277,6 +272,53 @@ def _gather_sum_kernel(
         acc = acc + x
     dst = out_rows[:, None] * out_stride + offs_h[None, :]
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_h[None, :])
+
+
+def _gather_sum_kernel(
+    out_ptr,
+    rows_ptr,
+    index_ptr,
+    scale_ptr,
+    row_of_ptr,
+    n_out,
+    width,
+    slots,
+    rows_stride,
+    out_stride,
+    HAS_SCALE: tl.constexpr,
+    HAS_ROW_OF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """:func:`_gather_sum_body`."""
+    _gather_sum_body(
+        out_ptr, rows_ptr, index_ptr, scale_ptr, row_of_ptr, n_out, width, slots, rows_stride,
+        out_stride, HAS_SCALE, HAS_ROW_OF, BLOCK_M, BLOCK_H,
+    )
+
+
+def _gather_sum_args_kernel(
+    args_ptr,
+    rows_ptr,
+    n_out,
+    width,
+    slots,
+    rows_stride,
+    out_stride,
+    OUT_TY: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """:func:`_gather_sum_body` through ``row_of`` (no scale) with the slot plan at
+    ``args[ARG_SLOT_PLAN]``, ``row_of`` at ``args[ARG_ROW_OF]`` and ``out`` at
+    ``args[ARG_OUT]``: per-call tensors of a replayed graph."""
+    index_ptr = _arg_ptr(args_ptr, 5, tl.int64)
+    row_of_ptr = _arg_ptr(args_ptr, 12, tl.int64)
+    out_ptr = _arg_ptr(args_ptr, 13, OUT_TY)
+    _gather_sum_body(
+        out_ptr, rows_ptr, index_ptr, rows_ptr, row_of_ptr, n_out, width, slots, rows_stride,
+        out_stride, False, True, BLOCK_M, BLOCK_H,
+    )
 
 
 def _arg_ptr(args_ptr, index, TY: tl.constexpr):
@@ -664,7 +706,6 @@ def _act_bwd_args_kernel(
     dh_ptr,
     act_ptr,
     d_ptr,
-    h_rows_ptr,
     width,
     h_stride,
     d_stride,
@@ -677,10 +718,11 @@ def _act_bwd_args_kernel(
     BLOCK_F: tl.constexpr,
 ):
     """:func:`_act_bwd_body` (``act`` stored, no routing weights, ``h`` indexed by ``h_rows``)
-    with ``h`` at ``args[ARG_H]`` and the row count in ``args[ARG_COUNT]``, which only the
-    device knows when a graph replays this launch: the programs stride over the row blocks up
-    to it."""
+    with ``h`` at ``args[ARG_H]``, ``h_rows`` at ``args[ARG_H_ROWS]`` and the row count in
+    ``args[ARG_COUNT]``, which only the device knows when a graph replays this launch: the
+    programs stride over the row blocks up to it."""
     h_ptr = _arg_ptr(args_ptr, 10, H_TY)
+    h_rows_ptr = _arg_ptr(args_ptr, 11, tl.int64)
     n_rows = tl.load(args_ptr + 9)
     for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
         _act_bwd_body(
@@ -694,7 +736,7 @@ def _act_bwd_args_kernel(
 # them by their triton.jit versions in this module's globals (before any kernel compiles).
 _HELPERS = (
     "_arg_ptr", "_row_dot_body", "_row_norms_body", "_pair_scores_body", "_pack_pairs_body",
-    "_act_bwd_body",
+    "_act_bwd_body", "_gather_sum_body",
 )
 
 
@@ -718,6 +760,7 @@ def _kernels() -> SimpleNamespace:
         row_dot=triton.jit(_row_dot_kernel),
         row_dot_args=triton.jit(_row_dot_args_kernel),
         gather_sum=triton.jit(_gather_sum_kernel),
+        gather_sum_args=triton.jit(_gather_sum_args_kernel),
         act_fwd=triton.jit(_act_fwd_kernel),
         act_bwd=triton.jit(_act_bwd_kernel),
         act_bwd_args=triton.jit(_act_bwd_args_kernel),
@@ -1024,7 +1067,10 @@ def pair_scores_triton(
 ARG_G, ARG_X, ARG_PROBS, ARG_TOKEN = range(4)  # gradient and input rows, routing weights, tokens
 ARG_Z, ARG_SLOT_PLAN, ARG_D_PROBS = 4, 5, 6  # the router gradient's row-dot: inputs, output
 ARG_G_OUT, ARG_X_OUT, ARG_COUNT = 7, 8, 9  # packing: dense outputs, the rows they get
-ARG_H = 10  # the activation backward's saved fc1 output (experts/backward_graph.py)
+# The expert graph (experts/backward_graph.py): the saved fc1 output and the kept rows of it
+# (the activation backward), the map to packed rows and the output (the return's gather-sum;
+# it reads the slot plan at ARG_SLOT_PLAN).
+ARG_H, ARG_H_ROWS, ARG_ROW_OF, ARG_OUT = 10, 11, 12, 13
 ARG_SLOTS = 16  # 128 bytes, so what follows the block in one buffer stays 64-byte aligned
 
 
@@ -1255,7 +1301,6 @@ def gather_sum_triton(
     row_of: torch.Tensor | None = None,
     *,
     block_h: int | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k scale[i] * rows[i]`` for ``i = index[t, k] >= 0``, fp32, one kernel.
 
@@ -1267,12 +1312,9 @@ def gather_sum_triton(
             index[t, k]`` reads row ``i = row_of[j]``; ``j < 0`` (never looked up) or ``i < 0``
             adds nothing. Not range-checked.
         block_h: Column block override (a power of two), for tests and tuning.
-        out: Optional ``[T, H]`` of ``rows.dtype`` with unit column stride to write into
-            (e.g. a replayed graph's static output).
 
     Returns:
-        ``[T, H]`` in ``rows.dtype`` (``out`` when given); slots are added in ``k`` order,
-        rounded once.
+        ``[T, H]`` in ``rows.dtype``; slots are added in ``k`` order, rounded once.
     """
     if rows.dim() != 2 or index.dim() != 2 or index.dtype != torch.int64:
         raise ValueError(
@@ -1289,13 +1331,7 @@ def gather_sum_triton(
     _check_dtype("rows", rows)
     n_out, slots = index.shape
     width = rows.shape[1]
-    if out is None:
-        out = torch.empty((n_out, width), dtype=rows.dtype, device=rows.device)
-    elif out.shape != (n_out, width) or out.dtype != rows.dtype or out.stride(-1) != 1:
-        raise ValueError(
-            f"gather_sum_triton: out {tuple(out.shape)} {out.dtype}, want ({n_out}, {width}) "
-            f"{rows.dtype} with unit column stride"
-        )
+    out = torch.empty((n_out, width), dtype=rows.dtype, device=rows.device)
     if out.numel() == 0:
         return out
     rows = _unit_cols(rows)
@@ -1496,7 +1532,6 @@ def act_backward_triton(
 def act_backward_from_args(
     args: torch.Tensor,
     d: torch.Tensor,
-    h_rows: torch.Tensor,
     dh: torch.Tensor,
     act: torch.Tensor,
     h_stride: int,
@@ -1505,23 +1540,22 @@ def act_backward_from_args(
     kind: str,
 ) -> None:
     """:func:`act_backward_triton` (``store_act``, no routing weights, ``h`` indexed by
-    ``h_rows``) for an ``h`` and a row count known only on the device: ``h`` (2-D, row stride
-    ``h_stride``, ``h_dtype``) at ``args[ARG_H]``, the rows ``M`` in ``args[ARG_COUNT]``. ``d``
-    ``[N, F]``, ``h_rows`` ``[N]`` and the outputs ``dh`` ``[N, F1]``, ``act`` ``[N, F]``
-    (unit column strides, ``h_dtype``) have room for the most rows there can be; at most
-    :data:`_STRIDING_PROGRAMS` programs stride over the row blocks up to ``M``, and rows from
-    ``M`` on are not touched."""
+    ``h_rows``) for tensors and a row count known only on the device: ``h`` (2-D, row stride
+    ``h_stride``, ``h_dtype``) at ``args[ARG_H]``, ``h_rows`` (int64, contiguous) at
+    ``args[ARG_H_ROWS]``, the rows ``M`` in ``args[ARG_COUNT]``. ``d`` ``[N, F]`` and the
+    outputs ``dh`` ``[N, F1]``, ``act`` ``[N, F]`` (unit column strides, ``h_dtype``) have room
+    for the most rows there can be; at most :data:`_STRIDING_PROGRAMS` programs stride over the
+    row blocks up to ``M``, and rows from ``M`` on are not touched."""
     width1 = dh.shape[1]
     width = width1 // 2 if gated else width1
     n_max = d.shape[0]
     if (
         d.shape != (n_max, width) or act.shape != d.shape or dh.shape[0] != n_max
-        or h_rows.shape != (n_max,) or h_rows.dtype != torch.int64
-        or not all(t.stride(-1) == 1 for t in (d, dh, act)) or not h_rows.is_contiguous()
+        or not all(t.stride(-1) == 1 for t in (d, dh, act))
     ):
         raise ValueError(
-            f"act_backward_from_args: d {tuple(d.shape)}, h_rows {tuple(h_rows.shape)}, dh "
-            f"{tuple(dh.shape)}, act {tuple(act.shape)} (gated={gated}) do not match"
+            f"act_backward_from_args: d {tuple(d.shape)}, dh {tuple(dh.shape)}, act "
+            f"{tuple(act.shape)} (gated={gated}) do not match"
         )
     if n_max == 0 or width == 0:
         return
@@ -1530,9 +1564,31 @@ def act_backward_from_args(
     grid = (max(1, min(_cdiv(n_max, block_m), _STRIDING_PROGRAMS)),)
     with _device_ctx(args):
         _kernels_for(args).act_bwd_args[grid](
-            args, dh, act, d, h_rows, width, h_stride, d.stride(0), dh.stride(0),
+            args, dh, act, d, width, h_stride, d.stride(0), dh.stride(0),
             act.stride(0), H_TY=_tl_dtype(h_dtype), GATED=bool(gated), KIND=_kind_code(kind),
             BLOCK_M=block_m, BLOCK_F=block_f, num_warps=_NUM_WARPS,
+        )
+
+
+def gather_sum_from_args(
+    args: torch.Tensor, rows: torch.Tensor, n_out: int, slots: int, out_dtype: torch.dtype
+) -> None:
+    """:func:`gather_sum_triton` (``row_of``, no scale) with per-call tensors read on the
+    device: the slot plan (``[n_out, slots]`` int64, contiguous) at ``args[ARG_SLOT_PLAN]``,
+    ``row_of`` (int64) at ``args[ARG_ROW_OF]`` and the contiguous ``[n_out, H]`` output (of
+    ``out_dtype``) at ``args[ARG_OUT]``; ``rows`` ``[R, H]`` with unit column stride."""
+    width = rows.shape[1]
+    if rows.dim() != 2 or rows.stride(1) != 1:
+        raise ValueError(f"gather_sum_from_args: rows {tuple(rows.shape)} need unit column stride")
+    if n_out == 0 or width == 0:
+        return
+    block_h = _col_block(width, None)
+    block_m = max(1, (_TILE // 2) // block_h)
+    grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
+    with _device_ctx(args):
+        _kernels_for(args).gather_sum_args[grid](
+            args, rows, n_out, width, slots, rows.stride(0), width, OUT_TY=_tl_dtype(out_dtype),
+            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
         )
 
 

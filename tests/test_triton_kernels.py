@@ -615,40 +615,37 @@ def test_interp_router_grad_and_packing_from_arg_block(
 def test_interp_act_backward_from_arg_block(
     monkeypatch: pytest.MonkeyPatch, dtype, spec: GluSpec, programs: int
 ) -> None:
-    """The activation backward as the expert graph launches it (``h`` at the argument block's
-    address, the row count in the block, programs striding up to it) gives the bits of the
-    direct launcher on the kept rows of a larger ``h``; rows past the count are left alone;
-    ``gather_sum_triton`` writes into a given ``out`` what it returns without one."""
+    """The activation backward and the return's gather-sum as the expert graph launches them
+    (``h``, its kept rows, the slot plan, the map to packed rows and the output at the argument
+    block's addresses, the row count in the block, programs striding up to it) give the bits of
+    the direct launchers; rows past the count are left alone."""
     monkeypatch.setattr(triton_kernels, "_STRIDING_PROGRAMS", programs)
     monkeypatch.setattr(triton_kernels, "_TILE", 128)  # 2-row blocks at F = 24 + 8 padding
     gen = _gen(990)
     f, saved, kept, room = 24, 40, 13, 17
     f1 = 2 * f if spec.gated else f
     h = (2 * torch.randn(saved, f1, generator=gen)).to(dtype)
-    h_rows = torch.zeros(room, dtype=torch.int64)
-    h_rows[:kept] = torch.randperm(saved, generator=gen)[:kept]
+    h_rows = torch.randperm(saved, generator=gen)[:kept]
     d = torch.randn(room, f, generator=gen).to(dtype)
     dh = torch.full((room, f1), 7.0, dtype=dtype)
     act = torch.full((room, f), 7.0, dtype=dtype)
-    args = _arg_block(h=h)
+    args = _arg_block(h=h, h_rows=h_rows)
     args[triton_kernels.ARG_COUNT] = kept
     triton_kernels.act_backward_from_args(
-        args, d, h_rows, dh, act, h.stride(0), h.dtype, spec.gated, spec.kind
+        args, d, dh, act, h.stride(0), h.dtype, spec.gated, spec.kind
     )
     ref_dh, ref_act, _ = triton_kernels.act_backward_triton(
-        d[:kept], h, spec.gated, spec.kind, None, True, h_rows=h_rows[:kept]
+        d[:kept], h, spec.gated, spec.kind, None, True, h_rows=h_rows
     )
     assert torch.equal(dh[:kept], ref_dh) and torch.equal(act[:kept], ref_act)
     assert bool((dh[kept:] == 7).all()) and bool((act[kept:] == 7).all())
 
-    slots = torch.tensor([[0, 3], [-1, 5], [2, -1]])
-    row_of = torch.tensor([4, -1, 0, 1, -1, 6, -1])
-    out = torch.full((3, f), 7.0, dtype=dtype)
-    ref = triton_kernels.gather_sum_triton(d, slots, row_of=row_of)
-    assert triton_kernels.gather_sum_triton(d, slots, row_of=row_of, out=out) is out
-    assert torch.equal(out, ref)
-    with pytest.raises(ValueError, match="out"):
-        triton_kernels.gather_sum_triton(d, slots, out=out[:2])
+    slot_plan = torch.tensor([[0, 3], [-1, 5], [2, -1], [6, 1]])
+    row_of = torch.tensor([4, -1, 0, 16, -1, 6, -1, -1])
+    out = torch.full((4, f), 7.0, dtype=dtype)
+    args = _arg_block(slot_plan=slot_plan, row_of=row_of, out=out)
+    triton_kernels.gather_sum_from_args(args, d, 4, 2, out.dtype)
+    assert torch.equal(out, triton_kernels.gather_sum_triton(d, slot_plan, row_of=row_of))
 
 
 @interp

@@ -14,12 +14,13 @@ What a replay reads and writes:
 ==================  ===========================================================================
 shared buffers      one set per shape (tokens, slots per token, pairs, width, experts, dtype,
                     packed inputs), used by every layer's graph (they never run concurrently:
-                    one stream): ``[C, H]`` kept gradient rows and (EP 1 ``save`` and
-                    ``recompute`` alike) kept input rows, which the front packs straight into;
-                    ``[C]`` rows of the saved ``h``; the slot plan; the pairs' packed rows;
-                    ``[T, H]`` input gradient, copied out; an argument block with the saved
-                    ``h``'s address, ``K`` and the rows per expert. ``C >= K`` (a new, larger
-                    set, and new graphs, when a call keeps more).
+                    one stream): ``[C, H]`` kept gradient rows and (at EP 1, ``save`` and
+                    ``recompute`` alike) kept input rows, which the front packs straight into,
+                    ``C >= K`` (a new, larger set, and new graphs, when a call keeps more); an
+                    argument block.
+per call            through the argument block, copied to the device with the rows per expert
+                    and ``K`` in one copy: the saved ``h`` and its kept rows (the kept pairs),
+                    the slot plan, the pairs' packed rows and the input gradient it writes.
 per layer           the weights and their ``main_grad`` (graph key: their addresses).
 inside the graph    fc2's input gradient, ``dh``, the activation output, ``dx``: one memory pool
                     shared by every layer's graph.
@@ -93,10 +94,6 @@ class ExpertRows:
         rows = (capacity, shape.width)
         self.g = torch.empty(rows, dtype=shape.dtype, device=device)
         self.x = torch.empty(rows, dtype=shape.dtype, device=device) if shape.pack_x else None
-        self.h_rows = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self.slots = torch.full((shape.tokens, shape.slots), -1, dtype=torch.int64, device=device)
-        self.row_of_pair = torch.full((shape.pairs + 1,), -1, dtype=torch.int64, device=device)
-        self.d_hidden = torch.empty((shape.tokens, shape.width), dtype=shape.dtype, device=device)
         slots = triton_kernels.ARG_SLOTS
         self.flat = torch.zeros(slots + shape.experts, dtype=torch.int64, device=device)
         self.args, self.counts = self.flat[:slots], self.flat[slots:]
@@ -115,7 +112,7 @@ class ExpertRows:
 
     def nbytes(self) -> int:
         """Device bytes of the buffers and of the graphs' memory pool."""
-        own = (self.g, self.x, self.h_rows, self.slots, self.row_of_pair, self.d_hidden, self.flat)
+        own = (self.g, self.x, self.flat)
         total = sum(t.numel() * t.element_size() for t in own if t is not None)
         if self._pool is not None and self._graphs:
             pool = tuple(self._pool)
@@ -170,8 +167,7 @@ class _LayerGraph:
                 dh = torch.empty((rows.capacity, w1.shape[1]), dtype=g.dtype, device=g.device)
                 act = torch.empty_like(da)
                 triton_kernels.act_backward_from_args(
-                    rows.args, da, rows.h_rows, dh, act, h_meta[0], h_meta[1], spec.gated,
-                    spec.kind,
+                    rows.args, da, dh, act, h_meta[0], h_meta[1], spec.gated, spec.kind
                 )
             # Each intermediate goes back to the pool once read, as in expert_backward: the
             # pool then holds the most that is alive at once, not their sum.
@@ -181,8 +177,9 @@ class _LayerGraph:
             grouped_wgrad_triton(dh, x, offs, acc1, config=config)
             if need_dx:
                 dx = grouped_mm_nn(dh, w1, groups)
-                triton_kernels.gather_sum_triton(
-                    dx, rows.slots, row_of=rows.row_of_pair, out=rows.d_hidden
+                shape = rows.shape
+                triton_kernels.gather_sum_from_args(
+                    rows.args, dx, shape.tokens, shape.slots, shape.dtype
                 )
 
         self.launch = launch
@@ -298,6 +295,13 @@ def run_expert_graph(
     num_kept = kept_index.numel()
     need_dx = row_of_pair is not None
     w1, w2 = weights
+    # What the graph reads in place must be where its kernels can read it (else: eager).
+    index = [t for t in (kept_index, slot_plan, row_of_pair) if t is not None]
+    if not (
+        all(t.dtype == torch.int64 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in index)
+        and (h is None or triton_kernels.args_ready(h))
+    ):
+        return False, None
     config = config_for(num_kept, counts.numel())
     key = (
         id(rows), w1.data_ptr(), w2.data_ptr(), into[0].data_ptr(), into[1].data_ptr(),
@@ -308,22 +312,27 @@ def run_expert_graph(
     entry, capture_now = _GRAPHS.lookup(key)
     if entry is None and not capture_now:
         return False, None
-    slots = triton_kernels.ARG_SLOTS
-    host = torch.empty(slots + counts.numel(), dtype=torch.int64, pin_memory=True)
-    block = host.numpy()
-    block[triton_kernels.ARG_H] = 0 if h is None else h.data_ptr()
-    block[triton_kernels.ARG_COUNT] = num_kept
-    block[slots:] = counts.numpy()
-    rows.flat.copy_(host, non_blocking=True)
-    if h is not None:
-        rows.h_rows[:num_kept].copy_(kept_index)
+    tk = triton_kernels
+    d_hidden = None
     if need_dx:
-        rows.slots.copy_(slot_plan)
-        rows.row_of_pair.copy_(row_of_pair)
+        d_hidden = torch.empty(
+            (rows.shape.tokens, rows.shape.width), dtype=rows.shape.dtype, device=rows.g.device
+        )
+    host = torch.empty(tk.ARG_SLOTS + counts.numel(), dtype=torch.int64, pin_memory=True)
+    block = host.numpy()
+    block[: tk.ARG_SLOTS] = 0
+    block[tk.ARG_COUNT] = num_kept
+    block[tk.ARG_SLOTS :] = counts.numpy()
+    if h is not None:
+        block[tk.ARG_H], block[tk.ARG_H_ROWS] = h.data_ptr(), kept_index.data_ptr()
+    if need_dx:
+        block[tk.ARG_SLOT_PLAN] = slot_plan.data_ptr()
+        block[tk.ARG_ROW_OF], block[tk.ARG_OUT] = row_of_pair.data_ptr(), d_hidden.data_ptr()
+    rows.flat.copy_(host, non_blocking=True)
     if entry is None:
         entry = _LayerGraph(rows, _Weights(w1, w2, *into), h, spec, need_dx, config)
         entry.capture()
         _GRAPHS.add(key, entry)
     else:
         entry.graph.replay()
-    return True, rows.d_hidden.clone() if need_dx else None
+    return True, d_hidden
