@@ -48,6 +48,7 @@ from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.cuda_graphs import GraphCache, capture
 from megatron_lrmoe.experts.activation import GluSpec
 from megatron_lrmoe.experts.grouped_gemm import (
+    GROUPED_MM_ENV,
     GroupSizes,
     grouped_mm_backend,
     grouped_mm_nn,
@@ -222,21 +223,38 @@ def expert_graph_wanted(
     """Whether :func:`run_expert_graph` can take this backward (the caller has checked EP 1,
     no replicas and a replayed front): CUDA outside another capture, the switch on, the weight
     gradients going into ``main_grad``, and tensors the captured kernels can use."""
-    w1, w2 = weights
-    tensors = (g, w1, w2) if h is None else (g, w1, w2, h)
-    return (
-        _enabled()
-        and into is not None
-        and g.is_cuda
-        and not torch.cuda.is_current_stream_capturing()
-        and g.dtype in (torch.bfloat16, torch.float16)
-        and all(t.dtype == g.dtype for t in tensors)
-        and all(a.is_contiguous() for a in into)
-        and triton_kernels.use_triton(*tensors)
-        and grouped_mm_backend(g, w1) == "torch_grouped_mm"
-        and grouped_mm_backend(g, w2) == "torch_grouped_mm"
-        and (h is None or triton_kernels.args_ready(h))
+    if not (_enabled() and into is not None and g.is_cuda):
+        return False
+    if torch.cuda.is_current_stream_capturing() or not all(a.is_contiguous() for a in into):
+        return False
+    if h is not None and not (h.dtype == g.dtype and triton_kernels.args_ready(h)):
+        return False
+    return _kernels_take(g, *weights)
+
+
+def _kernels_take(g: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM and the Triton kernels take these dtypes and widths.
+
+    Cached by everything it depends on (the two switches included): it runs in every backward
+    of every layer, where a dozen checks cost more host time than one lookup.
+    """
+    key = (
+        os.environ.get(GROUPED_MM_ENV), os.environ.get(triton_kernels.TRITON_ENV), g.dtype,
+        g.device, g.shape[1], w1.dtype, w1.device, tuple(w1.shape), w2.dtype, tuple(w2.shape),
     )
+    ok = _TAKES.get(key)
+    if ok is None:
+        ok = _TAKES[key] = (
+            g.dtype in (torch.bfloat16, torch.float16)
+            and w1.dtype == w2.dtype == g.dtype
+            and triton_kernels.use_triton(g, w1, w2)
+            and grouped_mm_backend(g, w1) == "torch_grouped_mm"
+            and grouped_mm_backend(g, w2) == "torch_grouped_mm"
+        )
+    return ok
+
+
+_TAKES: dict[tuple, bool] = {}
 
 
 def expert_graph_rows(

@@ -52,21 +52,22 @@ _MAX_SPARE_EVENTS = 4096
 class SpanTimer:
     """Measures named spans without forcing a device sync at record time.
 
-    On CUDA each start and stop records a timing event on the stream current when the timer
-    was made (events are recycled once the spans have been read); elsewhere it reads
-    ``time.perf_counter``.
+    On CUDA each start and stop records a timing event on the current stream (events are
+    recycled once the spans have been read); elsewhere it reads ``time.perf_counter``. The
+    backward makes one per layer call, so the stream is not looked up here: that costs more
+    host time than recording an event.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self._cuda = device.type == "cuda"
         self._spans: dict[str, list] = {}
         self._read: Optional[dict[str, float]] = None
 
     def _now(self) -> Any:
-        if self._stream is None:
+        if not self._cuda:
             return time.perf_counter()
         event = _SPARE_EVENTS.pop() if _SPARE_EVENTS else torch.cuda.Event(enable_timing=True)
-        event.record(self._stream)
+        event.record()
         return event
 
     def start(self, name: str) -> None:
@@ -80,7 +81,7 @@ class SpanTimer:
     def cancel(self, name: str) -> None:
         """Forget a started span (the work it was to time did not run)."""
         start, _ = self._spans.pop(name)
-        if self._stream is not None and len(_SPARE_EVENTS) < _MAX_SPARE_EVENTS:
+        if self._cuda and len(_SPARE_EVENTS) < _MAX_SPARE_EVENTS:
             _SPARE_EVENTS.append(start)
         self._read = None
 
@@ -95,7 +96,7 @@ class SpanTimer:
                 name: elapsed_ms(a, b) for name, (a, b) in self._spans.items() if b is not None
             }
             closed = all(b is not None for _, b in self._spans.values())
-            if self._stream is not None and closed:
+            if self._cuda and closed:
                 for a, b in self._spans.values():
                     if len(_SPARE_EVENTS) < _MAX_SPARE_EVENTS:
                         _SPARE_EVENTS.extend(e for e in (a, b) if e is not None)
