@@ -33,7 +33,9 @@ path picks.
 
 Scope (:func:`expert_graph_wanted`): CUDA, EP 1 without replicas, the front graph ran,
 weight gradients fused into ``main_grad`` (``grad_accumulation_fusion``), torch's grouped GEMM
-and the Triton kernels. ``LRMOE_EXPERT_GRAPHS=0`` turns it off.
+and the Triton kernels. ``LRMOE_EXPERT_GRAPHS=0`` turns it off. Like the front graph's, the
+shared buffers assume that the layers' backwards run on one stream, one after the other (what
+Megatron does at EP 1).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from megatron_lrmoe.experts.grouped_gemm import (
     grouped_mm_nn,
     grouped_mm_nt,
 )
-from megatron_lrmoe.experts.wgrad_triton import config_for, grouped_wgrad_triton
+from megatron_lrmoe.experts.wgrad_triton import WgradConfig, config_for, grouped_wgrad_triton
 
 __all__ = [
     "EXPERT_GRAPHS_ENV",
@@ -146,7 +148,7 @@ class _LayerGraph:
         h: torch.Tensor | None,
         spec: GluSpec,
         need_dx: bool,
-        config,
+        config: WgradConfig,
     ) -> None:
         self.rows, self.weights, self.need_dx = rows, weights, need_dx
         w1, w2, acc1, acc2 = weights
@@ -170,8 +172,9 @@ class _LayerGraph:
                 triton_kernels.act_backward_from_args(
                     rows.args, da, dh, act, h_meta[0], h_meta[1], spec.gated, spec.kind
                 )
-            # Each intermediate goes back to the pool once read, as in expert_backward: the
-            # pool then holds the most that is alive at once, not their sum.
+            # Each intermediate is released once read, as in expert_backward, so that a later
+            # one may reuse its memory (measured: each is a segment of its own, so the pool
+            # still holds about their sum; docs/benchmarks.md section 14).
             del da
             grouped_wgrad_triton(g, act, offs, acc2, config=config)
             del act
