@@ -649,6 +649,67 @@ def test_interp_act_backward_from_arg_block(
 
 
 @interp
+@pytest.mark.parametrize("save", [True, False], ids=["save", "recompute"])
+def test_interp_expert_graph_body_matches_eager_stages(save: bool) -> None:
+    """What the expert graph records (``backward_graph._LayerGraph.launch``: its kernels in the
+    interpreter, every per-call tensor at its argument block's address) against the eager
+    stages on the torch paths (``expert_backward`` into ``main_grad``, then ``gather_sum``
+    through the map to packed rows): the same ``main_grad`` and input gradient up to fp32
+    summation order. On the host the buffers hold exactly the kept rows (host group sizes must
+    add up to them); the GPU test ``test_cuda_expert_graph_matches_eager_layer`` covers room
+    for more rows, the capture and the replay."""
+    from megatron_lrmoe.dispatch.rows import gather_sum
+    from megatron_lrmoe.experts import backward_graph as bg
+    from megatron_lrmoe.experts.mlp import expert_backward
+    from megatron_lrmoe.experts.wgrad_triton import config_for
+
+    gen = _gen(1200)
+    tokens, slots, width, ffn, experts = 6, 2, 16, 8, 3
+    spec = GluSpec(True, "silu")
+    pairs = tokens * slots
+    counts = torch.tensor([2, 0, 3])
+    kept = int(counts.sum())
+    w1 = torch.randn(experts, 2 * ffn, width, generator=gen) / 4
+    w2 = torch.randn(experts, width, ffn, generator=gen) / 4
+    h_saved = torch.randn(pairs, 2 * ffn, generator=gen)
+    kept_index = torch.randperm(pairs, generator=gen)[:kept]
+    g_rows = torch.randn(kept, width, generator=gen)
+    x_rows = torch.randn(kept, width, generator=gen)
+    slot_plan = torch.randperm(pairs, generator=gen).view(tokens, slots)
+    row_of = torch.full((pairs + 1,), -1, dtype=torch.int64)
+    row_of[kept_index] = torch.arange(kept)
+    starts = [torch.randn(w.shape, generator=gen) for w in (w1, w2)]
+
+    shape = bg._Shape(torch.device("cpu"), tokens, slots, pairs, width, experts, w1.dtype, True)
+    rows = bg.ExpertRows(shape, kept)
+    rows.g.copy_(g_rows)
+    rows.x.copy_(x_rows)
+    d_hidden = torch.full((tokens, width), 7.0)
+    block = rows.flat
+    block[triton_kernels.ARG_COUNT] = kept
+    block[triton_kernels.ARG_SLOTS :] = counts
+    block[triton_kernels.ARG_H] = h_saved.data_ptr()
+    block[triton_kernels.ARG_H_ROWS] = kept_index.data_ptr()
+    block[triton_kernels.ARG_SLOT_PLAN] = slot_plan.data_ptr()
+    block[triton_kernels.ARG_ROW_OF] = row_of.data_ptr()
+    block[triton_kernels.ARG_OUT] = d_hidden.data_ptr()
+    acc = [s.clone() for s in starts]
+    weights = bg._Weights(w1, w2, acc[0], acc[1])
+    h = h_saved if save else None
+    bg._LayerGraph(rows, weights, h, spec, True, config_for(kept, experts)).launch()
+
+    ref_acc = [s.clone() for s in starts]
+    dx, _, _, _ = expert_backward(
+        g_rows, x_rows, h, w1, w2, counts, spec, h_rows=kept_index if save else None,
+        wgrad_into=(ref_acc[0], ref_acc[1]),
+    )
+    ref_hidden = gather_sum(dx, slot_plan, row_of=row_of)
+    for got, ref, start in zip(acc, ref_acc, starts):
+        assert not torch.equal(got, start) and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(d_hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+
+
+@interp
 @pytest.mark.parametrize("n", [0, 1, 37, 100])
 @pytest.mark.parametrize("probs_dtype", [torch.float32, torch.bfloat16], ids=["p32", "p16"])
 def test_interp_pair_scores(monkeypatch: pytest.MonkeyPatch, n: int, probs_dtype) -> None:

@@ -77,7 +77,7 @@ _ROW_QUANTUM = 256
 
 
 class _Shape(NamedTuple):
-    device: int
+    device: torch.device
     tokens: int
     slots: int
     pairs: int
@@ -92,7 +92,7 @@ class ExpertRows:
     module docstring); ``capacity`` kept rows at most."""
 
     def __init__(self, shape: _Shape, capacity: int) -> None:
-        device = torch.device("cuda", shape.device)
+        device = shape.device
         self.shape, self.capacity = shape, capacity
         rows = (capacity, shape.width)
         self.g = torch.empty(rows, dtype=shape.dtype, device=device)
@@ -270,7 +270,9 @@ def expert_graph_rows(
 ) -> ExpertRows:
     """The shared buffers for a call that keeps ``num_kept`` rows (a larger set when they do
     not fit; the graphs captured on the smaller one are dropped)."""
-    device = g.device.index if g.device.index is not None else torch.cuda.current_device()
+    device = g.device
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     shape = _Shape(
         device, g.shape[0], slot_plan.shape[1], num_pairs, g.shape[1], num_experts, g.dtype,
         pack_x,
