@@ -726,6 +726,7 @@ def replayed_front(
             num_kept, g, call.perm.slot_pair, call.perm.num_pairs, counts.numel(),
             _packs_inputs(call),
         )
+    if rows is not None:
         g_kept, x_kept = rows.kept(num_kept)
     else:
         g_kept = g.new_empty((num_kept, width))

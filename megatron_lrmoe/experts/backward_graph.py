@@ -40,6 +40,7 @@ Megatron does at EP 1).
 
 from __future__ import annotations
 
+import collections
 import os
 import weakref
 from typing import NamedTuple
@@ -206,9 +207,14 @@ def reset() -> None:
     """Drops every expert graph and shared buffer (a benchmark's variants, tests)."""
     _GRAPHS.clear()
     _ROWS.clear()
+    _SHAPES_SEEN.clear()
 
 
-_ROWS: dict[_Shape, ExpertRows] = {}
+# Shapes (tokens per call, mostly) that keep a set of shared buffers, and how many times each
+# shape without one was seen.
+_MAX_SHAPES = 4
+_ROWS: collections.OrderedDict[_Shape, ExpertRows] = collections.OrderedDict()
+_SHAPES_SEEN: collections.Counter[_Shape] = collections.Counter()
 # Keyed per layer (its weights' addresses): room for every MoE layer of a large model, twice.
 _GRAPHS: GraphCache[_LayerGraph] = GraphCache(capacity=1024)
 
@@ -267,25 +273,45 @@ def expert_graph_rows(
     num_pairs: int,
     num_experts: int,
     pack_x: bool,
-) -> ExpertRows:
-    """The shared buffers for a call that keeps ``num_kept`` rows (a larger set when they do
-    not fit; the graphs captured on the smaller one are dropped)."""
+) -> ExpertRows | None:
+    """The shared buffers for a call that keeps ``num_kept`` rows, or ``None`` on the first
+    sighting of its shape (a one-off shape, e.g. a last, shorter micro-batch, allocates
+    nothing; the caller then packs into buffers of its own).
+
+    A larger set replaces one whose rows do not fit; at most :data:`_MAX_SHAPES` shapes keep a
+    set (least recently used out). The graphs captured on a set that goes are dropped with it.
+    """
     device = g.device
-    if device.index is None:
+    if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     shape = _Shape(
         device, g.shape[0], slot_plan.shape[1], num_pairs, g.shape[1], num_experts, g.dtype,
         pack_x,
     )
     rows = _ROWS.get(shape)
-    if rows is None or rows.capacity < num_kept:
-        if rows is not None:
-            for key in [k for k, v in _GRAPHS.graphs.items() if v.rows is rows]:
-                del _GRAPHS.graphs[key]
-        want = num_kept + int(num_kept * _HEADROOM)
-        capacity = -(-want // _ROW_QUANTUM) * _ROW_QUANTUM
-        rows = _ROWS[shape] = ExpertRows(shape, capacity)
+    if rows is not None and rows.capacity >= num_kept:
+        _ROWS.move_to_end(shape)
+        return rows
+    if rows is None:
+        if len(_SHAPES_SEEN) >= 1024:  # many one-off shapes (varying lengths): start over
+            _SHAPES_SEEN.clear()
+        _SHAPES_SEEN[shape] += 1
+        if _SHAPES_SEEN[shape] < 2:
+            return None
+    else:
+        _drop(shape)
+    want = num_kept + int(num_kept * _HEADROOM)
+    rows = _ROWS[shape] = ExpertRows(shape, -(-want // _ROW_QUANTUM) * _ROW_QUANTUM)
+    while len(_ROWS) > _MAX_SHAPES:
+        _drop(next(iter(_ROWS)))
     return rows
+
+
+def _drop(shape: _Shape) -> None:
+    """Forgets the shared buffers of ``shape`` and the graphs captured on them."""
+    rows = _ROWS.pop(shape)
+    for key in [k for k, v in _GRAPHS.graphs.items() if v.rows is rows]:
+        del _GRAPHS.graphs[key]
 
 
 def run_expert_graph(

@@ -1,0 +1,62 @@
+"""Host-side bookkeeping of the expert graphs (``experts/backward_graph.py``): which calls get
+the shared buffers, when they are replaced, and what is dropped with them.
+
+The graphs themselves need CUDA (``test_cuda_expert_graph_matches_eager_layer`` in
+``tests/test_layer.py``); their recorded body runs in Triton's interpreter in
+``test_interp_expert_graph_body_matches_eager_stages`` (``tests/test_triton_kernels.py``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_lrmoe.experts import backward_graph as bg
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    bg.reset()
+    yield
+    bg.reset()
+
+
+def _rows(num_kept: int, tokens: int) -> bg.ExpertRows | None:
+    """The shared buffers for a call of ``tokens`` tokens, top-2, 3 experts, width 16."""
+    g = torch.zeros(tokens, 16)
+    slot_plan = torch.zeros(tokens, 2, dtype=torch.int64)
+    return bg.expert_graph_rows(num_kept, g, slot_plan, 2 * tokens, 3, True)
+
+
+def test_shared_rows_come_from_the_second_sighting_and_grow_when_a_call_keeps_more() -> None:
+    assert _rows(5, tokens=6) is None  # a one-off shape allocates nothing
+    rows = _rows(5, tokens=6)
+    assert rows is not None and rows.capacity % 256 == 0 and rows.capacity >= 5
+    assert rows.g.shape == (rows.capacity, 16) and rows.x.shape == rows.g.shape
+    assert _rows(7, tokens=6) is rows  # fits: the same buffers
+    bg._GRAPHS.add(("layer 1",), SimpleNamespace(rows=rows))
+    bg._GRAPHS.add(("layer 2",), SimpleNamespace(rows=rows))
+    bigger = _rows(rows.capacity + 1, tokens=6)  # does not fit: a new set ...
+    assert bigger is not None and bigger is not rows and bigger.capacity > rows.capacity
+    assert not bg._GRAPHS.graphs  # ... and the graphs captured on the old one go with it
+    assert bg.graph_memory_bytes() == sum(
+        t.numel() * t.element_size() for t in (bigger.g, bigger.x, bigger.flat)
+    )
+
+
+def test_at_most_max_shapes_keep_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bg, "_MAX_SHAPES", 2)
+    kept: dict[int, bg.ExpertRows] = {}
+    for tokens in (6, 7, 8):
+        assert _rows(4, tokens) is None
+        kept[tokens] = _rows(4, tokens)
+        bg._GRAPHS.add((tokens,), SimpleNamespace(rows=kept[tokens]))
+    # The least recently used shape (6 tokens) lost its buffers and its graph.
+    assert [s.tokens for s in bg._ROWS] == [7, 8]
+    assert sorted(k[0] for k in bg._GRAPHS.graphs) == [7, 8]
+    assert _rows(4, 7) is kept[7]  # 7 is now the most recently used
+    again = _rows(4, 6)  # seen twice before: buffers again at once, new ones
+    assert again is not None and again is not kept[6]
+    assert [s.tokens for s in bg._ROWS] == [7, 6]
