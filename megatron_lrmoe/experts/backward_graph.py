@@ -17,7 +17,8 @@ shared buffers      one set per shape (tokens, slots per token, pairs, width, ex
                     one stream): ``[C, H]`` kept gradient rows and (at EP 1, ``save`` and
                     ``recompute`` alike) kept input rows, which the front packs straight into,
                     ``C >= K`` (a new, larger set, and new graphs, when a call keeps more); an
-                    argument block.
+                    argument block. A shape gets its set on its second sighting; at most four
+                    shapes keep one.
 per call            through the argument block, copied to the device with the rows per expert
                     and ``K`` in one copy: the saved ``h`` and its kept rows (the kept pairs),
                     the slot plan, the pairs' packed rows and the input gradient it writes.
