@@ -47,23 +47,25 @@ def main() -> None:
         torch.cuda.synchronize()
     print(f"is_current_stream_capturing, GEMMs queued: {statistics.median(busy):.1f} us")
     stream = torch.cuda.current_stream()
-    print(f"torch.cuda.current_stream(): {_median_us(torch.cuda.current_stream, args.iters):.1f} us")
-    print(f"stream.query() idle: {_median_us(stream.query, args.iters):.1f} us")
+
+    def report(label: str, fn: Callable[[], object]) -> None:
+        print(f"{label}: {_median_us(fn, args.iters):.1f} us")
+
+    report("torch.cuda.current_stream()", torch.cuda.current_stream)
+    report("stream.query() idle", stream.query)
     key = (1234, 3, 17, 0)
-    print(f"draw_uniforms(128): {_median_us(lambda: draw_uniforms(1234, key, 128), args.iters):.1f} us")
+    report("draw_uniforms(128)", lambda: draw_uniforms(1234, key, 128))
     digest = hashlib.sha256(b"x").digest()
-    print(f"  sha256: {_median_us(lambda: hashlib.sha256(b'megatron_lrmoe:1,2,3').digest(), args.iters):.1f} us")
-    print(f"  torch.Generator(): {_median_us(lambda: torch.Generator(device='cpu'), args.iters):.1f} us")
+    report("  sha256", lambda: hashlib.sha256(b"megatron_lrmoe:1,2,3").digest())
+    report("  torch.Generator()", lambda: torch.Generator(device="cpu"))
     gen = torch.Generator(device="cpu")
     seed = int.from_bytes(digest[:8], "little")
-    print(f"  manual_seed: {_median_us(lambda: gen.manual_seed(seed), args.iters):.1f} us")
-    rand = lambda: torch.rand(128, generator=gen, dtype=torch.float64)  # noqa: E731
-    print(f"  torch.rand(128): {_median_us(rand, args.iters):.1f} us")
+    report("  manual_seed", lambda: gen.manual_seed(seed))
+    report("  torch.rand(128)", lambda: torch.rand(128, generator=gen, dtype=torch.float64))
     pinned = lambda: torch.empty(512, dtype=torch.int64, pin_memory=True)  # noqa: E731
-    print(f"torch.empty(512, pin_memory=True): {_median_us(pinned, args.iters):.1f} us")
-    print(f"torch.empty(512) (host): {_median_us(lambda: torch.empty(512, dtype=torch.int64), args.iters):.1f} us")
-    dev = lambda: torch.empty(512, device="cuda")  # noqa: E731
-    print(f"torch.empty(512, device=cuda): {_median_us(dev, args.iters):.1f} us")
+    report("torch.empty(512, pin_memory=True)", pinned)
+    report("torch.empty(512) (host)", lambda: torch.empty(512, dtype=torch.int64))
+    report("torch.empty(512, device=cuda)", lambda: torch.empty(512, device="cuda"))
 
 
 if __name__ == "__main__":
