@@ -830,6 +830,16 @@ def _reduction_tile(
     return block_h, max(1, (_TILE // accumulators) // block_h)
 
 
+def _gather_sum_tile(width: int, override: int | None) -> tuple[int, int]:
+    """The tile of the gather-sum, direct and from an argument block alike."""
+    return _reduction_tile(width, override, max_block_h=_MAX_BLOCK, accumulators=2)
+
+
+def _act_bwd_tile(width: int, override: int | None) -> tuple[int, int]:
+    """The tile of the activation backward, direct and from an argument block alike."""
+    return _reduction_tile(width, override, max_block_h=256, accumulators=2)
+
+
 def _unit_cols(x: torch.Tensor) -> torch.Tensor:
     """``x`` (2-D) with unit column stride: the kernels take any row stride, but coalesced
     loads need contiguous rows, so only a column-strided input is copied."""
@@ -1336,8 +1346,7 @@ def gather_sum_triton(
         return out
     rows = _unit_cols(rows)
     index = index.contiguous()
-    block_h = _col_block(width, block_h)
-    block_m = max(1, (_TILE // 2) // block_h)
+    block_h, block_m = _gather_sum_tile(width, block_h)
     grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
     with _device_ctx(rows):
         _kernels_for(rows).gather_sum[grid](
@@ -1500,8 +1509,7 @@ def act_backward_triton(
     h2 = _unit_cols(h) if len(h_shape) == 2 else _as_rows(h)
     d2 = _unit_cols(d) if len(d_shape) == 2 else _as_rows(d)
     act2 = act if act is not None else dh
-    block_f = _col_block(width, block_f) if block_f is not None else min(_col_block(width, None), 256)
-    block_m = max(1, (_TILE // 2) // block_f)
+    block_f, block_m = _act_bwd_tile(width, block_f)
     with _device_ctx(h):
         _kernels_for(h).act_bwd[(_cdiv(rows, block_m),)](
             dh,
@@ -1559,8 +1567,7 @@ def act_backward_from_args(
         )
     if n_max == 0 or width == 0:
         return
-    block_f = min(_col_block(width, None), 256)
-    block_m = max(1, (_TILE // 2) // block_f)
+    block_f, block_m = _act_bwd_tile(width, None)
     grid = (max(1, min(_cdiv(n_max, block_m), _STRIDING_PROGRAMS)),)
     with _device_ctx(args):
         _kernels_for(args).act_bwd_args[grid](
@@ -1582,8 +1589,7 @@ def gather_sum_from_args(
         raise ValueError(f"gather_sum_from_args: rows {tuple(rows.shape)} need unit column stride")
     if n_out == 0 or width == 0:
         return
-    block_h = _col_block(width, None)
-    block_m = max(1, (_TILE // 2) // block_h)
+    block_h, block_m = _gather_sum_tile(width, None)
     grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
     with _device_ctx(args):
         _kernels_for(args).gather_sum_args[grid](

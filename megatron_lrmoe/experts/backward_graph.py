@@ -152,7 +152,8 @@ class _LayerGraph:
         need_dx: bool,
         config: WgradConfig,
     ) -> None:
-        self.rows, self.weights, self.need_dx = rows, weights, need_dx
+        # The weights and main_grad stay referenced: the graph reads them at their addresses.
+        self.rows, self.weights = rows, weights
         w1, w2, acc1, acc2 = weights
         h_meta = None if h is None else (h.stride(0), h.dtype)
         x = rows.x
