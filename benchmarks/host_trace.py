@@ -53,7 +53,8 @@ STAGES = (
     "replayed_front", "front_triton", "_record_selection", "row_dot", "select_kept",
     "score_and_select", "token_norms", "pair_scores", "_local_segments", "_local_plan",
     "pack_kept", "exchange_kept", "_kept_inputs", "expert_backward_parts", "return_dx",
-    "gather_sum", "_record_trimmed", "_record_exact", "run_expert_graph", "expert_graph_rows",
+    "gather_sum", "_record_trimmed", "_record_exact", "_graphed_backward", "run_layer_graph",
+    "scored_call", "expert_graph_rows", "expert_graph_wanted", "_trimmed_grads",
 )
 
 

@@ -16,13 +16,15 @@ Per variant and token count (medians over ``--iters`` after ``--warmup``):
     bwd_cpu_ms: host time of the ``backward()`` call (it returns once everything is queued, so
         below bwd_ms means the GPU, not Python, is the bottleneck).
     overhead_ms: GPU time of scoring + selection + packing (the layer's own CUDA-event spans;
-        with the front graph one span that also holds the router gradient's row-dot).
+        with the front graph one span that also holds the router gradient's row-dot). 0 where
+        the front and the expert half replay as one graph (EP 1, fused accumulation): no span
+        can be recorded inside it; the ``--eager-experts`` variant times that front.
     saved_mib: memory allocated after the forward with the output alive, minus before.
     peak_mib: peak allocated during the backward, minus before the forward.
     graph_mib: what the expert graphs (``experts/backward_graph.py``) hold from call to call,
-        beside peak_mib: their shared buffers and memory pool (a replay's intermediates live in
-        the pool, which memory_allocated does not count). Measured on a replay after a fresh
-        capture; the front graph's few ``[pairs]`` buffers are not counted.
+        beside peak_mib: their shared buffers (with the front's static buffers) and memory
+        pool (a replay's intermediates live in the pool, which memory_allocated does not
+        count). Measured on a replay after a fresh capture.
     bwd_syncs: synchronising CUDA calls inside the backward (torch's sync debug mode).
     kernels_fwd / kernels_bwd: CUDA kernel launches per call (torch.profiler), with the
         profiler's backward CPU and CUDA totals.

@@ -59,16 +59,21 @@ from megatron_lrmoe.dispatch.replicas import KeptLayout, ReplicaLayout
 from megatron_lrmoe.dispatch.rows import gather_sum, pack_pairs, row_dot
 from megatron_lrmoe.experts.activation import GluSpec
 from megatron_lrmoe.experts.backward_graph import (
-    ExpertRows,
     expert_graph_rows,
     expert_graph_wanted,
-    run_expert_graph,
+    run_layer_graph,
 )
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes
 from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
 from megatron_lrmoe.experts.replica_weights import fold_replica_grads
 from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
-from megatron_lrmoe.select.kernels import FrontBuffers, front_graphs_wanted, front_triton
+from megatron_lrmoe.select.kernels import (
+    FrontBuffers,
+    ScoreInputs,
+    front_graphs_wanted,
+    front_triton,
+    scored_call,
+)
 from megatron_lrmoe.select.scoring import (
     PairScores,
     Selection,
@@ -487,17 +492,18 @@ class TrimmedMoEFunction(torch.autograd.Function):
 
         key = call.sample_stream() if call.sample_stream is not None else ()
         into = _main_grad_targets(call, *ctx.params)
-        # EP 1 with a replayed front: the expert half can be one replayed graph too (the front
-        # packs the kept rows into its buffers).
-        graphed = (
+        # EP 1: the whole backward can be one replayed graph per layer.
+        if (
             call.plan.ep_size == 1
             and call.layout is None
             and expert_graph_wanted(g, (w1, w2), into, ctx.h)
-        )
-        front = replayed_front(call, g, hidden, probs, z, key, timer, graphed)
-        rows = None
+        ):
+            grads = _graphed_backward(call, ctx, g, hidden, probs, z, key, into, timer)
+            if grads is not None:
+                return grads
+        front = replayed_front(call, g, hidden, probs, z, key, timer)
         if front is not None:
-            d_probs, kept, g_kept, x_kept, row_of_pair, rows = front
+            d_probs, kept, g_kept, x_kept, row_of_pair = front
         else:
             # Router gradient, exact for every pair: d probs = <g_token, z_pair>. Walked token
             # by token (each g row read once for its K pairs, not once per pair).
@@ -511,14 +517,6 @@ class TrimmedMoEFunction(torch.autograd.Function):
             if timer:
                 timer.stop("packing")
         del z, front  # z is no longer needed (the router gradient is taken)
-        if rows is not None:
-            done, d_hidden = run_expert_graph(
-                rows, kept.kept_index, kept.rows_per_instance, ctx.h, call.perm.slot_pair,
-                row_of_pair if ctx.needs_input_grad[0] else None, (w1, w2), into, call.spec,
-            )
-            if done:
-                ctx.h = ctx.x = None
-                return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer)
         dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
         x_k = _kept_inputs(ctx, kept, x_in)
         # Save mode: the activation backward reads the kept rows of the saved h in place.
@@ -533,6 +531,57 @@ class TrimmedMoEFunction(torch.autograd.Function):
         dw1, dw2 = call.fold_grads(dw1, dw2, into)
         d_hidden = return_dx(call, kept, dx_k, row_of_pair) if dx_k is not None else None
         return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer, (dw1, dw2))
+
+
+def _graphed_backward(
+    call: ExpertCall,
+    ctx,
+    g: torch.Tensor,
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    z: torch.Tensor,
+    key: tuple[int, ...],
+    into: tuple[torch.Tensor, torch.Tensor],
+    timer: Optional[SpanTimer],
+) -> Optional[tuple]:
+    """The trimmed backward at EP 1 as one replayed graph per layer
+    (``experts/backward_graph.py``): the router gradient, scoring, selection and packing of
+    :func:`replayed_front`, then the expert backward into ``main_grad`` and the return, with one
+    argument block copied in and one graph launched. What :meth:`TrimmedMoEFunction.backward`
+    returns, or ``None`` where the graph does not run (a shape's or a layer's first sighting,
+    inputs it cannot read in place) and nothing was written: the caller runs the stages.
+
+    The front and the expert half are not timed apart here (no span: a timing event cannot be
+    recorded inside the graph); ``LRMOE_EXPERT_GRAPHS=0`` times the front as ``front``.
+    """
+    counts, quota, uniforms = _local_segments(call, key)
+    num_kept = int(quota.numpy().sum())
+    perm = call.perm
+    rows = expert_graph_rows(
+        num_kept, g, perm.slot_pair, perm.num_pairs, counts.numel(), _packs_inputs(call)
+    )
+    if rows is None:
+        return None
+    g_kept, x_kept = rows.kept(num_kept)
+    d_probs = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
+    front = FrontBuffers(z, call.slot_send, d_probs, g_kept, x_kept)
+    scored = scored_call(
+        call.lrmoe.selection, ScoreInputs(g, hidden, probs, perm.token_of_pair), counts, quota,
+        uniforms, front, kept_total=call.stats is not None,
+    )
+    if scored is None:
+        return None
+    d_hidden = torch.empty_like(g) if ctx.needs_input_grad[0] else None
+    w1, w2 = ctx.params
+    out = run_layer_graph(rows, scored, ctx.h, perm.slot_pair, d_hidden, (w1, w2), into, call.spec)
+    if out is None:
+        return None
+    (scores, sel, kept_total), _ = out
+    kept = _local_plan(call, sel, quota, counts, scores.poison)
+    if call.stats is not None:
+        _record_selection(call, scores, kept, kept_total)
+    ctx.h = ctx.x = None
+    return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer)
 
 
 def _trimmed_grads(
@@ -694,24 +743,16 @@ def replayed_front(
     z: torch.Tensor,
     key: tuple[int, ...],
     timer: Optional[SpanTimer],
-    graphed: bool = False,
-) -> Optional[
-    tuple[
-        torch.Tensor, KeptPlan, torch.Tensor, Optional[torch.Tensor], torch.Tensor,
-        Optional[ExpertRows],
-    ]
-]:
+) -> Optional[tuple[torch.Tensor, KeptPlan, torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
     """The router gradient, :func:`select_kept` and :func:`pack_kept` as one replayed CUDA
     graph (``select/kernels.py``, ``front_triton``), where a source selects among its own pairs
     (scope local or EP 1, no replicas) on CUDA; ``None`` elsewhere and where the graph cannot
     run (its first sighting of a shape, graphs off, inputs it cannot read in place), and the
     caller runs the stages one by one: the same kernels, so the same bits.
 
-    Returns ``(d_probs, kept, g_kept, x_kept, row_of_pair, rows)``, the first five as the
-    stages give them; its time is the ``front`` span (row-dot, scoring, selection and packing
-    together). With ``graphed`` (the expert half may replay a graph:
-    ``experts/backward_graph.py``) the kept rows are packed into the shared buffers ``rows``
-    that graph reads, else ``rows`` is ``None``.
+    Returns ``(d_probs, kept, g_kept, x_kept, row_of_pair)`` as the stages give them; its time
+    is the ``front`` span (row-dot, scoring, selection and packing together). At EP 1 with fused
+    accumulation :func:`_graphed_backward` replays this front and the expert half as one graph.
     """
     lrmoe = call.lrmoe
     local = call.layout is None and (lrmoe.scope == "local" or call.plan.ep_size == 1)
@@ -720,17 +761,8 @@ def replayed_front(
         return None
     counts, quota, uniforms = _local_segments(call, key)
     num_kept, width = int(quota.numpy().sum()), g.shape[1]
-    rows = None
-    if graphed and num_kept:
-        rows = expert_graph_rows(
-            num_kept, g, call.perm.slot_pair, call.perm.num_pairs, counts.numel(),
-            _packs_inputs(call),
-        )
-    if rows is not None:
-        g_kept, x_kept = rows.kept(num_kept)
-    else:
-        g_kept = g.new_empty((num_kept, width))
-        x_kept = hidden.new_empty((num_kept, width)) if _packs_inputs(call) else None
+    g_kept = g.new_empty((num_kept, width))
+    x_kept = hidden.new_empty((num_kept, width)) if _packs_inputs(call) else None
     buffers = FrontBuffers(
         z=z,
         slots=call.slot_send,
@@ -754,7 +786,7 @@ def replayed_front(
         timer.stop("front")
     if call.stats is not None:
         _record_selection(call, scored, kept, kept_total)
-    return buffers.d_probs, kept, buffers.g_kept, buffers.x_kept, front.row_of_pair, rows
+    return buffers.d_probs, kept, buffers.g_kept, buffers.x_kept, front.row_of_pair
 
 
 def _local_segments(

@@ -3,7 +3,8 @@ the shared buffers, when they are replaced, and what is dropped with them.
 
 The graphs themselves need CUDA (``test_cuda_expert_graph_matches_eager_layer`` in
 ``tests/test_layer.py``); their recorded body runs in Triton's interpreter in
-``test_interp_expert_graph_body_matches_eager_stages`` (``tests/test_triton_kernels.py``).
+``test_interp_layer_graph_body_matches_front_and_eager_stages``
+(``tests/test_triton_kernels.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_shared_rows_come_from_the_second_sighting_and_grow_when_a_call_keeps_mo
     assert bigger is not None and bigger is not rows and bigger.capacity > rows.capacity
     assert not bg._GRAPHS.graphs  # ... and the graphs captured on the old one go with it
     assert bg.graph_memory_bytes() == sum(
-        t.numel() * t.element_size() for t in (bigger.g, bigger.x, bigger.flat)
+        t.numel() * t.element_size() for t in (bigger.g, bigger.x)
     )
 
 

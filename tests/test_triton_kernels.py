@@ -649,64 +649,99 @@ def test_interp_act_backward_from_arg_block(
 
 
 @interp
-@pytest.mark.parametrize("save", [True, False], ids=["save", "recompute"])
-def test_interp_expert_graph_body_matches_eager_stages(save: bool) -> None:
-    """What the expert graph records (``backward_graph._LayerGraph.launch``: its kernels in the
-    interpreter, every per-call tensor at its argument block's address) against the eager
-    stages on the torch paths (``expert_backward`` into ``main_grad``, then ``gather_sum``
-    through the map to packed rows): the same ``main_grad`` and input gradient up to fp32
-    summation order. On the host the buffers hold exactly the kept rows (host group sizes must
-    add up to them); the GPU test ``test_cuda_expert_graph_matches_eager_layer`` covers room
-    for more rows, the capture and the replay."""
-    from megatron_lrmoe.dispatch.rows import gather_sum
+@pytest.mark.parametrize(
+    ("save", "policy"), [(True, "sample"), (False, "topk")], ids=["save-sample", "recompute-topk"]
+)
+def test_interp_layer_graph_body_matches_front_and_eager_stages(
+    monkeypatch: pytest.MonkeyPatch, save: bool, policy: str
+) -> None:
+    """What the layer graph records (``backward_graph.run_layer_graph``: the front's kernels,
+    then the expert half on the front's buffers, in the interpreter; the CUDA graph replaced by
+    re-running its launches) against the stages on the torch paths: the router gradient
+    (``row_dot``), the selection (``score_and_select``), the packing (``pack_pairs``), the
+    expert backward into ``main_grad`` and the return (``gather_sum``). The same kept pairs;
+    router gradient, ``main_grad`` and input gradient equal up to fp32 summation order, over a
+    first sighting (nothing runs), the capture's eager run and two replays. On the host the
+    shared rows hold exactly the kept ones (host group sizes must add up to them); the GPU test
+    ``test_cuda_expert_graph_matches_eager_layer`` covers room for more rows and the real
+    capture."""
+    from types import SimpleNamespace
+
+    from megatron_lrmoe.dispatch.rows import gather_sum, pack_pairs, row_dot
     from megatron_lrmoe.experts import backward_graph as bg
     from megatron_lrmoe.experts.mlp import expert_backward
-    from megatron_lrmoe.experts.wgrad_triton import config_for
+    from megatron_lrmoe.select import kernels
+
+    host_block = kernels._host_block
+    monkeypatch.setattr(kernels, "_host_block", lambda c, q, u, _pin, lead: host_block(
+        c, q, u, False, lead
+    ))
+    monkeypatch.setattr(bg, "capture", lambda launch, device, pool: (
+        launch(), SimpleNamespace(replay=launch)
+    )[1])
+    monkeypatch.setattr(bg.ExpertRows, "pool_for", lambda self, graph: None)
+    bg.reset()
 
     gen = _gen(1200)
     tokens, slots, width, ffn, experts = 6, 2, 16, 8, 3
     spec = GluSpec(True, "silu")
     pairs = tokens * slots
-    counts = torch.tensor([2, 0, 3])
-    kept = int(counts.sum())
+    counts = torch.tensor([4, 3, 5])
+    quota = torch.tensor([2, 1, 3])
+    kept = int(quota.sum())
+    # Pairs in expert order; token t's slots are two pairs of different experts.
+    token = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5])
+    slot_plan = torch.stack((torch.arange(tokens), torch.arange(tokens) + tokens), 1)
     w1 = torch.randn(experts, 2 * ffn, width, generator=gen) / 4
     w2 = torch.randn(experts, width, ffn, generator=gen) / 4
-    h_saved = torch.randn(pairs, 2 * ffn, generator=gen)
-    kept_index = torch.randperm(pairs, generator=gen)[:kept]
-    g_rows = torch.randn(kept, width, generator=gen)
-    x_rows = torch.randn(kept, width, generator=gen)
-    slot_plan = torch.randperm(pairs, generator=gen).view(tokens, slots)
-    row_of = torch.full((pairs + 1,), -1, dtype=torch.int64)
-    row_of[kept_index] = torch.arange(kept)
     starts = [torch.randn(w.shape, generator=gen) for w in (w1, w2)]
-
+    h = torch.randn(pairs, 2 * ffn, generator=gen) if save else None
     shape = bg._Shape(torch.device("cpu"), tokens, slots, pairs, width, experts, w1.dtype, True)
     rows = bg.ExpertRows(shape, kept)
-    rows.g.copy_(g_rows)
-    rows.x.copy_(x_rows)
-    d_hidden = torch.full((tokens, width), 7.0)
-    block = rows.flat
-    block[triton_kernels.ARG_COUNT] = kept
-    block[triton_kernels.ARG_SLOTS :] = counts
-    block[triton_kernels.ARG_H] = h_saved.data_ptr()
-    block[triton_kernels.ARG_H_ROWS] = kept_index.data_ptr()
-    block[triton_kernels.ARG_SLOT_PLAN] = slot_plan.data_ptr()
-    block[triton_kernels.ARG_ROW_OF] = row_of.data_ptr()
-    block[triton_kernels.ARG_OUT] = d_hidden.data_ptr()
     acc = [s.clone() for s in starts]
-    weights = bg._Weights(w1, w2, acc[0], acc[1])
-    h = h_saved if save else None
-    bg._LayerGraph(rows, weights, h, spec, True, config_for(kept, experts)).launch()
-
     ref_acc = [s.clone() for s in starts]
-    dx, _, _, _ = expert_backward(
-        g_rows, x_rows, h, w1, w2, counts, spec, h_rows=kept_index if save else None,
-        wgrad_into=(ref_acc[0], ref_acc[1]),
-    )
-    ref_hidden = gather_sum(dx, slot_plan, row_of=row_of)
-    for got, ref, start in zip(acc, ref_acc, starts):
-        assert not torch.equal(got, start) and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(d_hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+    for call in range(4):
+        g = torch.randn(tokens, width, generator=gen)
+        x = torch.randn(tokens, width, generator=gen)
+        z = torch.randn(pairs, width, generator=gen)
+        probs = torch.rand(pairs, generator=gen)
+        uniforms = torch.rand(experts, generator=gen, dtype=torch.float64)
+        uniforms = uniforms if policy == "sample" else None
+        d_probs = torch.full((pairs,), 7.0)
+        d_hidden = torch.full((tokens, width), 7.0)
+        front = kernels.FrontBuffers(z, slot_plan, d_probs, *rows.kept(kept))
+        scored = kernels.scored_call(
+            policy, kernels.ScoreInputs(g, x, probs, token), counts, quota, uniforms, front,
+            kept_total=True,
+        )
+        assert scored is not None
+        out = bg.run_layer_graph(rows, scored, h, slot_plan, d_hidden, (w1, w2), acc, spec)
+        if call == 0:  # the layer's first sighting: nothing ran
+            assert out is None and bool((d_hidden == 7).all()) and bool((d_probs == 7).all())
+            continue
+        (got_scores, sel, got_total), _ = out
+
+        ref_scored, ref_sel, ref_total = scoring.score_and_select(
+            policy, g, x, probs, token, counts, quota, uniforms, kept_total=True
+        )
+        assert torch.equal(sel.kept_index, ref_sel.kept_index)
+        torch.testing.assert_close(got_total, ref_total, rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(d_probs, row_dot(g, z, probs.dtype, slots=slot_plan))
+        row_of = torch.full((pairs + 1,), -1, dtype=torch.int64)
+        g_rows, x_rows = pack_pairs(
+            g, token, ref_sel.kept_index, probs, ref_sel.weight, x, ref_scored.poison, row_of
+        )
+        dx, _, _, _ = expert_backward(
+            g_rows, x_rows, h, w1, w2, quota, spec,
+            h_rows=ref_sel.kept_index if save else None, wgrad_into=(ref_acc[0], ref_acc[1]),
+        )
+        ref_hidden = gather_sum(dx, slot_plan, row_of=row_of)
+        torch.testing.assert_close(d_hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+        for got, ref, start in zip(acc, ref_acc, starts):
+            assert not torch.equal(got, start)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert len(bg._GRAPHS.graphs) == 1
+    bg.reset()
 
 
 @interp

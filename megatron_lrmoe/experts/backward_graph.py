@@ -1,13 +1,14 @@
-"""The trimmed backward's expert half at EP 1 as one replayed CUDA graph per layer.
+"""The trimmed backward at EP 1 as one replayed CUDA graph per layer.
 
-Where the front of the trimmed backward (router gradient, scoring, selection, packing) is one
-replayed graph (``select/kernels.py``, ``front_triton``) and the expert side is this rank (EP
-1), what follows it is fixed work on the ``K`` kept rows: fc2's input gradient, the activation
-backward on the kept rows of the saved fc1 output (or its recomputation), both weight
-gradients added into the weights' ``main_grad``, fc1's input gradient and the return (each
-token adds up its kept pairs' ``dx``). Launched one by one that is about twenty launches and,
-at 4096 tokens, more host time than GPU time. :func:`run_expert_graph` replays them as one
-graph per layer, the same kernels on the same rows, so the same bits.
+At EP 1 the trimmed backward is the front (router gradient, scoring, selection, packing of the
+kept rows: ``select/kernels.py``, ``FrontWork``) and then fixed work on the ``K`` kept rows:
+fc2's input gradient, the activation backward on the kept rows of the saved fc1 output (or its
+recomputation), both weight gradients added into the weights' ``main_grad``, fc1's input
+gradient and the return (each token adds up its kept pairs' ``dx``). Launched stage by stage
+that is two argument blocks, two graph launches and about twenty kernel launches, and at 4096
+tokens more host time than GPU time. :func:`run_layer_graph` replays all of it as one graph per
+layer after one copy of one argument block: the same kernels on the same rows, so the same
+bits.
 
 What a replay reads and writes:
 
@@ -15,28 +16,30 @@ What a replay reads and writes:
 shared buffers      one set per shape (tokens, slots per token, pairs, width, experts, dtype,
                     packed inputs), used by every layer's graph (they never run concurrently:
                     one stream): ``[C, H]`` kept gradient rows and (at EP 1, ``save`` and
-                    ``recompute`` alike) kept input rows, which the front packs straight into,
-                    ``C >= K`` (a new, larger set, and new graphs, when a call keeps more); an
-                    argument block. A shape gets its set on its second sighting; at most four
-                    shapes keep one.
-per call            through the argument block, copied to the device with the rows per expert
-                    and ``K`` in one copy: the saved ``h`` and its kept rows (the kept pairs),
-                    the slot plan, the pairs' packed rows and the input gradient it writes.
+                    ``recompute`` alike) kept input rows, which the front packs into, ``C >= K``
+                    (a new, larger set, and new graphs, when a call keeps more); the front's
+                    static buffers (norms, scores, the selection, the map from pairs to packed
+                    rows) and its argument block. A shape gets its set on its second sighting;
+                    at most four shapes keep one.
+per call            through the argument block with the segment table (counts, quotas, the
+                    sample's uniforms), one host-to-device copy: the gradient, the layer input,
+                    the routing weights, ``z``, the slot plan, the saved ``h``, and the router
+                    and input gradients it writes. The kept rows per expert are the quotas.
 per layer           the weights and their ``main_grad`` (graph key: their addresses).
-inside the graph    fc2's input gradient, ``dh``, the activation output, ``dx``: one memory pool
-                    shared by every layer's graph.
+inside the graph    the selection's work, fc2's input gradient, ``dh``, the activation output,
+                    ``dx``: one memory pool shared by every layer's graph.
 ==================  ===========================================================================
 
 ``K`` changes from call to call: the grouped GEMMs take device offsets (rows past ``K`` are
-not computed), the activation backward reads ``K`` from the argument block, and the weight
-gradients' tile is part of the key (``wgrad_triton.config_for``), so it is the one the eager
-path picks.
+not computed), the activation backward and the packing read ``K`` from the argument block, and
+the weight gradients' tile is part of the key (``wgrad_triton.config_for``), so it is the one
+the eager path picks.
 
-Scope (:func:`expert_graph_wanted`): CUDA, EP 1 without replicas, the front graph ran,
+Scope (:func:`expert_graph_wanted`): CUDA, EP 1 without replicas, the front graphs on,
 weight gradients fused into ``main_grad`` (``grad_accumulation_fusion``), torch's grouped GEMM
-and the Triton kernels. ``LRMOE_EXPERT_GRAPHS=0`` turns it off. Like the front graph's, the
-shared buffers assume that the layers' backwards run on one stream, one after the other (what
-Megatron does at EP 1).
+and the Triton kernels. ``LRMOE_EXPERT_GRAPHS=0`` turns it off (the front then replays alone
+and the expert half runs eagerly). Like the front graph's, the shared buffers assume that the
+layers' backwards run on one stream, one after the other (what Megatron does at EP 1).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from megatron_lrmoe.experts.grouped_gemm import (
     grouped_mm_nt,
 )
 from megatron_lrmoe.experts.wgrad_triton import WgradConfig, config_for, grouped_wgrad_triton
+from megatron_lrmoe.select.kernels import Front, FrontWork, ScoredCall, front_graphs_wanted
 
 __all__ = [
     "EXPERT_GRAPHS_ENV",
@@ -67,7 +71,7 @@ __all__ = [
     "expert_graph_wanted",
     "graph_memory_bytes",
     "reset",
-    "run_expert_graph",
+    "run_layer_graph",
 ]
 
 EXPERT_GRAPHS_ENV = "LRMOE_EXPERT_GRAPHS"
@@ -99,9 +103,9 @@ class ExpertRows:
         rows = (capacity, shape.width)
         self.g = torch.empty(rows, dtype=shape.dtype, device=device)
         self.x = torch.empty(rows, dtype=shape.dtype, device=device) if shape.pack_x else None
-        slots = triton_kernels.ARG_SLOTS
-        self.flat = torch.zeros(slots + shape.experts, dtype=torch.int64, device=device)
-        self.args, self.counts = self.flat[:slots], self.flat[slots:]
+        # The front's static buffers (scores, selection, the argument block), by the front's
+        # key: shared by every layer's graph, as the rows are.
+        self.fronts: dict[tuple, FrontWork] = {}
         # The memory pool of the graphs over this set, and those graphs while they live: a
         # pool whose graphs are all gone cannot take another capture (torch asserts), so the
         # next capture then starts a new one.
@@ -117,7 +121,9 @@ class ExpertRows:
 
     def nbytes(self) -> int:
         """Device bytes of the buffers and of the graphs' memory pool."""
-        own = (self.g, self.x, self.flat)
+        own = [self.g, self.x]
+        for work in self.fronts.values():
+            own += [t for t in vars(work).values() if isinstance(t, torch.Tensor)]
         total = sum(t.numel() * t.element_size() for t in own if t is not None)
         if self._pool is not None and self._graphs:
             pool = tuple(self._pool)
@@ -132,6 +138,13 @@ class ExpertRows:
         """The views the front packs ``num_kept`` gradient (and input) rows into."""
         return self.g[:num_kept], None if self.x is None else self.x[:num_kept]
 
+    def front_work(self, call: ScoredCall) -> FrontWork:
+        """The front's buffers and launches for ``call`` (made on first use)."""
+        work = self.fronts.get(call.key)
+        if work is None:
+            work = self.fronts[call.key] = FrontWork(call)
+        return work
+
 
 class _Weights(NamedTuple):
     w1: torch.Tensor  # [G, F1, H]
@@ -141,11 +154,13 @@ class _Weights(NamedTuple):
 
 
 class _LayerGraph:
-    """One layer's captured expert backward over an :class:`ExpertRows` set."""
+    """One layer's captured backward at EP 1: the front (a :class:`FrontWork` over the shared
+    buffers of an :class:`ExpertRows` set) and the expert half behind it, in one graph."""
 
     def __init__(
         self,
         rows: ExpertRows,
+        front: FrontWork,
         weights: _Weights,
         h: torch.Tensor | None,
         spec: GluSpec,
@@ -153,14 +168,17 @@ class _LayerGraph:
         config: WgradConfig,
     ) -> None:
         # The weights and main_grad stay referenced: the graph reads them at their addresses.
-        self.rows, self.weights = rows, weights
+        self.rows, self.front, self.weights = rows, front, weights
         w1, w2, acc1, acc2 = weights
         h_meta = None if h is None else (h.stride(0), h.dtype)
-        x = rows.x
+        x, args = rows.x, front.args
 
         def launch() -> None:
+            front.launch()  # router gradient, scoring, selection, packing into rows.g / rows.x
             g = rows.g
-            groups = GroupSizes(rows.counts)  # device counts: offsets by a captured cumsum
+            # The kept rows per expert are the front's quotas (device, loaded with the block):
+            # offsets by a captured cumsum.
+            groups = GroupSizes(front.quota)
             offs = groups.offsets(g.device)
             da = grouped_mm_nn(g, w2, groups)
             if h_meta is None:  # recompute: fc1 again, on the kept rows
@@ -173,7 +191,7 @@ class _LayerGraph:
                 dh = torch.empty((rows.capacity, w1.shape[1]), dtype=g.dtype, device=g.device)
                 act = torch.empty_like(da)
                 triton_kernels.act_backward_from_args(
-                    rows.args, da, dh, act, h_meta[0], h_meta[1], spec.gated, spec.kind
+                    args, da, dh, act, h_meta[0], h_meta[1], spec.gated, spec.kind
                 )
             # Each intermediate is released once read, as in expert_backward, so that a later
             # one may reuse its memory (measured: each is a segment of its own, so the pool
@@ -186,7 +204,7 @@ class _LayerGraph:
                 dx = grouped_mm_nn(dh, w1, groups)
                 shape = rows.shape
                 triton_kernels.gather_sum_from_args(
-                    rows.args, dx, shape.tokens, shape.slots, shape.dtype
+                    args, dx, shape.tokens, shape.slots, shape.dtype
                 )
 
         self.launch = launch
@@ -231,12 +249,13 @@ def expert_graph_wanted(
     into: tuple[torch.Tensor, torch.Tensor] | None,
     h: torch.Tensor | None,
 ) -> bool:
-    """Whether :func:`run_expert_graph` can take this backward (the caller has checked EP 1,
-    no replicas and a replayed front): CUDA outside another capture, the switch on, the weight
-    gradients going into ``main_grad``, and tensors the captured kernels can use."""
+    """Whether :func:`run_layer_graph` can take this backward (the caller has checked EP 1
+    and no replicas): CUDA outside another capture, this switch and the front graphs' on
+    (``front_graphs_wanted``), the weight gradients going into ``main_grad``, and tensors the
+    captured kernels can use."""
     if not (_enabled() and into is not None and g.is_cuda):
         return False
-    if torch.cuda.is_current_stream_capturing() or not all(a.is_contiguous() for a in into):
+    if not (all(a.is_contiguous() for a in into) and front_graphs_wanted(g.device)):
         return False
     if h is not None and not (h.dtype == g.dtype and triton_kernels.args_ready(h)):
         return False
@@ -316,74 +335,62 @@ def _drop(shape: _Shape) -> None:
         del _GRAPHS.graphs[key]
 
 
-def run_expert_graph(
+def run_layer_graph(
     rows: ExpertRows,
-    kept_index: torch.Tensor,
-    counts: torch.Tensor,
+    call: ScoredCall,
     h: torch.Tensor | None,
     slot_plan: torch.Tensor,
-    row_of_pair: torch.Tensor | None,
+    d_hidden: torch.Tensor | None,
     weights: tuple[torch.Tensor, torch.Tensor],
     into: tuple[torch.Tensor, torch.Tensor],
     spec: GluSpec,
-) -> tuple[bool, torch.Tensor | None]:
-    """The expert backward of the kept rows the front packed into ``rows`` (``rows.kept(K)``)
-    and the return, from a replayed graph: ``(True, d_hidden or None)``; ``(False, None)``
-    on a key's first sighting, where the caller runs the eager stages on the same buffers.
+) -> Front | None:
+    """The layer's trimmed backward at EP 1 from one replayed graph: the front of ``call``
+    (router gradient into ``call.front.d_probs``, scoring, selection, the kept rows packed into
+    ``rows``), then the expert backward of those rows into ``main_grad`` and the return into
+    ``d_hidden``. Returns the front's outputs (:class:`Front`, the graph's buffers: valid until
+    the next replay of a graph over ``rows``), or ``None`` on a key's first sighting, where
+    nothing ran and the caller runs the stages.
 
     Args:
-        rows: From :func:`expert_graph_rows`, holding this call's packed rows.
-        kept_index: ``[K]`` the kept pairs (at EP 1 the rows of the saved ``h`` they read).
-        counts: ``[G]`` host int64 kept rows per expert.
+        rows: From :func:`expert_graph_rows`; ``call.front`` packs into ``rows.kept(K)``.
+        call: From ``select.kernels.scored_call``, with a front.
         h: The saved ``[S, F1]`` fc1 output (``save``), or ``None`` (``recompute``).
-        slot_plan: ``[T, slots]`` int64 pair of each token slot (``PairPermutation.slot_pair``).
-        row_of_pair: ``[S + 1]`` int64 packed row of each pair, -1 if not kept, or ``None``
-            when the input gradient is not needed.
+        slot_plan: ``[T, slots]`` int64 pair of each token slot (``PairPermutation.slot_pair``;
+            the front's row-dot reads the same one).
+        d_hidden: ``[T, H]`` written: the input gradient, or ``None`` when it is not needed.
         weights: ``(w1 [G, F1, H], w2 [G, H, F])``.
         into: Their ``main_grad``, into which the weight gradients are added.
         spec: The activation.
     """
-    num_kept = kept_index.numel()
-    need_dx = row_of_pair is not None
+    num_kept = call.num_kept
+    need_dx = d_hidden is not None
     w1, w2 = weights
-    # What the graph reads in place must be where its kernels can read it (else: eager).
-    index = [t for t in (kept_index, slot_plan, row_of_pair) if t is not None]
-    if not (
-        all(t.dtype == torch.int64 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in index)
-        and (h is None or triton_kernels.args_ready(h))
-    ):
-        return False, None
-    config = config_for(num_kept, counts.numel())
+    tk = triton_kernels
+    args = call.host.numpy()
+    # The front's row-dot and the return walk the same slot plan.
+    if args[tk.ARG_SLOT_PLAN] != slot_plan.data_ptr() or (h is not None and not tk.args_ready(h)):
+        return None
+    work = rows.front_work(call)
+    config = config_for(num_kept, rows.shape.experts)
     key = (
-        id(rows), w1.data_ptr(), w2.data_ptr(), into[0].data_ptr(), into[1].data_ptr(),
+        id(work), w1.data_ptr(), w2.data_ptr(), into[0].data_ptr(), into[1].data_ptr(),
         tuple(w1.shape), tuple(w2.shape),
         None if h is None else (tuple(h.shape), h.stride(0), h.dtype),
         need_dx, config, spec.gated, spec.kind,
     )
     entry, capture_now = _GRAPHS.lookup(key)
     if entry is None and not capture_now:
-        return False, None
-    tk = triton_kernels
-    d_hidden = None
-    if need_dx:
-        d_hidden = torch.empty(
-            (rows.shape.tokens, rows.shape.width), dtype=rows.shape.dtype, device=rows.g.device
-        )
-    host = torch.empty(tk.ARG_SLOTS + counts.numel(), dtype=torch.int64, pin_memory=True)
-    block = host.numpy()
-    block[: tk.ARG_SLOTS] = 0
-    block[tk.ARG_COUNT] = num_kept
-    block[tk.ARG_SLOTS :] = counts.numpy()
+        return None
     if h is not None:
-        block[tk.ARG_H], block[tk.ARG_H_ROWS] = h.data_ptr(), kept_index.data_ptr()
+        args[tk.ARG_H], args[tk.ARG_H_ROWS] = h.data_ptr(), work.kept.data_ptr()
     if need_dx:
-        block[tk.ARG_SLOT_PLAN] = slot_plan.data_ptr()
-        block[tk.ARG_ROW_OF], block[tk.ARG_OUT] = row_of_pair.data_ptr(), d_hidden.data_ptr()
-    rows.flat.copy_(host, non_blocking=True)
+        args[tk.ARG_ROW_OF], args[tk.ARG_OUT] = work.row_of_pair.data_ptr(), d_hidden.data_ptr()
+    work.load_host(call.host)
     if entry is None:
-        entry = _LayerGraph(rows, _Weights(w1, w2, *into), h, spec, need_dx, config)
+        entry = _LayerGraph(rows, work, _Weights(w1, w2, *into), h, spec, need_dx, config)
         entry.capture()
         _GRAPHS.add(key, entry)
     else:
         entry.graph.replay()
-    return True, d_hidden
+    return work.front(num_kept, owned=False)

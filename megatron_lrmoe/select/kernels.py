@@ -87,9 +87,13 @@ from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available
 __all__ = [
     "Front",
     "FrontBuffers",
+    "FrontWork",
+    "ScoreInputs",
+    "ScoredCall",
     "front_graphs_wanted",
     "front_triton",
     "score_select_triton",
+    "scored_call",
     "select_triton",
 ]
 
@@ -769,7 +773,7 @@ def _launch(
         )
 
 
-class _ScoreInputs(NamedTuple):
+class ScoreInputs(NamedTuple):
     """The tensors :func:`score_select_triton` scores (read in place by a replayed graph)."""
 
     g: torch.Tensor  # [T, H] gradient rows
@@ -778,7 +782,7 @@ class _ScoreInputs(NamedTuple):
     token: torch.Tensor  # [N] token of each pair
 
 
-def _graph_scorable(inputs: _ScoreInputs) -> bool:
+def _graph_scorable(inputs: ScoreInputs) -> bool:
     """Whether a captured graph can score ``inputs`` in place (else the caller scores eagerly)."""
     g, x, probs, token = inputs
     return (
@@ -817,7 +821,7 @@ class Front(NamedTuple):
     # (None from a graph without a front: score_select_triton)
 
 
-def _front_ready(inputs: _ScoreInputs, front: FrontBuffers, num_kept: int) -> bool:
+def _front_ready(inputs: ScoreInputs, front: FrontBuffers, num_kept: int) -> bool:
     """Whether a captured graph can run ``front`` on ``inputs`` in place."""
     g, x, probs, _ = inputs
     z, slots, d_probs, g_kept, x_kept = front
@@ -882,7 +886,9 @@ def score_select_triton(
     (``kept_total``) is taken over the rows of the kept buffer below the device's kept count,
     so its fp32 rounding may differ from the eager sum's in the last bits.
     """
-    inputs = _ScoreInputs(g, x, probs, token)
+    if not (os.environ.get(_SCORE_GRAPHS_ENV, "1") != "0" and _graphs_wanted(probs.device)):
+        return None
+    inputs = ScoreInputs(g, x, probs, token)
     run = _run_scored(policy, inputs, counts, quota, uniforms, None, kept_total, owned)
     return None if run is None else run.scored
 
@@ -919,7 +925,7 @@ def front_triton(
     """
     if not front_graphs_wanted(probs.device):
         return None
-    inputs = _ScoreInputs(g, x, probs, token)
+    inputs = ScoreInputs(g, x, probs, token)
     return _run_scored(policy, inputs, counts, quota, uniforms, front, kept_total, owned)
 
 
@@ -935,7 +941,7 @@ def front_graphs_wanted(device: torch.device) -> bool:
 
 def _run_scored(
     policy: str,
-    inputs: _ScoreInputs,
+    inputs: ScoreInputs,
     counts: torch.Tensor,
     quota: torch.Tensor,
     uniforms: torch.Tensor | None,
@@ -944,12 +950,50 @@ def _run_scored(
     owned: bool,
 ) -> Front | None:
     """:func:`score_select_triton` (``front=None``) and :func:`front_triton`."""
-    sample = scoring._check_policy(policy, uniforms)
-    g, x, probs, token = inputs
-    device = probs.device
-    scoring_graphs = os.environ.get(_SCORE_GRAPHS_ENV, "1") != "0"
-    if not (scoring_graphs and _graphs_wanted(device) and _graph_scorable(inputs)):
+    call = scored_call(policy, inputs, counts, quota, uniforms, front, kept_total)
+    if call is None:
         return None
+    entry, capture = _GRAPHS.lookup(call.key)
+    if entry is None and not capture:
+        return None
+    with _device_ctx(inputs.probs):
+        if entry is None:
+            entry = _CapturedScored(call)
+            _GRAPHS.add(call.key, entry)
+            return entry.front(call.num_kept, True)
+        return entry.run_scored(call.host, call.num_kept, owned)
+
+
+class ScoredCall(NamedTuple):
+    """One call of a replayed front (:func:`scored_call`): what its graph is keyed by, the
+    filled argument block and segment table (pinned, for one host-to-device copy), and what a
+    :class:`FrontWork` is built from."""
+
+    key: tuple
+    host: torch.Tensor  # [ARG_SLOTS + _HOST_ROWS * G] int64
+    num_kept: int
+    inputs: ScoreInputs
+    sample: bool
+    kept_total: bool
+    front: FrontBuffers | None
+
+
+def scored_call(
+    policy: str,
+    inputs: ScoreInputs,
+    counts: torch.Tensor,
+    quota: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    front: FrontBuffers | None,
+    kept_total: bool,
+) -> ScoredCall | None:
+    """The checks and the argument block of a replayed scoring (and ``front``) of ``inputs``;
+    ``None`` where a graph cannot take them in place (the caller runs the stages eagerly).
+    The caller has checked that graphs may run on the device (:func:`front_graphs_wanted`)."""
+    sample = scoring._check_policy(policy, uniforms)
+    if not _graph_scorable(inputs):
+        return None
+    g, x, probs, token = inputs
     n = probs.numel()
     counts_h, quota_h = scoring._host_segments(counts, quota, n)
     num_segments = counts_h.numel()
@@ -961,13 +1005,10 @@ def _run_scored(
     if num_kept == 0 or (front is not None and not _front_ready(inputs, front, num_kept)):
         return None
     key = (
-        device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK, kept_total,
-        g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
+        probs.device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK,
+        kept_total, g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
         None if front is None else _FrontShape.of(front),
     )
-    entry, capture = _GRAPHS.lookup(key)
-    if entry is None and not capture:
-        return None
     tk = triton_kernels
     host = _host_block(counts_h, quota_h, uniforms if sample else None, True, tk.ARG_SLOTS)
     args = host.numpy()
@@ -979,12 +1020,7 @@ def _run_scored(
         args[tk.ARG_G_OUT] = front.g_kept.data_ptr()
         args[tk.ARG_X_OUT] = 0 if front.x_kept is None else front.x_kept.data_ptr()
         args[tk.ARG_COUNT] = num_kept
-    with _device_ctx(probs):
-        if entry is None:
-            entry = _CapturedScored(_kernels(), inputs, host, sample, _BLOCK, kept_total, front)
-            _GRAPHS.add(key, entry)
-            return entry.front(num_kept, True)
-        return entry.run_scored(host, num_kept, owned)
+    return ScoredCall(key, host, num_kept, inputs, sample, kept_total, front)
 
 
 class _FrontShape(NamedTuple):
@@ -1083,34 +1119,27 @@ class _Captured:
         return self.outputs(num_kept, owned)
 
 
-class _CapturedScored(_Captured):
-    """Scoring and selection of one shape captured together (:func:`score_select_triton`),
-    with the router gradient's row-dot in front and the packing behind when it captures a
-    front (:func:`front_triton`).
+class FrontWork(_Captured):
+    """The buffers and launches of a replayed scoring and selection of one shape, with the
+    router gradient's row-dot in front and the packing behind when it has a front
+    (:func:`front_triton`); :class:`_CapturedScored` captures them alone, the expert graphs
+    (``experts/backward_graph.py``) together with the expert backward that follows.
 
-    The graph reads the call's tensors (``g``, ``x``, ``probs``, ``token``; ``z``, the slot
+    The launches read the call's tensors (``g``, ``x``, ``probs``, ``token``; ``z``, the slot
     plan and the front's outputs) in place, at the addresses written into an argument block in
-    front of the segment table (one host-to-device copy for both); norms, scores, the
-    selection's work and the map from pairs to packed rows live in static buffers. So a replay
-    replaces two Triton launches, a reduction, a copy of the scores, the selection's own
-    launches, (``kept_total``) the kept scores' sum and (a front) the row-dot, a fill and the
-    packing by one copy and one graph launch.
+    front of the segment table (``flat``: one host-to-device copy for both, :meth:`load_host`);
+    norms, scores, the selection's work and the map from pairs to packed rows live in static
+    buffers. So a replay replaces two Triton launches, a reduction, a copy of the scores, the
+    selection's own launches, (``kept_total``) the kept scores' sum and (a front) the row-dot,
+    a fill and the packing by one copy and one graph launch.
     """
 
-    def __init__(
-        self,
-        kernels: SimpleNamespace,
-        inputs: _ScoreInputs,
-        host: torch.Tensor,
-        sample: bool,
-        block: int,
-        kept_total: bool,
-        front: FrontBuffers | None = None,
-    ) -> None:
-        g, x, probs, token = inputs
+    def __init__(self, call: ScoredCall) -> None:
+        kernels, (g, x, probs, token), front = _kernels(), call.inputs, call.front
+        kept_total, sample, block = call.kept_total, call.sample, _BLOCK
         tk = triton_kernels
         device, n, t = probs.device, probs.numel(), g.shape[0]
-        g_segments = (host.numel() - tk.ARG_SLOTS) // _HOST_ROWS
+        g_segments = (call.host.numel() - tk.ARG_SLOTS) // _HOST_ROWS
         self.norms = torch.empty((2, t), dtype=torch.float32, device=device)
         self.top = torch.empty(2, dtype=torch.float32, device=device)
         self.scores = torch.empty(n, dtype=torch.float32, device=device)
@@ -1130,13 +1159,19 @@ class _CapturedScored(_Captured):
         self.row_of_pair = (
             torch.empty(n + 1, dtype=torch.int64, device=device) if self.has_front else None
         )
+        # Only the front's layout from here on: the launches must not hold this call's tensors
+        # (z alone is [N, H]), which later calls pass at their own addresses.
+        if front is not None:
+            dot_layout = (
+                front.slots.shape[1], (g.stride(0), front.z.stride(0)),
+                (front.d_probs.dtype, g.dtype, front.z.dtype),
+            )
+            pack_x = front.x_kept is not None
+        del front, g, x, probs, token, call
 
         def launch() -> None:
-            if front is not None:
-                tk.row_dot_from_args(
-                    self.args, shape, front.slots.shape[1], (g.stride(0), front.z.stride(0)),
-                    (front.d_probs.dtype, g.dtype, front.z.dtype),
-                )
+            if self.has_front:
+                tk.row_dot_from_args(self.args, shape, *dot_layout)
             tk.row_norms_from_args(self.norms, self.args, shape, strides, dtypes[0])
             torch.amax(self.norms, dim=1, out=self.top)
             tk.pair_scores_from_args(
@@ -1150,15 +1185,20 @@ class _CapturedScored(_Captured):
                 picked = self.scores.index_select(0, torch.where(valid, self.kept, 0))
                 picked = torch.where(valid, picked.nan_to_num(0.0, 0.0, 0.0), 0.0)
                 torch.sum(picked, dim=0, out=self.sums[2])
-            if front is not None:
+            if self.has_front:
                 self.row_of_pair.fill_(-1)
                 tk.pack_pairs_from_args(
                     self.args, self.kept, self.weight, self.sums[0], self.row_of_pair, shape[1],
-                    strides, (*dtypes[0], *dtypes[1]), front.x_kept is not None,
+                    strides, (*dtypes[0], *dtypes[1]), pack_x,
                 )
 
-        self.load_host(host)
-        self._capture(launch, device)
+        self.launch = launch
+
+    @property
+    def quota(self) -> torch.Tensor:
+        """``[G]`` int64 on the device: the kept rows of each segment (the expert backward's
+        group sizes at EP 1), as loaded by :meth:`load_host`."""
+        return self.table[_QUOTA]
 
     def load_host(self, host: torch.Tensor) -> None:
         self.flat[: host.numel()].copy_(host, non_blocking=True)
@@ -1173,12 +1213,22 @@ class _CapturedScored(_Captured):
 
     def front(self, num_kept: int, owned: bool) -> Front:
         """The last run's outputs (copies unless ``owned=False``); ``row_of_pair`` is ``None``
-        unless this graph captured a front."""
+        unless this work has a front."""
         scored, kept_total = self.scored(owned)
         row_of = self.row_of_pair
         if owned and row_of is not None:
             row_of = row_of.clone()
         return Front(scoring.Scored(scored, self.outputs(num_kept, owned), kept_total), row_of)
+
+
+class _CapturedScored(FrontWork):
+    """A :class:`FrontWork` captured alone (:func:`score_select_triton`,
+    :func:`front_triton`); the capture runs the call's work once eagerly."""
+
+    def __init__(self, call: ScoredCall) -> None:
+        super().__init__(call)
+        self.load_host(call.host)
+        self._capture(self.launch, call.inputs.probs.device)
 
     def run_scored(self, host: torch.Tensor, num_kept: int, owned: bool) -> Front:
         self.load_host(host)
