@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
@@ -217,6 +218,13 @@ class ExpertCall:
         if self.layout is None:
             return values
         return values.index_select(0, self.layout.pair_to_send)
+
+    @cached_property
+    def stock_rows(self) -> tuple[int, int]:
+        """Pair rows this rank sends to experts and its experts receive in the forward (what
+        stock's backward exchanges carry), for the statistics."""
+        plan = self.plan
+        return int(plan.send_counts.numpy().sum()), int(plan.recv_counts.numpy().sum())
 
     @property
     def recv_counts(self) -> torch.Tensor:
@@ -805,7 +813,8 @@ def _local_segments(
         num_experts = counts.numel()
         uniforms = _uniforms(call, key, plan.ep_size * num_experts)
         # Host uniforms: the fused selection puts them into its one host-to-device copy.
-        uniforms = uniforms[plan.ep_rank * num_experts : (plan.ep_rank + 1) * num_experts]
+        if plan.ep_size > 1:
+            uniforms = uniforms[plan.ep_rank * num_experts : (plan.ep_rank + 1) * num_experts]
     return counts, quota, uniforms
 
 
@@ -1049,6 +1058,13 @@ def _exchange_stats(
     """Row and byte counts of one exchange; ``send_counts`` is ``[P, ...]`` host rows per
     receiver. Through numpy: this runs in every backward, where a torch CPU op costs ~5 us."""
     per_rank = send_counts.numpy().reshape(send_counts.shape[0], -1).sum(1)
+    return _rank_exchange(per_rank, rank, row_bytes, stock_rows, stock_row_bytes)
+
+
+def _rank_exchange(
+    per_rank: np.ndarray, rank: int, row_bytes: int, stock_rows: int, stock_row_bytes: int
+) -> ExchangeStats:
+    """:func:`_exchange_stats` from the rows sent to each rank (``[P]``)."""
     rows = int(per_rank.sum())
     remote = rows - int(per_rank[rank])
     return ExchangeStats(
@@ -1068,7 +1084,7 @@ def _record_exact(call: ExpertCall, g: torch.Tensor) -> None:
         stats.kept_mask = stats.kept_weight > 0
     _fill_exchanges(call, g, call.send_counts, call.recv_counts, g.shape[-1])
     stats.exchanges["probs_grad"] = _exchange_stats(
-        call.recv_counts, plan.ep_rank, 4, int(plan.recv_counts.numpy().sum()), 4
+        call.recv_counts, plan.ep_rank, 4, call.stock_rows[1], 4
     )
     stats.backward_done = True
 
@@ -1084,7 +1100,7 @@ def _record_trimmed(
     )
     # What the selection returned, not the plan (the same number when selection is exact).
     stats.kept_pairs_sent = kept.kept_index.numel()
-    recv_rows = int(plan.recv_counts.numpy().sum())
+    recv_rows = call.stock_rows[1]
     # Stock returns one routing-weight gradient per pair; the trimmed path computes them at
     # the source from z.
     stats.exchanges["probs_grad"] = ExchangeStats(0, 0, 0, 0, recv_rows, recv_rows * 4)
@@ -1128,16 +1144,21 @@ def _fill_exchanges(
     rank = plan.ep_rank
     elem = g.element_size()
     hidden = g.shape[-1]
-    stats.kept_pairs_sent = int(send_kept.numpy().sum())
-    per_instance = recv_kept.numpy().sum(0)  # [L] / [I]
+    # Each count table read once (numpy: a torch CPU op costs ~5 us, and this runs in every
+    # backward of every layer).
+    send_per_rank = send_kept.numpy().reshape(send_kept.shape[0], -1).sum(1)
+    recv = recv_kept.numpy()  # [P, L] / [P, I]
+    per_instance = recv.sum(0)
     owned = plan.num_local_experts
+    stats.kept_pairs_sent = int(send_per_rank.sum())
     stats.kept_per_local_expert = per_instance[:owned].tolist()
     stats.kept_per_replica = per_instance[owned:].tolist()
     stats.kept_rows = int(per_instance.sum())
     _record_replica_grads(call)
-    stats.exchanges["grad"] = _exchange_stats(
-        send_kept, rank, grad_row_width * elem, int(plan.send_counts.numpy().sum()), hidden * elem
+    stock_send, stock_recv = call.stock_rows
+    stats.exchanges["grad"] = _rank_exchange(
+        send_per_rank, rank, grad_row_width * elem, stock_send, hidden * elem
     )
-    stats.exchanges["dgrad"] = _exchange_stats(
-        recv_kept, rank, hidden * elem, int(plan.recv_counts.numpy().sum()), hidden * elem
+    stats.exchanges["dgrad"] = _rank_exchange(
+        recv.sum(1), rank, hidden * elem, stock_recv, hidden * elem
     )

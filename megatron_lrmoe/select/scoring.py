@@ -313,7 +313,8 @@ def _host_segments(
     if counts.device.type == "cpu" and quota.device.type == "cpu":
         # The usual case (the planner's host tensors): numpy checks cost ~1 us each where
         # torch CPU ops cost ~5 us, and this runs in the backward before the first GEMM.
-        counts_h, quota_h = counts.to(torch.int64), quota.to(torch.int64)
+        counts_h = counts if counts.dtype == torch.int64 else counts.to(torch.int64)
+        quota_h = quota if quota.dtype == torch.int64 else quota.to(torch.int64)
         c, q = counts_h.numpy(), quota_h.numpy()
         if c.size and c.min() < 0:
             g = int((c < 0).argmax())
