@@ -506,9 +506,13 @@ class TrimmedMoEFunction(torch.autograd.Function):
             and call.layout is None
             and expert_graph_wanted(g, (w1, w2), into, ctx.h)
         ):
-            grads = _graphed_backward(call, ctx, g, hidden, probs, z, key, into, timer)
-            if grads is not None:
-                return grads
+            graphed = _graphed_backward(call, ctx, g, hidden, probs, z, key, into)
+            if graphed is not None:
+                # z goes before the weights' placeholders are allocated (the replay that reads
+                # it is queued on this stream ahead of any reuse of its memory).
+                del z
+                d_probs, kept, d_hidden = graphed
+                return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer)
         front = replayed_front(call, g, hidden, probs, z, key, timer)
         if front is not None:
             d_probs, kept, g_kept, x_kept, row_of_pair = front
@@ -550,14 +554,14 @@ def _graphed_backward(
     z: torch.Tensor,
     key: tuple[int, ...],
     into: tuple[torch.Tensor, torch.Tensor],
-    timer: Optional[SpanTimer],
-) -> Optional[tuple]:
+) -> Optional[tuple[torch.Tensor, KeptPlan, Optional[torch.Tensor]]]:
     """The trimmed backward at EP 1 as one replayed graph per layer
     (``experts/backward_graph.py``): the router gradient, scoring, selection and packing of
     :func:`replayed_front`, then the expert backward into ``main_grad`` and the return, with one
-    argument block copied in and one graph launched. What :meth:`TrimmedMoEFunction.backward`
-    returns, or ``None`` where the graph does not run (a shape's or a layer's first sighting,
-    inputs it cannot read in place) and nothing was written: the caller runs the stages.
+    argument block copied in and one graph launched. Returns ``(d_probs, kept, d_hidden)``
+    (without the poison, which :func:`_trimmed_grads` adds), or ``None`` where the graph does
+    not run (a shape's or a layer's first sighting, inputs it cannot read in place) and nothing
+    was written: the caller runs the stages.
 
     The front and the expert half are not timed apart here (no span: a timing event cannot be
     recorded inside the graph); ``LRMOE_EXPERT_GRAPHS=0`` times the front as ``front``.
@@ -589,7 +593,7 @@ def _graphed_backward(
     if call.stats is not None:
         _record_selection(call, scores, kept, kept_total)
     ctx.h = ctx.x = None
-    return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer)
+    return d_probs, kept, d_hidden
 
 
 def _trimmed_grads(
