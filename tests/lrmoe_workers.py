@@ -583,6 +583,92 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
     }
 
 
+def interp_graphed_backward_matches_stages(
+    rank: int, world: int, selection: str, activation_mode: str
+) -> dict[str, Any]:
+    """EP 1 on the host, fp32, under ``TRITON_INTERPRET=1`` (set by the test before the spawn),
+    weight gradients fused into ``main_grad``: the layer's backward through
+    ``op._graphed_backward`` (the whole trimmed backward as one graph per layer; the op told the
+    graph may run, the CUDA graph replaced by re-running its launches, so its kernels run in the
+    interpreter) against the same four keep-0.5 calls with ``LRMOE_EXPERT_GRAPHS=0`` and
+    ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the torch paths). Every call has the
+    same input, so the same kept count: on the host the shared rows must hold exactly the kept
+    ones (host group sizes add up to the rows), which room 0 gives. Returns the largest
+    relative differences of outputs and gradients, whether the kept pairs were the same, and
+    the layer graphs each mode left."""
+    from megatron_lrmoe import op, triton_kernels
+    from megatron_lrmoe.experts import backward_graph as bg
+    from megatron_lrmoe.select import kernels
+
+    assert triton_kernels._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
+    op.use_triton = lambda *tensors: True  # the op only; dispatch/rows still sees CPU tensors
+    op.expert_graph_wanted = lambda g, weights, into, h: (
+        into is not None and os.environ.get(bg.EXPERT_GRAPHS_ENV, "1") != "0"
+    )
+    kernels._graphs_wanted = lambda device: True
+    host_block = kernels._host_block
+    kernels._host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
+
+    class _Rerun:  # stands in for torch.cuda.CUDAGraph: a "replay" reruns the launches
+        def __init__(self, launch) -> None:
+            self.replay = launch
+
+    def capture_front(self, launch, device) -> None:
+        launch()  # the eager run that precedes every capture
+        self.graph = _Rerun(launch)
+
+    def capture_layer(launch, device, pool):
+        launch()
+        return _Rerun(launch)
+
+    kernels._Captured._capture = capture_front
+    bg.capture = capture_layer
+    bg.ExpertRows.pool_for = lambda self, graph: None
+    bg._ROW_QUANTUM, bg._HEADROOM = 1, 0.0
+    pg = init_megatron_parallel(ep=world)
+    cfg = _config(world, moe_aux_loss_coeff=0.0)
+    x, up = _inputs(rank, cfg.hidden_size)
+    runs: dict[str, list[dict[str, torch.Tensor]]] = {}
+    graphs = {}
+    for mode in ("graph", "stages"):
+        if mode == "stages":
+            os.environ.update({bg.EXPERT_GRAPHS_ENV: "0", "LRMOE_FRONT_GRAPHS": "0"})
+        kernels._GRAPHS = kernels._GraphCache()
+        bg.reset()
+        torch.manual_seed(5)
+        lrmoe = LRMoEConfig(
+            keep_ratio=0.5, selection=selection, activation_mode=activation_mode,
+            grad_accumulation_fusion="on", debug_record_selection=True,
+        )
+        lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
+        for p in lr.experts.weights():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        runs[mode] = []
+        for call in range(4):
+            for p in lr.parameters():
+                p.grad = None
+            got = _run(lr, x, up)
+            got["router"] = lr.router.weight.grad.clone()
+            got["fc1"], got["fc2"] = (w.main_grad.clone() for w in lr.experts.weights())
+            got["kept"] = lr.last_call_stats.kept_mask.clone()
+            runs[mode].append(got)
+        graphs[mode] = len(bg._GRAPHS.graphs)
+    for name in (bg.EXPERT_GRAPHS_ENV, "LRMOE_FRONT_GRAPHS"):
+        del os.environ[name]
+    pairs = list(zip(runs["graph"], runs["stages"]))
+    return {
+        "same_kept": all(torch.equal(a["kept"], b["kept"]) for a, b in pairs),
+        "diff": {
+            k: max(
+                ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)).item()
+                for a, b in pairs
+            )
+            for k in ("out", "dx", "router", "fc1", "fc2")
+        },
+        "graphs": graphs,
+    }
+
+
 def fused_accumulation_under_saved_tensor_hooks(rank: int, world: int) -> list[dict[str, Any]]:
     """``grad_accumulation_fusion="on"`` with saved-tensor hooks in force (what activation
     offloading and non-reentrant checkpointing install): the layer must still find the weights'

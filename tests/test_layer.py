@@ -255,6 +255,34 @@ def test_front_graph_wiring_matches_stages_on_cpu(
             assert rel < 1e-5, (name, d)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="host tensors only; on a GPU test_cuda_expert_graph_matches_eager_layer covers it",
+)
+@pytest.mark.parametrize(
+    ("selection", "activation_mode"), [("sample", "save"), ("topk", "recompute")]
+)
+def test_graphed_backward_wiring_matches_stages_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, selection: str, activation_mode: str
+) -> None:
+    """The op's use of the one graph per layer (``op._graphed_backward``: the front and the
+    expert half over one argument block, ``main_grad`` fused, the kept plan and statistics
+    from the graph's buffers) on the host: the graph's kernels run in Triton's interpreter, the
+    graph itself re-runs its launches (``test_cuda_expert_graph_matches_eager_layer`` replays
+    real CUDA graphs). Four keep-0.5 calls against the stages on the torch paths: the same kept
+    pairs, outputs, gradients and ``main_grad`` equal up to fp32 summation order; one layer
+    graph, none with the switches off."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by triton in the spawned worker
+    d = run_distributed(
+        w.interp_graphed_backward_matches_stages, 1, selection, activation_mode, timeout=300
+    )[0]
+    assert d["graphs"] == {"graph": 1, "stages": 0}, d
+    assert d["same_kept"], d
+    for name, rel in d["diff"].items():
+        assert rel < 1e-5, (name, d)
+
+
 def test_selection_deterministic_across_runs_and_ranks() -> None:
     """Same seed and inputs -> bit-identical selection on every rank and every run."""
     cases = [
