@@ -568,6 +568,8 @@ def _graphed_backward(
     """
     counts, quota, uniforms = _local_segments(call, key)
     num_kept = int(quota.numpy().sum())
+    if num_kept == 0:  # nothing to replay; and no shared rows for an empty shape
+        return None
     perm = call.perm
     rows = expert_graph_rows(
         num_kept, g, perm.slot_pair, perm.num_pairs, counts.numel(), _packs_inputs(call)

@@ -124,7 +124,11 @@ class ExpertRows:
         own = [self.g, self.x]
         for work in self.fronts.values():
             own += [t for t in vars(work).values() if isinstance(t, torch.Tensor)]
-        total = sum(t.numel() * t.element_size() for t in own if t is not None)
+        # Each storage once (the front's argument block and segment table are views of one).
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage() for t in own if t is not None
+        }
+        total = sum(st.nbytes() for st in storages.values())
         if self._pool is not None and self._graphs:
             pool = tuple(self._pool)
             total += sum(
