@@ -271,6 +271,13 @@ def main() -> None:
         help="fp32 main_grad on every parameter, DDP-like, and the weight gradients fused into "
         "it (grad_accumulation_fusion on): what Megatron training runs",
     )
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        help="experts in the layer (default: Qwen3-30B-A3B's 128); 16 is one GPU's share of EP 8 "
+        "(as layer_bench.py --experts)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--trace-dir", default=None, help="where the Chrome traces go (default --out)")
     args = parser.parse_args()
@@ -282,7 +289,7 @@ def main() -> None:
     ep = int(os.environ.get("WORLD_SIZE", "1"))
     pg = init_distributed(ep)
     rank = torch.distributed.get_rank()
-    cfg = moe_config(ep)
+    cfg = moe_config(ep) if args.experts is None else moe_config(ep, num_moe_experts=args.experts)
     layer = get_lrmoe_moe_spec(LRMoEConfig())(config=cfg, pg_collection=pg, layer_number=1).cuda()
     fusion = "on" if args.main_grad else "off"
     if args.main_grad:
