@@ -518,58 +518,57 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
-def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[str, Any]:
-    """EP ``world`` (scope local) on the host, fp32, under ``TRITON_INTERPRET=1`` (set by the
-    test before the spawn):
-    the layer's backward through ``op.replayed_front`` (the op told Triton may run, the CUDA
-    graph replaced by re-running its launches, so its kernels run in the interpreter) against
-    the same four keep-0.5 calls with ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the
-    torch paths). Returns the largest differences of outputs and gradients, whether the kept
-    pairs were the same, and the fronts captured."""
+class _Rerun:
+    """Stands in for ``torch.cuda.CUDAGraph`` on the host: a "replay" reruns the launches."""
+
+    def __init__(self, launch) -> None:
+        self.replay = launch
+
+
+def _graphs_on_host() -> None:
+    """Lets the op's replayed graphs run on the host, in a worker spawned with
+    ``TRITON_INTERPRET=1``: the op told Triton may run (dispatch/rows still sees CPU tensors),
+    pageable argument blocks, and a capture that runs the launches once (the eager run in front
+    of every capture) and keeps them as the "graph", so its kernels run in the interpreter."""
     from megatron_lrmoe import op, triton_kernels
     from megatron_lrmoe.select import kernels
 
     assert triton_kernels._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
-    op.use_triton = lambda *tensors: True  # the op only; dispatch/rows still sees CPU tensors
+    op.use_triton = lambda *tensors: True
     kernels._graphs_wanted = lambda device: True
     host_block = kernels._host_block
     kernels._host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
 
-    class _Rerun:  # stands in for torch.cuda.CUDAGraph: a "replay" reruns the launches
-        def __init__(self, launch) -> None:
-            self.replay = launch
-
     def capture(self, launch, device) -> None:
-        launch()  # the eager run that precedes every capture
+        launch()
         self.graph = _Rerun(launch)
 
     kernels._Captured._capture = capture
-    pg = init_megatron_parallel(ep=world)
-    cfg = _config(world, moe_aux_loss_coeff=0.0)
-    runs: dict[str, list[dict[str, torch.Tensor]]] = {}
-    fronts = {}
-    for mode in ("front", "stages"):
-        if mode == "stages":
-            os.environ["LRMOE_FRONT_GRAPHS"] = "0"
-        kernels._GRAPHS = kernels._GraphCache()
-        torch.manual_seed(5)
-        lrmoe = LRMoEConfig(keep_ratio=0.5, selection=selection, debug_record_selection=True)
-        lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
-        runs[mode] = []
-        for call in range(4):
-            x, up = _inputs(rank, cfg.hidden_size, 7 + call)
-            for p in lr.parameters():
-                p.grad = None
-            got = _run(lr, x, up)
-            got["router"] = lr.router.weight.grad.clone()
-            got["fc1"], got["fc2"] = (w.grad.clone() for w in lr.experts.weights())
-            got["kept"] = lr.last_call_stats.kept_mask.clone()
-            runs[mode].append(got)
-        fronts[mode] = sum(
-            getattr(v, "has_front", False) for v in kernels._GRAPHS.graphs.values()
-        )
-    del os.environ["LRMOE_FRONT_GRAPHS"]
-    pairs = list(zip(runs["front"], runs["stages"]))
+
+
+def _run_calls(lr, inputs, main_grad: bool) -> list[dict[str, torch.Tensor]]:
+    """Forward and backward of ``lr`` on each ``(x, upstream)`` of ``inputs``: outputs, input
+    and router gradients, the expert weight gradients (``main_grad`` after the call, or
+    ``.grad``) and the kept mask of each call."""
+    runs = []
+    for x, up in inputs:
+        for p in lr.parameters():
+            p.grad = None
+        got = _run(lr, x, up)
+        got["router"] = lr.router.weight.grad.clone()
+        grads = (w.main_grad if main_grad else w.grad for w in lr.experts.weights())
+        got["fc1"], got["fc2"] = (t.clone() for t in grads)
+        got["kept"] = lr.last_call_stats.kept_mask.clone()
+        runs.append(got)
+    return runs
+
+
+def _same_kept_and_diffs(
+    runs: list[dict[str, torch.Tensor]], ref: list[dict[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """Whether every call kept the same pairs, and the largest relative difference of outputs
+    and gradients from ``ref``, call by call."""
+    pairs = list(zip(runs, ref))
     return {
         "same_kept": all(torch.equal(a["kept"], b["kept"]) for a, b in pairs),
         "diff": {
@@ -579,8 +578,38 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
             )
             for k in ("out", "dx", "router", "fc1", "fc2")
         },
-        "fronts": fronts,
     }
+
+
+def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[str, Any]:
+    """EP ``world`` (scope local) on the host, fp32, under ``TRITON_INTERPRET=1`` (set by the
+    test before the spawn):
+    the layer's backward through ``op.replayed_front`` (the op told Triton may run, the CUDA
+    graph replaced by re-running its launches, so its kernels run in the interpreter) against
+    the same four keep-0.5 calls with ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the
+    torch paths). Returns the largest differences of outputs and gradients, whether the kept
+    pairs were the same, and the fronts captured."""
+    from megatron_lrmoe.select import kernels
+
+    _graphs_on_host()
+    pg = init_megatron_parallel(ep=world)
+    cfg = _config(world, moe_aux_loss_coeff=0.0)
+    inputs = [_inputs(rank, cfg.hidden_size, 7 + call) for call in range(4)]
+    runs: dict[str, list[dict[str, torch.Tensor]]] = {}
+    fronts = {}
+    for mode in ("front", "stages"):
+        if mode == "stages":
+            os.environ["LRMOE_FRONT_GRAPHS"] = "0"
+        kernels._GRAPHS = kernels._GraphCache()
+        torch.manual_seed(5)
+        lrmoe = LRMoEConfig(keep_ratio=0.5, selection=selection, debug_record_selection=True)
+        lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
+        runs[mode] = _run_calls(lr, inputs, main_grad=False)
+        fronts[mode] = sum(
+            getattr(v, "has_front", False) for v in kernels._GRAPHS.graphs.values()
+        )
+    del os.environ["LRMOE_FRONT_GRAPHS"]
+    return {**_same_kept_and_diffs(runs["front"], runs["stages"]), "fronts": fronts}
 
 
 def interp_graphed_backward_matches_stages(
@@ -596,38 +625,25 @@ def interp_graphed_backward_matches_stages(
     ones (host group sizes add up to the rows), which room 0 gives. Returns the largest
     relative differences of outputs and gradients, whether the kept pairs were the same, and
     the layer graphs each mode left."""
-    from megatron_lrmoe import op, triton_kernels
+    from megatron_lrmoe import op
     from megatron_lrmoe.experts import backward_graph as bg
     from megatron_lrmoe.select import kernels
 
-    assert triton_kernels._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
-    op.use_triton = lambda *tensors: True  # the op only; dispatch/rows still sees CPU tensors
+    _graphs_on_host()
     op.expert_graph_wanted = lambda g, weights, into, h: (
         into is not None and os.environ.get(bg.EXPERT_GRAPHS_ENV, "1") != "0"
     )
-    kernels._graphs_wanted = lambda device: True
-    host_block = kernels._host_block
-    kernels._host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
-
-    class _Rerun:  # stands in for torch.cuda.CUDAGraph: a "replay" reruns the launches
-        def __init__(self, launch) -> None:
-            self.replay = launch
-
-    def capture_front(self, launch, device) -> None:
-        launch()  # the eager run that precedes every capture
-        self.graph = _Rerun(launch)
 
     def capture_layer(launch, device, pool):
         launch()
         return _Rerun(launch)
 
-    kernels._Captured._capture = capture_front
     bg.capture = capture_layer
     bg.ExpertRows.pool_for = lambda self, graph: None
     bg._ROW_QUANTUM, bg._HEADROOM = 1, 0.0
     pg = init_megatron_parallel(ep=world)
     cfg = _config(world, moe_aux_loss_coeff=0.0)
-    x, up = _inputs(rank, cfg.hidden_size)
+    inputs = [_inputs(rank, cfg.hidden_size)] * 4
     runs: dict[str, list[dict[str, torch.Tensor]]] = {}
     graphs = {}
     for mode in ("graph", "stages"):
@@ -643,30 +659,11 @@ def interp_graphed_backward_matches_stages(
         lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
         for p in lr.experts.weights():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
-        runs[mode] = []
-        for call in range(4):
-            for p in lr.parameters():
-                p.grad = None
-            got = _run(lr, x, up)
-            got["router"] = lr.router.weight.grad.clone()
-            got["fc1"], got["fc2"] = (w.main_grad.clone() for w in lr.experts.weights())
-            got["kept"] = lr.last_call_stats.kept_mask.clone()
-            runs[mode].append(got)
+        runs[mode] = _run_calls(lr, inputs, main_grad=True)
         graphs[mode] = len(bg._GRAPHS.graphs)
     for name in (bg.EXPERT_GRAPHS_ENV, "LRMOE_FRONT_GRAPHS"):
         del os.environ[name]
-    pairs = list(zip(runs["graph"], runs["stages"]))
-    return {
-        "same_kept": all(torch.equal(a["kept"], b["kept"]) for a, b in pairs),
-        "diff": {
-            k: max(
-                ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)).item()
-                for a, b in pairs
-            )
-            for k in ("out", "dx", "router", "fc1", "fc2")
-        },
-        "graphs": graphs,
-    }
+    return {**_same_kept_and_diffs(runs["graph"], runs["stages"]), "graphs": graphs}
 
 
 def fused_accumulation_under_saved_tensor_hooks(rank: int, world: int) -> list[dict[str, Any]]:
