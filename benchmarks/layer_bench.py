@@ -350,9 +350,10 @@ def main() -> None:
     parser.add_argument(
         "--eager-experts",
         action="store_true",
-        help="add keep 0.5 sample with the expert half of the backward launched kernel by kernel "
-        "(LRMOE_EXPERT_GRAPHS=0), beside the default replayed graph per layer (EP 1 with "
-        "--main-grad --fusion on only)",
+        help="add keep 0.5 sample with only the front replayed and the expert half of the "
+        "backward launched kernel by kernel (LRMOE_EXPERT_GRAPHS=0), beside the default: the "
+        "whole trimmed backward as one replayed graph per layer (EP 1 with --main-grad "
+        "--fusion on only)",
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=15)
