@@ -79,11 +79,11 @@ def _forward_stages() -> list[tuple[Any, str, str]]:
     ]
 
 
-class _StageClock:
+class StageClock:
     """Wraps the op's stage functions (and the forward's, see ``_forward_stages``) with
-    ``perf_counter`` (about 1 us each)."""
+    ``perf_counter`` (about 1 us each); ``only``: just the stages with these labels."""
 
-    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, extra: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> None:
         from megatron_lrmoe import op
 
         self.saved: list[tuple[Any, str, Any]] = []
@@ -95,6 +95,8 @@ class _StageClock:
             targets += [(cls, meth, f"{cls.__name__}.{meth}") for meth in ("forward", "backward")]
         targets += _forward_stages()
         targets += [_resolve(spec) for spec in extra]
+        if only is not None:
+            targets = [t for t in targets if t[2] in only]
         self.labels = [label for _, _, label in targets]
         for owner, name, label in targets:
             raw = inspect.getattr_static(owner, name)
@@ -323,7 +325,7 @@ def main() -> None:
         host = [step(False) for _ in range(args.iters)]
         fwd_ms = statistics.median(h[0] for h in host)
         bwd_ms = statistics.median(h[1] for h in host)
-        clock = _StageClock(tuple(args.time))
+        clock = StageClock(tuple(args.time))
         try:
             for _ in range(args.iters):
                 step(False)

@@ -518,34 +518,6 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
-class _Rerun:
-    """Stands in for ``torch.cuda.CUDAGraph`` on the host: a "replay" reruns the launches."""
-
-    def __init__(self, launch) -> None:
-        self.replay = launch
-
-
-def _graphs_on_host() -> None:
-    """Lets the op's replayed graphs run on the host, in a worker spawned with
-    ``TRITON_INTERPRET=1``: the op told Triton may run (dispatch/rows still sees CPU tensors),
-    pageable argument blocks, and a capture that runs the launches once (the eager run in front
-    of every capture) and keeps them as the "graph", so its kernels run in the interpreter."""
-    from megatron_lrmoe import op, triton_kernels
-    from megatron_lrmoe.select import kernels
-
-    assert triton_kernels._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
-    op.use_triton = lambda *tensors: True
-    kernels._graphs_wanted = lambda device: True
-    host_block = kernels._host_block
-    kernels._host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
-
-    def capture(self, launch, device) -> None:
-        launch()
-        self.graph = _Rerun(launch)
-
-    kernels._Captured._capture = capture
-
-
 def _run_calls(lr, inputs, main_grad: bool) -> list[dict[str, torch.Tensor]]:
     """Forward and backward of ``lr`` on each ``(x, upstream)`` of ``inputs``: outputs, input
     and router gradients, the expert weight gradients (``main_grad`` after the call, or
@@ -590,8 +562,9 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
     torch paths). Returns the largest differences of outputs and gradients, whether the kept
     pairs were the same, and the fronts captured."""
     from megatron_lrmoe.select import kernels
+    from megatron_lrmoe.testing.host_graphs import graphs_on_host
 
-    _graphs_on_host()
+    graphs_on_host()
     pg = init_megatron_parallel(ep=world)
     cfg = _config(world, moe_aux_loss_coeff=0.0)
     inputs = [_inputs(rank, cfg.hidden_size, 7 + call) for call in range(4)]
@@ -625,22 +598,11 @@ def interp_graphed_backward_matches_stages(
     ones (host group sizes add up to the rows), which room 0 gives. Returns the largest
     relative differences of outputs and gradients, whether the kept pairs were the same, and
     the layer graphs each mode left."""
-    from megatron_lrmoe import op
     from megatron_lrmoe.experts import backward_graph as bg
     from megatron_lrmoe.select import kernels
+    from megatron_lrmoe.testing.host_graphs import layer_graphs_on_host
 
-    _graphs_on_host()
-    op.expert_graph_wanted = lambda g, weights, into, h: (
-        into is not None and os.environ.get(bg.EXPERT_GRAPHS_ENV, "1") != "0"
-    )
-
-    def capture_layer(launch, device, pool):
-        launch()
-        return _Rerun(launch)
-
-    bg.capture = capture_layer
-    bg.ExpertRows.pool_for = lambda self, graph: None
-    bg._ROW_QUANTUM, bg._HEADROOM = 1, 0.0
+    layer_graphs_on_host()
     pg = init_megatron_parallel(ep=world)
     cfg = _config(world, moe_aux_loss_coeff=0.0)
     inputs = [_inputs(rank, cfg.hidden_size)] * 4

@@ -1,10 +1,10 @@
-"""CPU smoke tests of the GPU benchmark scripts (benchmarks/replica_bench.py).
+"""CPU smoke tests of the benchmark scripts (benchmarks/replica_bench.py, host_path_cpu.py).
 
 Cheapest first: the benchmark's pure helpers (routing targets, the EP 2 closed-form optimum
 against the repo's brute force), then one real run of the script under torchrun at EP 2 (gloo,
 CPU shim, tiny shapes) whose JSON must show what the GPU run is meant to show: the requested
 skew was reached, replicas were placed, the layer kept its plan, and replicas lowered the
-measured per-rank forward rows.
+measured per-rank forward rows. Last, the host-time tool of the graphed backward on tiny shapes.
 """
 
 from __future__ import annotations
@@ -187,3 +187,26 @@ def test_train_timers_reads_megatron_timer_blocks(tmp_path: Path) -> None:
     )
     assert "train.log" in out.stdout
     assert json.loads((tmp_path / "t.json").read_text())["train.log"]["optimizer"] == 290.0
+
+
+def test_host_path_cpu_times_the_graphed_backward(tmp_path: Path) -> None:
+    """benchmarks/host_path_cpu.py on tiny shapes: the graphed path ran (one layer graph) and
+    every stage it lists has a time, the parts no more than the whole."""
+    pytest.importorskip("triton")
+    out = tmp_path / "host_path.json"
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    cmd = [
+        sys.executable, "benchmarks/host_path_cpu.py", "--tokens", "64", "--experts", "8",
+        "--hidden", "32", "--iters", "3", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["layer_graphs"] == 1, result
+    stages = result["stage_us"]
+    assert set(stages) >= {"_graphed_backward", "scored_call", "run_layer_graph", "_record_trimmed"}
+    parts = ("_local_segments", "scored_call", "run_layer_graph", "_local_plan")
+    assert sum(stages[k] for k in parts) <= stages["_graphed_backward"], stages
