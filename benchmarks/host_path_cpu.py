@@ -45,7 +45,14 @@ BACKWARD_STAGES = (
 
 
 def measure(
-    rank: int, world: int, tokens: int, experts: int, hidden: int, iters: int, selection: str
+    rank: int,
+    world: int,
+    tokens: int,
+    experts: int,
+    hidden: int,
+    iters: int,
+    selection: str,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Keep 0.5, EP 1, fused accumulation: median host us per call of each backward stage,
     after five warm-up calls (the second and third capture the front and the layer graph)."""
@@ -77,7 +84,8 @@ def measure(
 
     for _ in range(5):
         step()
-    clock = StageClock(only=BACKWARD_STAGES)
+    labels = BACKWARD_STAGES + tuple(spec.partition(":")[2] for spec in extra)
+    clock = StageClock(extra, only=labels)
     try:
         for _ in range(iters):
             step()
@@ -86,7 +94,7 @@ def measure(
         clock.restore()
     return {
         "stage_us": {
-            k: statistics.median(clock.us[k]) for k in BACKWARD_STAGES if any(clock.us[k])
+            k: statistics.median(clock.us[k]) for k in labels if any(clock.us[k])
         },
         "layer_graphs": len(backward_graph._GRAPHS.graphs),
         "torch": torch.__version__,
@@ -102,6 +110,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--selection", default="sample", choices=("sample", "topk"))
+    parser.add_argument(
+        "--time", nargs="*", default=[], metavar="MODULE:NAME",
+        help="more functions for the stage clock (as host_trace.py --time), e.g. "
+        "megatron_lrmoe.select.kernels:_host_block",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_path.json"))
     args = parser.parse_args()
     # Read by triton when the worker imports it (host_graphs.py needs the interpreter).
@@ -110,7 +123,7 @@ def main() -> None:
 
     result = run_distributed(
         measure, 1, args.tokens, args.experts, args.hidden, args.iters, args.selection,
-        timeout=1800,
+        tuple(args.time), timeout=1800,
     )[0]
     result.update(vars(args))
     print(f"keep 0.5 {args.selection}, {args.tokens} tokens, {args.experts} experts, hidden "

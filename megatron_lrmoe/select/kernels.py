@@ -609,7 +609,7 @@ def _host_block(
     flat = torch.empty(lead + _HOST_ROWS * num_segments, dtype=torch.int64, pin_memory=pin)
     # Filled through numpy: ~1 us per row where a torch CPU op costs ~5 us.
     rows = flat.numpy()[lead:].reshape(_HOST_ROWS, num_segments)
-    rows[:] = 0
+    rows[_UNIFORM:] = 0  # the uniforms (unless given) and the accumulators; the rest is set below
     counts_np, quota_np = counts_h.numpy(), quota_h.numpy()
     np.cumsum(counts_np, out=rows[_END])
     np.subtract(rows[_END], counts_np, out=rows[_START])
@@ -617,7 +617,9 @@ def _host_block(
     np.cumsum(quota_np, out=rows[_SLOT])
     rows[_SLOT] -= quota_np
     if uniforms is not None:
-        rows[_UNIFORM].view(np.float64)[:] = uniforms.to(torch.float64).numpy()
+        if uniforms.dtype != torch.float64:
+            uniforms = uniforms.to(torch.float64)
+        rows[_UNIFORM].view(np.float64)[:] = uniforms.numpy()
     return flat
 
 
@@ -964,6 +966,30 @@ def _run_scored(
         return entry.run_scored(call.host, call.num_kept, owned)
 
 
+def _planned_segments(
+    counts: torch.Tensor, quota: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scoring._host_segments`` in fewer steps for what the planner hands the backward (host
+    int64 ``[G]`` tensors): one combined test, and on failure ``_host_segments`` itself, so
+    bad inputs get its messages. Anything else goes through ``_host_segments``."""
+    planned = (
+        counts.dtype == torch.int64
+        and quota.dtype == torch.int64
+        and counts.device.type == "cpu"
+        and quota.device.type == "cpu"
+        and counts.dim() == 1
+        and quota.shape == counts.shape
+    )
+    if not planned:
+        return scoring._host_segments(counts, quota, n)
+    c, q = counts.numpy(), quota.numpy()
+    # A negative count fails the quota test too (0 <= quota <= count).
+    if int(c.sum()) != n or n >= scoring._MAX_ROWS or bool(((q < 0) | (q > c)).any()):
+        scoring._host_segments(counts, quota, n)  # raises the failed check's message
+        raise AssertionError(f"segments rejected here but not by _host_segments: {c}, {q}, {n}")
+    return counts, quota
+
+
 class ScoredCall(NamedTuple):
     """One call of a replayed front (:func:`scored_call`): what its graph is keyed by, the
     filled argument block and segment table (pinned, for one host-to-device copy), and what a
@@ -995,13 +1021,16 @@ def scored_call(
         return None
     g, x, probs, token = inputs
     n = probs.numel()
-    counts_h, quota_h = scoring._host_segments(counts, quota, n)
+    counts_h, quota_h = _planned_segments(counts, quota, n)
     num_segments = counts_h.numel()
     if sample:
         scoring._check_uniforms(uniforms, num_segments)
         if uniforms.device.type != "cpu":
             return None
-    num_kept = int(quota_h.numpy().sum())
+    tk = triton_kernels
+    host = _host_block(counts_h, quota_h, uniforms if sample else None, True, tk.ARG_SLOTS)
+    rows = host.numpy()[tk.ARG_SLOTS :].reshape(_HOST_ROWS, num_segments)
+    num_kept = int(rows[_SLOT, -1] + rows[_QUOTA, -1]) if num_segments else 0
     if num_kept == 0 or (front is not None and not _front_ready(inputs, front, num_kept)):
         return None
     key = (
@@ -1009,8 +1038,6 @@ def scored_call(
         kept_total, g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
         None if front is None else _FrontShape.of(front),
     )
-    tk = triton_kernels
-    host = _host_block(counts_h, quota_h, uniforms if sample else None, True, tk.ARG_SLOTS)
     args = host.numpy()
     args[tk.ARG_G], args[tk.ARG_X] = g.data_ptr(), x.data_ptr()
     args[tk.ARG_PROBS], args[tk.ARG_TOKEN] = probs.data_ptr(), token.data_ptr()
@@ -1148,6 +1175,11 @@ class FrontWork(_Captured):
         self.kept_total = kept_total
         self._outputs(device, n, g_segments, lead=tk.ARG_SLOTS)
         self.args = self.flat[: tk.ARG_SLOTS]
+        # Views handed out after every replay (owned=False), made once: on the backward's host
+        # path each slicing is a torch call. The kept rows' views by kept count (few counts).
+        self._host_part = self.flat[: call.host.numel()]
+        self._sum_views = (self.sums[0], self.sums[1], self.sums[2], self.table[_QUOTA])
+        self._kept_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
         select_args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block)
         shape, strides = (t, g.shape[1]), (g.stride(0), x.stride(0))
@@ -1201,19 +1233,33 @@ class FrontWork(_Captured):
         return self.table[_QUOTA]
 
     def load_host(self, host: torch.Tensor) -> None:
-        self.flat[: host.numel()].copy_(host, non_blocking=True)
+        self._host_part.copy_(host, non_blocking=True)
 
     def scored(self, owned: bool) -> tuple[scoring.PairScores, torch.Tensor | None]:
         """The last run's scores, poison and score total, and (``kept_total``) the kept scores'
         finite sum: copies unless ``owned=False``."""
-        scores, sums = self.scores, self.sums
         if owned:
-            scores, sums = scores.clone(), sums.clone()
-        return scoring.PairScores(scores, sums[0], sums[1]), sums[2] if self.kept_total else None
+            scores, sums = self.scores.clone(), self.sums.clone()
+            poison, total, kept = sums[0], sums[1], sums[2]
+        else:
+            scores, (poison, total, kept, _) = self.scores, self._sum_views
+        return scoring.PairScores(scores, poison, total), kept if self.kept_total else None
+
+    def outputs(self, num_kept: int, owned: bool = True) -> scoring.Selection:
+        if owned:
+            return super().outputs(num_kept, owned)
+        views = self._kept_views.get(num_kept)
+        if views is None:
+            if len(self._kept_views) >= 64:
+                self._kept_views.clear()
+            views = self._kept_views[num_kept] = (
+                self.kept[:num_kept], self.weight[:num_kept]
+            )
+        return scoring.Selection(*views, self._sum_views[3])
 
     def front(self, num_kept: int, owned: bool) -> Front:
-        """The last run's outputs (copies unless ``owned=False``); ``row_of_pair`` is ``None``
-        unless this work has a front."""
+        """The last run's outputs (copies unless ``owned=False``: then views made once);
+        ``row_of_pair`` is ``None`` unless this work has a front."""
         scored, kept_total = self.scored(owned)
         row_of = self.row_of_pair
         if owned and row_of is not None:
