@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -623,3 +624,32 @@ def test_interp_rejects_what_the_reference_rejects() -> None:
         kernels.select_triton("sample", scores, counts, quota, torch.rand(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="power of two"):
         kernels.select_triton("topk", scores, counts, quota, block=24)
+
+
+@pytest.mark.parametrize(
+    ("counts", "quota", "n"),
+    [
+        ([3, 0, 2], [1, 0, 2], 5),  # valid
+        ([3, -1, 3], [1, 0, 2], 5),  # a negative count
+        ([3, 1, 2], [1, 2, 2], 6),  # a quota above its count
+        ([3, 1, 2], [1, -1, 2], 6),  # a negative quota
+        ([3, 1, 2], [1, 1, 2], 7),  # counts that do not add up to the rows
+        ([], [], 0),  # no segments
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_planned_segments_accept_and_reject_like_host_segments(
+    counts: list[int], quota: list[int], n: int, dtype: torch.dtype
+) -> None:
+    """The backward's short check of the planner's segments (``kernels._planned_segments``)
+    takes what ``scoring._host_segments`` takes, returns the same int64 host tensors and
+    rejects the rest with its message."""
+    c, q = torch.tensor(counts, dtype=dtype), torch.tensor(quota, dtype=dtype)
+    try:
+        want = scoring._host_segments(c, q, n)
+    except ValueError as err:
+        with pytest.raises(ValueError, match=f"^{re.escape(str(err))}$"):
+            kernels._planned_segments(c, q, n)
+        return
+    got = kernels._planned_segments(c, q, n)
+    assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(got, want))
