@@ -13,9 +13,10 @@ kernels run once, in Triton's interpreter, when a graph is captured, and a repla
 Prints, and writes as JSON (``--out``), the median microseconds per call of each stage of the
 op's backward, from ``host_trace.py``'s stage clock (``perf_counter`` around the op's stage
 functions, inclusive): ``_graphed_backward`` is everything up to the queued replay and the kept
-plan, its parts are listed below it, and ``_record_trimmed`` (statistics) follows it. As on the GPU host, a call costs several times what it costs in a loop
-(docs/benchmarks.md section 14); this machine's CPU is not the GPU host's, so compare stages
-and code changes within one run of this script, not with ``host_trace.py``'s numbers.
+plan, its parts are listed below it, and ``_record_trimmed`` (statistics) follows it. As on
+the GPU host, a call costs several times what it costs in a loop (docs/benchmarks.md section
+14). This machine's CPU is not the GPU host's: compare stages and code changes between runs of
+this script on one machine (alternate them), not with ``host_trace.py``'s numbers.
 """
 
 from __future__ import annotations
