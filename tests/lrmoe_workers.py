@@ -468,8 +468,9 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     """EP 1, bf16 on the GPU, keep 0.5, weight gradients fused into ``main_grad``: two layers
     (different weights, so two graphs sharing the buffers and the memory pool) run forward and
     backward on four inputs (the kept count changes), per case (``save`` with ``sample``,
-    ``recompute`` with ``topk``), with the expert half replayed as a graph (captured on each
-    layer's second call) and with ``LRMOE_EXPERT_GRAPHS=0``. Returns per case the largest
+    ``recompute`` with ``topk``), with the whole trimmed backward replayed as one graph per
+    layer (captured on the layer's second sighting once its shape has shared rows) and with
+    ``LRMOE_EXPERT_GRAPHS=0``. Returns per case the largest
     difference of outputs, input and router gradients and ``main_grad`` (after every call) and
     the expert graphs each mode left."""
     from megatron_lrmoe.experts import backward_graph

@@ -218,11 +218,12 @@ def test_cuda_scoring_graph_matches_eager_layer() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
 def test_cuda_expert_graph_matches_eager_layer() -> None:
-    """The layer on the GPU, keep 0.5, fused ``main_grad``, two layers sharing the expert
-    graphs' buffers and memory pool: with the expert half of the backward replayed as one graph
-    per layer (from each layer's second call), outputs, input and router gradients and
-    ``main_grad`` after every call have the bits of the eager stages, in ``save`` and
-    ``recompute`` mode; one graph per layer, none with ``LRMOE_EXPERT_GRAPHS=0``."""
+    """The layer on the GPU, keep 0.5, fused ``main_grad``, two layers sharing the graphs'
+    buffers and memory pool: with the whole trimmed backward replayed as one graph per layer
+    (the front and the expert half; from each layer's third call), outputs, input and router
+    gradients and ``main_grad`` after every call have the bits of the front replayed alone and
+    the expert half launched eagerly (``LRMOE_EXPERT_GRAPHS=0``), in ``save`` and
+    ``recompute`` mode; one layer graph per layer, none with the switch off."""
     d = run_distributed(w.cuda_expert_graph_matches_eager, 1)[0]
     assert d["device"].startswith("cuda"), d
     assert d["graphs"] == {
