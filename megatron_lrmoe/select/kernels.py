@@ -891,7 +891,8 @@ def score_select_triton(
     if not (os.environ.get(_SCORE_GRAPHS_ENV, "1") != "0" and _graphs_wanted(probs.device)):
         return None
     inputs = ScoreInputs(g, x, probs, token)
-    run = _run_scored(policy, inputs, counts, quota, uniforms, None, kept_total, owned)
+    call = scored_call(policy, inputs, counts, quota, uniforms, None, kept_total)
+    run = _replay_scored(call, owned)
     return None if run is None else run.scored
 
 
@@ -928,7 +929,9 @@ def front_triton(
     if not front_graphs_wanted(probs.device):
         return None
     inputs = ScoreInputs(g, x, probs, token)
-    return _run_scored(policy, inputs, counts, quota, uniforms, front, kept_total, owned)
+    return _replay_scored(
+        scored_call(policy, inputs, counts, quota, uniforms, front, kept_total), owned
+    )
 
 
 def front_graphs_wanted(device: torch.device) -> bool:
@@ -941,24 +944,16 @@ def front_graphs_wanted(device: torch.device) -> bool:
     )
 
 
-def _run_scored(
-    policy: str,
-    inputs: ScoreInputs,
-    counts: torch.Tensor,
-    quota: torch.Tensor,
-    uniforms: torch.Tensor | None,
-    front: FrontBuffers | None,
-    kept_total: bool,
-    owned: bool,
-) -> Front | None:
-    """:func:`score_select_triton` (``front=None``) and :func:`front_triton`."""
-    call = scored_call(policy, inputs, counts, quota, uniforms, front, kept_total)
+def _replay_scored(call: ScoredCall | None, owned: bool) -> Front | None:
+    """:func:`score_select_triton` and :func:`front_triton` after :func:`scored_call`: the
+    captured graph of ``call``'s key replayed (captured on the key's second sighting), or
+    ``None`` where ``call`` is ``None`` or the key is new."""
     if call is None:
         return None
     entry, capture = _GRAPHS.lookup(call.key)
     if entry is None and not capture:
         return None
-    with _device_ctx(inputs.probs):
+    with _device_ctx(call.inputs.probs):
         if entry is None:
             entry = _CapturedScored(call)
             _GRAPHS.add(call.key, entry)
