@@ -1060,7 +1060,6 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
         WgradConfig,
         accumulate_grouped_wgrad,
         config_for,
-        grouped_wgrad_from_args,
         grouped_wgrad_reference,
         grouped_wgrad_triton,
     )
@@ -1090,18 +1089,6 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
             got = grouped_wgrad_triton(a, b, offs, base.clone(), config=cfg)
             torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
             assert torch.equal(got[1], base[1])
-        # b gathered in the kernel (the layer graph's fc1 input rows): the packed kernel's bits.
-        tokens = rows // 3 + 1
-        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-        token = torch.randint(0, tokens, (2 * rows,), device="cuda")
-        pairs = torch.randperm(2 * rows, device="cuda")[:rows]
-        args = torch.zeros(triton_kernels.ARG_SLOTS, dtype=torch.int64, device="cuda")
-        args[triton_kernels.ARG_X], args[triton_kernels.ARG_TOKEN] = x.data_ptr(), token.data_ptr()
-        packed = x.index_select(0, token[pairs])
-        got = grouped_wgrad_from_args(
-            a, pairs, args, (x.stride(0), x.dtype, token.dtype), offs, base.clone(), config=tile
-        )
-        assert torch.equal(got, grouped_wgrad_triton(a, packed, offs, base.clone(), config=tile))
 
 
 @cuda
