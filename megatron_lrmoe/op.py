@@ -571,10 +571,9 @@ def _graphed_backward(
     if num_kept == 0:  # nothing to replay; and no shared rows for an empty shape
         return None
     perm = call.perm
-    # Save mode: the graph's fc1 weight gradient reads the kept pairs' input rows from
-    # ``hidden`` in place; recompute packs them (fc1 runs again on them).
-    pack_x = call.activation_mode == "recompute"
-    rows = expert_graph_rows(num_kept, g, perm.slot_pair, perm.num_pairs, counts.numel(), pack_x)
+    rows = expert_graph_rows(
+        num_kept, g, perm.slot_pair, perm.num_pairs, counts.numel(), _packs_inputs(call)
+    )
     if rows is None:
         return None
     g_kept, x_kept = rows.kept(num_kept)

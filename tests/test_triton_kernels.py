@@ -696,12 +696,8 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
     w2 = torch.randn(experts, width, ffn, generator=gen) / 4
     starts = [torch.randn(w.shape, generator=gen) for w in (w1, w2)]
     h = torch.randn(pairs, 2 * ffn, generator=gen) if save else None
-    # Save mode reads fc1's input rows in place (no packed copy); recompute packs them.
-    shape = bg._Shape(
-        torch.device("cpu"), tokens, slots, pairs, width, experts, w1.dtype, not save
-    )
+    shape = bg._Shape(torch.device("cpu"), tokens, slots, pairs, width, experts, w1.dtype, True)
     rows = bg.ExpertRows(shape, kept)
-    assert (rows.x is None) == save
     acc = [s.clone() for s in starts]
     ref_acc = [s.clone() for s in starts]
     for call in range(4):
@@ -976,46 +972,6 @@ def test_interp_grouped_wgrad(sizes: list[int], dtype, accumulate: bool, persist
         for g, size in enumerate(sizes):
             if size == 0:
                 assert torch.equal(got[g], base[g])
-
-
-@interp
-@pytest.mark.parametrize("persistent", [0, 1], ids=["grid", "persistent"])
-@pytest.mark.parametrize("token_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
-def test_interp_grouped_wgrad_gathers_b_through_args(persistent: int, token_dtype) -> None:
-    """``b``'s rows read in place, ``b[token[rows[r]]]``, through the argument block: the same
-    bits as the kernel on those rows packed (same tiles, same summation order), rows past the
-    groups not read."""
-    from megatron_lrmoe.experts.wgrad_triton import (
-        WgradConfig,
-        grouped_wgrad_from_args,
-        grouped_wgrad_reference,
-        grouped_wgrad_triton,
-    )
-
-    sizes = WGRAD_SIZES[0]
-    a, _, base = _wgrad_case(sizes, torch.bfloat16)
-    gen = torch.Generator().manual_seed(7)
-    tokens, pairs, used = 23, 61, sum(sizes)
-    x = torch.randn(tokens, base.shape[2], generator=gen).to(torch.bfloat16)
-    token = torch.randint(0, tokens, (pairs,), generator=gen).to(token_dtype)
-    rows = torch.randperm(pairs, generator=gen)[: used + 4]  # 4 rows past the groups
-    a = torch.cat([a, torch.full((4, a.shape[1]), float("nan"), dtype=a.dtype)])
-    args = torch.zeros(triton_kernels.ARG_SLOTS, dtype=torch.int64)
-    args[triton_kernels.ARG_X], args[triton_kernels.ARG_TOKEN] = x.data_ptr(), token.data_ptr()
-    offs = torch.tensor(sizes).cumsum(0)
-    config = WgradConfig(16, 32, 16, 4, 2, programs_per_sm=persistent)
-    got = grouped_wgrad_from_args(
-        a, rows, args, (x.stride(0), x.dtype, token.dtype), offs, base.clone(), config=config
-    )
-    packed = x.index_select(0, token[rows].long())
-    want = grouped_wgrad_triton(a[:used], packed[:used], offs, base.clone(), config=config)
-    assert torch.equal(got, want)
-    ref = grouped_wgrad_reference(a[:used], packed[:used], sizes, base.clone())
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
-    with pytest.raises(ValueError, match="rows must be contiguous"):
-        grouped_wgrad_from_args(
-            a, rows.int(), args, (x.stride(0), x.dtype, token.dtype), offs, base, config=config
-        )
 
 
 def test_grouped_wgrad_tile_by_rows_per_group() -> None:

@@ -15,8 +15,8 @@ What a replay reads and writes:
 ==================  ===========================================================================
 shared buffers      one set per shape (tokens, slots per token, pairs, width, experts, dtype,
                     packed inputs), used by every layer's graph (they never run concurrently:
-                    one stream): ``[C, H]`` kept gradient rows and (``recompute``, where fc1
-                    runs again on them) kept input rows, which the front packs into, ``C >= K``
+                    one stream): ``[C, H]`` kept gradient rows and (at EP 1, ``save`` and
+                    ``recompute`` alike) kept input rows, which the front packs into, ``C >= K``
                     (a new, larger set, and new graphs, when a call keeps more); the front's
                     static buffers (norms, scores, the selection, the map from pairs to packed
                     rows) and its argument block. A shape gets its set on its second sighting;
@@ -29,10 +29,6 @@ per layer           the weights and their ``main_grad`` (graph key: their addres
 inside the graph    the selection's work, fc2's input gradient, ``dh``, the activation output,
                     ``dx``: one memory pool shared by every layer's graph.
 ==================  ===========================================================================
-
-In ``save`` mode fc1's weight gradient reads the kept pairs' input rows straight from the layer
-input (``grouped_wgrad_from_args``: row ``hidden[token[kept[r]]]``), so the front packs no copy
-of them: a ``[K, H]`` write and buffer less than the stages' path (which packs them).
 
 ``K`` changes from call to call: the grouped GEMMs take device offsets (rows past ``K`` are
 not computed), the activation backward and the packing read ``K`` from the argument block, and
@@ -65,12 +61,7 @@ from megatron_lrmoe.experts.grouped_gemm import (
     grouped_mm_nn,
     grouped_mm_nt,
 )
-from megatron_lrmoe.experts.wgrad_triton import (
-    WgradConfig,
-    config_for,
-    grouped_wgrad_from_args,
-    grouped_wgrad_triton,
-)
+from megatron_lrmoe.experts.wgrad_triton import WgradConfig, config_for, grouped_wgrad_triton
 from megatron_lrmoe.select.kernels import Front, FrontWork, ScoredCall, front_graphs_wanted
 
 __all__ = [
@@ -179,7 +170,6 @@ class _LayerGraph:
         spec: GluSpec,
         need_dx: bool,
         config: WgradConfig,
-        x_layout: tuple[int, torch.dtype, torch.dtype],
     ) -> None:
         # The weights and main_grad stay referenced: the graph reads them at their addresses.
         self.rows, self.front, self.weights = rows, front, weights
@@ -213,10 +203,7 @@ class _LayerGraph:
             del da
             grouped_wgrad_triton(g, act, offs, acc2, config=config)
             del act
-            if x is None:  # save: fc1's input rows read in place, layer input[token[kept]]
-                grouped_wgrad_from_args(dh, front.kept, args, x_layout, offs, acc1, config=config)
-            else:
-                grouped_wgrad_triton(dh, x, offs, acc1, config=config)
+            grouped_wgrad_triton(dh, x, offs, acc1, config=config)
             if need_dx:
                 dx = grouped_mm_nn(dh, w1, groups)
                 shape = rows.shape
@@ -405,11 +392,7 @@ def run_layer_graph(
         args[tk.ARG_ROW_OF], args[tk.ARG_OUT] = work.row_of_pair.data_ptr(), d_hidden.data_ptr()
     work.load_host(call.host)
     if entry is None:
-        _, x, _, token = call.inputs
-        entry = _LayerGraph(
-            rows, work, _Weights(w1, w2, *into), h, spec, need_dx, config,
-            (x.stride(0), x.dtype, token.dtype),
-        )  # fmt: skip
+        entry = _LayerGraph(rows, work, _Weights(w1, w2, *into), h, spec, need_dx, config)
         entry.capture()
         _GRAPHS.add(key, entry)
     else:

@@ -28,22 +28,14 @@ from typing import Any
 import torch
 
 from megatron_lrmoe.experts.grouped_gemm import Counts, GroupSizes
-from megatron_lrmoe.triton_kernels import (
-    _cdiv,
-    _device_ctx,
-    _tl_dtype,
-    triton_available,
-    use_triton,
-)
+from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available, use_triton
 
 tl: Any = None  # bound to triton.language on first use (see triton_kernels.py)
-_arg_ptr: Any = None  # bound to triton_kernels' jitted helper on first use (_kernel)
 
 __all__ = [
     "WgradConfig",
     "accumulate_grouped_wgrad",
     "config_for",
-    "grouped_wgrad_from_args",
     "grouped_wgrad_reference",
     "grouped_wgrad_triton",
 ]
@@ -101,17 +93,13 @@ def _wgrad_tile(
     N,
     stride_a,
     stride_b,
-    rows_ptr,
-    tok_ptr,
     ACCUMULATE: tl.constexpr,
     UPCAST: tl.constexpr,
-    GATHER_B: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Tile ``(pm, pn)`` of group ``g``: the loop over the group's rows, then the epilogue.
-    ``GATHER_B``: row ``r`` of ``b`` is row ``tok[rows[r]]`` of the tensor at ``b_ptr``."""
+    """Tile ``(pm, pn)`` of group ``g``: the loop over the group's rows, then the epilogue."""
     end = tl.load(offs_ptr + g).to(tl.int64)
     start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -129,13 +117,8 @@ def _wgrad_tile(
             mask=mask_k[None, :] & mask_m[:, None],
             other=0.0,
         )
-        if GATHER_B:
-            pair = tl.load(rows_ptr + rows, mask=mask_k, other=0)
-            b_rows = tl.load(tok_ptr + pair, mask=mask_k, other=0).to(tl.int64)
-        else:
-            b_rows = rows
         b = tl.load(
-            b_ptr + b_rows[:, None] * stride_b + rn[None, :],
+            b_ptr + rows[:, None] * stride_b + rn[None, :],
             mask=mask_k[:, None] & mask_n[None, :],
             other=0.0,
         )
@@ -150,33 +133,17 @@ def _wgrad_tile(
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _b_operand(b_ptr, args_ptr, GATHER_B: tl.constexpr, B_TY: tl.constexpr, T_TY: tl.constexpr):
-    """``(b, tok)``: the kernel's own ``b``, or (``GATHER_B``) the token rows and the token of
-    each pair at ``args[1]`` and ``args[3]`` of an argument block (``triton_kernels.ARG_X``,
-    ``ARG_TOKEN``: tensors that change from call to call under a replayed graph)."""
-    tok_ptr = args_ptr
-    if GATHER_B:
-        b_ptr = _arg_ptr(args_ptr, 1, B_TY)
-        tok_ptr = _arg_ptr(args_ptr, 3, T_TY)
-    return b_ptr, tok_ptr
-
-
 def _wgrad_kernel(
     out_ptr,
     a_ptr,
     b_ptr,
     offs_ptr,
-    args_ptr,
-    rows_ptr,
     M,
     N,
     stride_a,
     stride_b,
     ACCUMULATE: tl.constexpr,
     UPCAST: tl.constexpr,
-    GATHER_B: tl.constexpr,
-    B_TY: tl.constexpr,
-    T_TY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -184,11 +151,9 @@ def _wgrad_kernel(
     """One program per tile: grid ``(tiles per group, groups)``."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    b_ptr, tok_ptr = _b_operand(b_ptr, args_ptr, GATHER_B, B_TY, T_TY)
     _wgrad_tile(
         out_ptr, a_ptr, b_ptr, offs_ptr, tl.program_id(1), pid // tiles_n, pid % tiles_n,
-        M, N, stride_a, stride_b, rows_ptr, tok_ptr, ACCUMULATE, UPCAST, GATHER_B, BLOCK_M,
-        BLOCK_N, BLOCK_K,
+        M, N, stride_a, stride_b, ACCUMULATE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
 
@@ -197,8 +162,6 @@ def _wgrad_persistent_kernel(
     a_ptr,
     b_ptr,
     offs_ptr,
-    args_ptr,
-    rows_ptr,
     G,
     M,
     N,
@@ -206,9 +169,6 @@ def _wgrad_persistent_kernel(
     stride_b,
     ACCUMULATE: tl.constexpr,
     UPCAST: tl.constexpr,
-    GATHER_B: tl.constexpr,
-    B_TY: tl.constexpr,
-    T_TY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -218,14 +178,12 @@ def _wgrad_persistent_kernel(
     programs working at one time share the group's rows in L2)."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = tl.cdiv(M, BLOCK_M) * tiles_n
-    b_ptr, tok_ptr = _b_operand(b_ptr, args_ptr, GATHER_B, B_TY, T_TY)
     for tile in range(tl.program_id(0), G * per_group, NUM_PROGRAMS):
         g = tile // per_group
         t = tile % per_group
         _wgrad_tile(
             out_ptr, a_ptr, b_ptr, offs_ptr, g, t // tiles_n, t % tiles_n,
-            M, N, stride_a, stride_b, rows_ptr, tok_ptr, ACCUMULATE, UPCAST, GATHER_B,
-            BLOCK_M, BLOCK_N, BLOCK_K,
+            M, N, stride_a, stride_b, ACCUMULATE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
 
@@ -239,15 +197,8 @@ def _kernel() -> Any:
 
     from triton.runtime.jit import JITFunction
 
-    from megatron_lrmoe import triton_kernels
-
     tl = language
-    module = globals()
-    # The kernels call the jitted helpers (triton_kernels jits its own, _arg_ptr among them).
-    triton_kernels._kernels()
-    module["_arg_ptr"] = triton_kernels._arg_ptr
-    for name in ("_wgrad_tile", "_b_operand"):
-        module[name] = triton.jit(module[name])
+    globals()["_wgrad_tile"] = triton.jit(_wgrad_tile)  # the kernels call the jitted helper
     kernel = triton.jit(_wgrad_kernel)
     persistent = triton.jit(_wgrad_persistent_kernel)
     return kernel, persistent, not isinstance(kernel, JITFunction)
@@ -300,64 +251,12 @@ def grouped_wgrad_triton(
     if offs.dim() != 1:
         raise ValueError(f"grouped wgrad: offs must be [G], got {tuple(offs.shape)}")
     _check(a, b, offs.numel(), out)
-    if b.stride(1) != 1:
-        b = b.contiguous()
-    return _launch(a, b, offs, out, b.stride(0), accumulate, config)
-
-
-def grouped_wgrad_from_args(
-    a: torch.Tensor,
-    rows: torch.Tensor,
-    args: torch.Tensor,
-    b_layout: tuple[int, torch.dtype, torch.dtype],
-    offs: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    config: WgradConfig = DEFAULT_CONFIG,
-) -> torch.Tensor:
-    """:func:`grouped_wgrad_triton` (accumulating) with ``b`` gathered inside the kernel: row
-    ``r`` of ``b`` is row ``token[rows[r]]`` of the ``[T, N]`` tensor at ``args[ARG_X]``, with
-    ``token`` at ``args[ARG_TOKEN]`` (``triton_kernels``' argument block, read on the device:
-    a replayed graph takes other tensors there from call to call). The layer's trimmed backward
-    at EP 1 reads fc1's input rows of the kept pairs straight from the layer input this way
-    instead of packing a ``[K, N]`` copy of them.
-
-    Args:
-        a: ``[R, M]`` rows grouped by ``offs`` (``R`` may exceed the rows ``offs`` covers).
-        rows: ``[>= offs[-1]]`` int64: the pair of each row of ``a`` (e.g. the kept pairs).
-        args: The device int64 argument block (``triton_kernels.args_ready`` must hold for the
-            two tensors it points at).
-        b_layout: ``(row stride, dtype)`` of the ``[T, N]`` tensor and the token map's dtype.
-        offs, out, config: As :func:`grouped_wgrad_triton`.
-    """
-    if offs.dim() != 1 or out.dim() != 3 or a.dim() != 2 or out.shape[1] != a.shape[1]:
-        raise ValueError(
-            f"grouped wgrad: a {tuple(a.shape)}, offs {tuple(offs.shape)}, out "
-            f"{tuple(out.shape)} do not match"
-        )
-    if rows.dim() != 1 or rows.dtype != torch.int64 or not rows.is_contiguous():
-        raise ValueError(f"grouped wgrad: rows must be contiguous [R] int64, got {rows.dtype}")
-    if b_layout[1] != a.dtype:
-        raise ValueError(f"grouped wgrad: operand dtypes differ ({a.dtype}, {b_layout[1]})")
-    return _launch(a, None, offs, out, b_layout[0], True, config, (args, rows, b_layout))
-
-
-def _launch(
-    a: torch.Tensor,
-    b: torch.Tensor | None,
-    offs: torch.Tensor,
-    out: torch.Tensor,
-    stride_b: int,
-    accumulate: bool,
-    config: WgradConfig,
-    gather: tuple[torch.Tensor, torch.Tensor, tuple[int, torch.dtype, torch.dtype]] | None = None,
-) -> torch.Tensor:
-    """Both launchers' launch: ``b`` given, or (``gather``: ``(args, rows, b_layout)``) read
-    through the argument block."""
     if not out.is_contiguous():
         raise ValueError("grouped wgrad: out must be contiguous")
     if a.stride(1) != 1:
         a = a.contiguous()
+    if b.stride(1) != 1:
+        b = b.contiguous()
     groups, m, n = out.shape
     if groups == 0 or m == 0 or n == 0:
         return out
@@ -367,30 +266,24 @@ def _launch(
         raise ValueError(
             "grouped wgrad: host tensors need TRITON_INTERPRET=1 set before triton is imported"
         )
-    args, rows = (out, out) if gather is None else gather[:2]
-    b_ty, t_ty = (a.dtype, torch.int64) if gather is None else gather[2][1:]
     tiles_and_launch = dict(
         ACCUMULATE=accumulate,
         UPCAST=interpreted,
-        GATHER_B=gather is not None,
-        B_TY=_tl_dtype(b_ty),
-        T_TY=_tl_dtype(t_ty),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    b = out if b is None else b  # not read when gathered
     with _device_ctx(out):
         if config.programs_per_sm <= 0:
             kernel[(tiles, groups)](
-                out, a, b, offs, args, rows, m, n, a.stride(0), stride_b, **tiles_and_launch
+                out, a, b, offs, m, n, a.stride(0), b.stride(0), **tiles_and_launch
             )
         else:
             programs = min(tiles * groups, config.programs_per_sm * _num_sms(out.device))
             persistent[(programs,)](
-                out, a, b, offs, args, rows, groups, m, n, a.stride(0), stride_b,
+                out, a, b, offs, groups, m, n, a.stride(0), b.stride(0),
                 NUM_PROGRAMS=programs,
                 **tiles_and_launch,
             )  # fmt: skip
