@@ -1,6 +1,7 @@
 """LRMoE at keep ratio 1.0 against stock ``MoELayer`` on GPUs (NCCL, bf16).
 
     torchrun --nproc_per_node=2 benchmarks/gpu_equivalence.py --out eq.json
+    torchrun --nproc_per_node=1 benchmarks/gpu_equivalence.py --experts 16 --fused --out eq.json
 
 bf16 results of two different kernel orders cannot agree bit for bit, so the tolerance is
 measured, not guessed: both bf16 layers are compared with an fp32 run of the stock layer on the
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (  # noqa: E402
     QWEN3_30B_A3B_MOE,
+    attach_main_grad,
     expert_grads,
     init_distributed,
     moe_config,
@@ -33,8 +35,14 @@ def _grads(layer: Any, x: torch.Tensor, up: torch.Tensor) -> dict[str, torch.Ten
     x = x.detach().clone().requires_grad_(True)
     out, _ = layer(x)
     out.backward(up.to(out.dtype))
-    res = {"out": out.detach().float(), "dx": x.grad.float(), "router": layer.router.weight.grad.float()}
-    res["fc1"], res["fc2"] = (g.float() for g in expert_grads(layer))
+    router = layer.router.weight
+    if hasattr(router, "main_grad"):  # --fused: every gradient went into main_grad
+        w1, w2 = layer.experts.weights()
+        grads = (router.main_grad, w1.main_grad, w2.main_grad)
+    else:
+        grads = (router.grad, *expert_grads(layer))
+    res = {"out": out.detach().float(), "dx": x.grad.float()}
+    res["router"], res["fc1"], res["fc2"] = (g.float() for g in grads)
     for p in layer.parameters():
         p.grad = None
     return res
@@ -44,6 +52,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--factor", type=float, default=2.0)
+    parser.add_argument("--experts", type=int, default=QWEN3_30B_A3B_MOE["num_moe_experts"])
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="LRMoE with an fp32 main_grad on every parameter and the expert weight gradients "
+        "added into it by the layer (--lrmoe-grad-accumulation-fusion on, as in training)",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_equivalence.json"))
     args = parser.parse_args()
 
@@ -52,27 +67,33 @@ def main() -> None:
     from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
 
     ep = int(os.environ.get("WORLD_SIZE", "1"))
-    pg = init_distributed(ep)
+    # No GPU (a smoke run of this script): the CPU shim and gloo.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pg = init_distributed(ep, device)
     rank = torch.distributed.get_rank()
     layers = {}
+    experts = dict(num_moe_experts=args.experts)
     for name, dtype in (("stock_fp32", torch.float32), ("stock_bf16", torch.bfloat16)):
-        cfg = moe_config(ep, dtype=dtype)
+        cfg = moe_config(ep, dtype=dtype, **experts)
         layers[name] = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)(
             config=cfg, pg_collection=pg, layer_number=1
-        ).cuda()
-    cfg = moe_config(ep, dtype=torch.bfloat16)
-    layers["lrmoe_bf16"] = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=1.0))(
-        config=cfg, pg_collection=pg, layer_number=1
-    ).cuda()
+        ).to(device)
+    cfg = moe_config(ep, dtype=torch.bfloat16, **experts)
+    fusion = "on" if args.fused else "off"
+    layers["lrmoe_bf16"] = get_lrmoe_moe_spec(
+        LRMoEConfig(keep_ratio=1.0, grad_accumulation_fusion=fusion)
+    )(config=cfg, pg_collection=pg, layer_number=1).to(device)
     # One set of bf16-representable weights for all three.
     ref = {k: v.to(torch.bfloat16) for k, v in layers["stock_bf16"].state_dict().items() if torch.is_tensor(v)}
     layers["stock_fp32"].load_state_dict({k: v.float() for k, v in ref.items()}, strict=False)
     layers["lrmoe_bf16"].load_state_dict(ref, strict=False)
+    if args.fused:
+        attach_main_grad(layers["lrmoe_bf16"])
 
-    gen = torch.Generator(device="cuda").manual_seed(7 + rank)
-    x = torch.randn(args.tokens, 1, QWEN3_30B_A3B_MOE["hidden_size"], device="cuda", generator=gen)
+    gen = torch.Generator(device=device).manual_seed(7 + rank)
+    x = torch.randn(args.tokens, 1, QWEN3_30B_A3B_MOE["hidden_size"], device=device, generator=gen)
     x = x.to(torch.bfloat16)
-    up = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    up = torch.randn(x.shape, device=device, generator=gen).to(torch.bfloat16)
     res = {
         "stock_fp32": _grads(layers["stock_fp32"], x.float(), up.float()),
         "stock_bf16": _grads(layers["stock_bf16"], x, up),
@@ -99,7 +120,8 @@ def main() -> None:
                 print(f"rank {r} {key:6s} scale {v['scale']:.3e}  stock-bf16 err {v['stock_bf16_vs_fp32']:.3e}"
                       f"  lrmoe-bf16 err {v['lrmoe_bf16_vs_fp32']:.3e}  |lrmoe-stock| "
                       f"{v['lrmoe_vs_stock_bf16']:.3e}  {'PASS' if v['passed'] else 'FAIL'}", flush=True)
-        write_json(args.out, dict(ep=ep, tokens=args.tokens, factor=args.factor, ranks=gathered))
+        write_json(args.out, dict(ep=ep, tokens=args.tokens, experts=args.experts,
+                                  fused=args.fused, factor=args.factor, ranks=gathered))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     if not ok:
