@@ -31,7 +31,7 @@ step() {  # step NAME COMMAND...: run, tee the log, count a failure
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$out/gpu.txt"
 git rev-parse HEAD 2>/dev/null | tee -a "$out/gpu.txt"
-step cuda_tests python3 -m pytest -q -p no:cacheprovider -W ignore -k "cuda" \
+step cuda_tests env LRMOE_TEST_CUDA=1 python3 -m pytest -q -p no:cacheprovider -W ignore -k "cuda" \
   tests/test_ops.py tests/test_triton_kernels.py tests/test_select_kernels.py
 if [ -f benchmarks/select_bench.py ] && [ -z "${SKIP_SELECT_BENCH:-}" ]; then
   step select_bench python3 benchmarks/select_bench.py --out "$out/select_bench.json"

@@ -52,6 +52,8 @@ def _report_env(rank: int, world_size: int, tag: str) -> dict[str, Any]:
         "dist_rank": torch.distributed.get_rank(),
         "threads": torch.get_num_threads(),
         "shim": cpu_shim_installed(),
+        "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda": torch.cuda.is_available(),
         "sum": _all_reduce_rank(rank),
     }
 
@@ -376,8 +378,23 @@ def test_run_distributed_returns_results_in_rank_order() -> None:
         assert res["world_size"] == 2 and res["tag"] == "tag"
         assert res["master_addr"] == "127.0.0.1"
         assert res["threads"] == 1
-        assert res["shim"] == (not torch.cuda.is_available())
+        assert res["shim"]  # device "cpu": the CPU shim, whatever the machine has
         assert res["sum"] == 1.0  # 0 + 1 over gloo
+
+
+def test_cpu_ranks_see_no_gpu_and_the_parent_keeps_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU machine the CPU tests' ranks must not see its GPUs (Megatron would put the
+    layers' weights there, next to the tests' CPU inputs): they start with CUDA hidden."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    results = run_distributed(_report_env, 2, "tag", timeout=120)
+    for res in results:
+        assert res["cuda_visible"] == "" and not res["cuda"] and res["shim"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    run_distributed(_report_env, 1, "tag", timeout=120)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
 def test_rank_exception_fails_fast_with_traceback() -> None:
@@ -424,11 +441,24 @@ def test_deadlines_are_per_rank_and_exclude_start_up() -> None:
     assert run.ready_after_s() == {0: 60.0, 1: 61.0}
 
 
+def test_suite_sees_no_gpu_unless_asked() -> None:
+    """tests/conftest.py hides the GPUs from the CPU suite (``LRMOE_TEST_CUDA=1`` shows them)."""
+    if os.environ.get("LRMOE_TEST_CUDA") == "1":
+        pytest.skip("LRMOE_TEST_CUDA=1: the GPUs stay visible")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert not torch.cuda.is_available()
+
+
 def test_bad_timeouts_are_rejected() -> None:
     with pytest.raises(ValueError, match="timeout"):
         run_distributed(_report_env, 2, "tag", timeout=0)
     with pytest.raises(ValueError, match="startup_timeout"):
         run_distributed(_report_env, 2, "tag", startup_timeout=-1.0)
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        run_distributed(_report_env, 2, "tag", device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda'"):
+            run_distributed(_report_env, 2, "tag", device="cuda")
 
 
 def test_crashed_rank_is_reported() -> None:

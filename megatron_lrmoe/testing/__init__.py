@@ -2,7 +2,7 @@
 
 Never imported by production code. Importing this package has no side effects: the CPU shim is
 installed only by an explicit :func:`install_cpu_shim` call (``run_distributed`` does it in its
-child processes when CUDA is unavailable).
+child processes, which it starts with every GPU hidden unless asked for ``device="cuda"``).
 """
 
 from megatron_lrmoe.testing.cpu_shim import cpu_shim_installed, install_cpu_shim

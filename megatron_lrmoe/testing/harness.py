@@ -17,6 +17,7 @@ and return value must be picklable.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing as mp
@@ -27,7 +28,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -128,6 +129,7 @@ def _child_main(
     pg_timeout: float,
     payload: bytes,
     results: Any,
+    device: str = "cpu",
 ) -> None:
     """Entry point of one rank (runs in a spawned process)."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -142,10 +144,10 @@ def _child_main(
     try:
         # CI has two cores shared by all ranks; intra-op threads would only oversubscribe them.
         torch.set_num_threads(1)
-        if torch.cuda.is_available():
+        if device == "cuda":
             # One GPU per rank, as torchrun + megatron's initialize would do.
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        else:
+        else:  # the parent started this process with every GPU hidden (_gpus_hidden)
             from megatron_lrmoe.testing.cpu_shim import install_cpu_shim
 
             install_cpu_shim()
@@ -198,6 +200,21 @@ def _drain(results: Any, wait_s: float) -> list[tuple[int, str, Any]]:
             return messages
 
 
+@contextlib.contextmanager
+def _gpus_hidden() -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES`` empty while the block runs: processes spawned in it see no GPU
+    (a spawned child reads its environment at start-up, before CUDA is initialised)."""
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -205,14 +222,16 @@ def run_distributed(
     timeout: float = 300.0,
     backend: str = "gloo",
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
+    device: str = "cpu",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned local processes.
 
     Each child sets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free loopback port),
-    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; sets ``torch.set_num_threads(1)``; installs the
-    CPU shim when CUDA is unavailable (else selects GPU ``rank % device_count``); only then
-    unpickles ``fn`` (so its module is imported with the shim in place); calls
+    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; sets ``torch.set_num_threads(1)``; with
+    ``device="cpu"`` (the default) starts with every GPU hidden and installs the CPU shim, so
+    that CPU tests run the same on a GPU machine as on a CPU-only one (``device="cuda"``: one
+    GPU per rank, ``rank % device_count``, no shim); only then unpickles ``fn`` (so its module is imported with the shim in place); calls
     ``torch.distributed.init_process_group(backend)``; runs ``fn``; then destroys megatron's
     parallel state and the process group.
 
@@ -234,13 +253,16 @@ def run_distributed(
         backend: ``torch.distributed`` backend.
         startup_timeout: seconds, from the start of the run, within which every rank must have
             started (spawned, imported, joined the process group).
+        device: ``"cpu"`` (every GPU hidden from the ranks, CPU shim) or ``"cuda"`` (one GPU per
+            rank; needs CUDA).
         **kwargs: extra keyword arguments for ``fn`` (picklable).
 
     Returns:
         The per-rank return values, in rank order.
 
     Raises:
-        ValueError: ``world_size < 1`` or a non-positive timeout.
+        ValueError: ``world_size < 1``, a non-positive timeout, or a ``device`` other than
+            ``"cpu"`` and ``"cuda"`` (``"cuda"`` without CUDA).
         TypeError: ``fn`` or its arguments cannot be pickled.
         DistributedTestError: a rank raised (the message holds its traceback), a rank exited
             without reporting, or a rank missed its deadline (the message names the ranks that
@@ -250,6 +272,11 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(
+            f"run_distributed: device must be 'cpu' or 'cuda' (with CUDA available), got "
+            f"{device!r}"
+        )
     if timeout <= 0 or startup_timeout <= 0:
         raise ValueError(
             f"timeout ({timeout}) and startup_timeout ({startup_timeout}) must be positive"
@@ -268,7 +295,10 @@ def run_distributed(
     processes = [
         ctx.Process(
             target=_child_main,
-            args=(rank, world_size, port, backend, startup_timeout + timeout, payload, results),
+            args=(
+                rank, world_size, port, backend, startup_timeout + timeout, payload, results,
+                device,
+            ),
             name=f"run_distributed-rank{rank}",
             daemon=True,
         )
@@ -278,8 +308,9 @@ def run_distributed(
     run = _RunState(start=start, timeout=timeout, startup_timeout=startup_timeout)
     name = getattr(fn, "__qualname__", fn)
     try:
-        for proc in processes:
-            proc.start()
+        with _gpus_hidden() if device == "cpu" else contextlib.nullcontext():
+            for proc in processes:
+                proc.start()
         while len(run.values) < world_size:
             overdue = run.overdue(world_size, time.monotonic())
             if overdue:
