@@ -231,9 +231,9 @@ def run_distributed(
     ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; sets ``torch.set_num_threads(1)``; with
     ``device="cpu"`` (the default) starts with every GPU hidden and installs the CPU shim, so
     that CPU tests run the same on a GPU machine as on a CPU-only one (``device="cuda"``: one
-    GPU per rank, ``rank % device_count``, no shim); only then unpickles ``fn`` (so its module is imported with the shim in place); calls
-    ``torch.distributed.init_process_group(backend)``; runs ``fn``; then destroys megatron's
-    parallel state and the process group.
+    GPU per rank, ``rank % device_count``, no shim); only then unpickles ``fn`` (so its module
+    is imported with the shim in place); calls ``torch.distributed.init_process_group(backend)``;
+    runs ``fn``; then destroys megatron's parallel state and the process group.
 
     Deadlines are per rank and split in two, so that a slow machine cannot make a rank that
     finished its work look hung: each rank has ``startup_timeout`` seconds from the start of the
