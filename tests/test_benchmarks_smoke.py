@@ -1,10 +1,12 @@
-"""CPU smoke tests of the benchmark scripts (benchmarks/replica_bench.py, host_path_cpu.py).
+"""CPU smoke tests of the benchmark scripts (benchmarks/replica_bench.py, gpu_equivalence.py,
+host_path_cpu.py).
 
 Cheapest first: the benchmark's pure helpers (routing targets, the EP 2 closed-form optimum
 against the repo's brute force), then one real run of the script under torchrun at EP 2 (gloo,
 CPU shim, tiny shapes) whose JSON must show what the GPU run is meant to show: the requested
 skew was reached, replicas were placed, the layer kept its plan, and replicas lowered the
-measured per-rank forward rows. Last, the host-time tool of the graphed backward on tiny shapes.
+measured per-rank forward rows. Then the bf16 equivalence check with fused accumulation, and
+last the host-time tool of the graphed backward, both on tiny shapes.
 """
 
 from __future__ import annotations
@@ -121,6 +123,36 @@ def test_replica_bench_runs_at_ep2(tmp_path: Path) -> None:
     assert plain["fwd_rows_max"] == rows["stock MoELayer"]["fwd_rows_max"]
     assert replicated["fwd_rows_max"] == replicated["plan_forward_peak"]
     assert replicated["goals"]["peak"] in ("PASS", "MISS")
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
+)
+def test_gpu_equivalence_runs_on_the_cpu_with_fused_accumulation(tmp_path: Path) -> None:
+    """benchmarks/gpu_equivalence.py --fused, tiny, on the CPU shim: keep 1.0 with its weight
+    gradients added into main_grad passes against stock in bf16 (both against stock in fp32)."""
+    out = tmp_path / "eq.json"
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    ifname = _loopback()
+    if ifname is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+        "benchmarks/gpu_equivalence.py", "--experts", "8", "--tokens", "32", "--fused",
+        "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["experts"] == 8 and result["fused"] and result["ep"] == 1
+    (report,) = result["ranks"]
+    assert set(report) == {"out", "dx", "router", "fc1", "fc2"}
+    for key, row in report.items():
+        assert row["passed"], (key, row)
+        assert row["scale"] > 0 and row["stock_bf16_vs_fp32"] > 0  # bf16 moved something
 
 
 def _trace_event(cat: str, name: str, ts: float, dur: float, corr: int, tid: int = 1) -> dict:
