@@ -641,15 +641,15 @@ def test_interp_rejects_what_the_reference_rejects() -> None:
 def test_planned_segments_accept_and_reject_like_host_segments(
     counts: list[int], quota: list[int], n: int, dtype: torch.dtype
 ) -> None:
-    """The backward's short check of the planner's segments (``kernels._planned_segments``)
-    takes what ``scoring._host_segments`` takes, returns the same int64 host tensors and
-    rejects the rest with its message."""
+    """The short check of the planner's segments (``scoring._host_segments``, one combined
+    test) takes what the check-by-check path (``scoring._checked_segments``) takes, returns the
+    same int64 host tensors and rejects the rest with its message."""
     c, q = torch.tensor(counts, dtype=dtype), torch.tensor(quota, dtype=dtype)
     try:
-        want = scoring._host_segments(c, q, n)
+        want = scoring._checked_segments(c, q, n)
     except ValueError as err:
         with pytest.raises(ValueError, match=f"^{re.escape(str(err))}$"):
-            kernels._planned_segments(c, q, n)
+            scoring._host_segments(c, q, n)
         return
-    got = kernels._planned_segments(c, q, n)
+    got = scoring._host_segments(c, q, n)
     assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(got, want))

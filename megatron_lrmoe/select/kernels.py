@@ -961,30 +961,6 @@ def _replay_scored(call: ScoredCall | None, owned: bool) -> Front | None:
         return entry.run_scored(call.host, call.num_kept, owned)
 
 
-def _planned_segments(
-    counts: torch.Tensor, quota: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scoring._host_segments`` in fewer steps for what the planner hands the backward (host
-    int64 ``[G]`` tensors): one combined test, and on failure ``_host_segments`` itself, so
-    bad inputs get its messages. Anything else goes through ``_host_segments``."""
-    planned = (
-        counts.dtype == torch.int64
-        and quota.dtype == torch.int64
-        and counts.device.type == "cpu"
-        and quota.device.type == "cpu"
-        and counts.dim() == 1
-        and quota.shape == counts.shape
-    )
-    if not planned:
-        return scoring._host_segments(counts, quota, n)
-    c, q = counts.numpy(), quota.numpy()
-    # A negative count fails the quota test too (0 <= quota <= count).
-    if int(c.sum()) != n or n >= scoring._MAX_ROWS or bool(((q < 0) | (q > c)).any()):
-        scoring._host_segments(counts, quota, n)  # raises the failed check's message
-        raise AssertionError(f"segments rejected here but not by _host_segments: {c}, {q}, {n}")
-    return counts, quota
-
-
 class ScoredCall(NamedTuple):
     """One call of a replayed front (:func:`scored_call`): what its graph is keyed by, the
     filled argument block and segment table (pinned, for one host-to-device copy), and what a
@@ -1016,7 +992,7 @@ def scored_call(
         return None
     g, x, probs, token = inputs
     n = probs.numel()
-    counts_h, quota_h = _planned_segments(counts, quota, n)
+    counts_h, quota_h = scoring._host_segments(counts, quota, n)
     num_segments = counts_h.numel()
     if sample:
         scoring._check_uniforms(uniforms, num_segments)

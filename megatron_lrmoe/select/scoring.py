@@ -298,8 +298,32 @@ def _host_segments(
     """Checks ``counts`` / ``quota`` against ``n`` rows; returns both as host int64 tensors.
 
     Shared by the torch path and the Triton path (``select/kernels.py``), so both reject the same
-    inputs with the same messages.
+    inputs with the same messages. What the planner hands the backward (host int64 ``[G]``
+    tensors) takes one combined test, since this runs in every backward before the first GEMM;
+    anything else, and anything that test rejects, goes through :func:`_checked_segments`, whose
+    checks name what is wrong.
     """
+    planned = (
+        counts.dtype == torch.int64
+        and quota.dtype == torch.int64
+        and counts.device.type == "cpu"
+        and quota.device.type == "cpu"
+        and counts.dim() == 1
+        and quota.shape == counts.shape
+        and n < _MAX_ROWS
+    )
+    if planned:
+        c, q = counts.numpy(), quota.numpy()
+        # A negative count fails the quota test too (0 <= quota <= count).
+        if int(c.sum()) == n and not bool(((q < 0) | (q > c)).any()):
+            return counts, quota
+    return _checked_segments(counts, quota, n)
+
+
+def _checked_segments(
+    counts: torch.Tensor, quota: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_host_segments` check by check, each failure with its own message."""
     if counts.dim() != 1 or quota.shape != counts.shape:
         raise ValueError(
             "counts and quota must be [G] tensors of one shape, got "
