@@ -192,7 +192,7 @@ def test_cuda_partial_routing_map_reruns_the_forward(bf16: bool) -> None:
     on the rebuilt plan: the same result as a call that waits for the counts first (the next
     one), bit for bit. A full map keeps the speculation on. In fp32 the grouped GEMMs loop
     over experts with host sizes, so the layer waits for the counts before its forward."""
-    d = run_distributed(w.cuda_partial_routing_rerun, 1, bf16)[0]
+    d = run_distributed(w.cuda_partial_routing_rerun, 1, bf16, device="cuda")[0]
     assert d["device"].startswith("cuda"), d["device"]
     assert d["deferred"] == bf16 and (d["backend"] == "torch_grouped_mm") == bf16, d
     assert d["diff"] == 0.0, d
@@ -206,7 +206,7 @@ def test_cuda_scoring_graph_matches_eager_layer() -> None:
     selection graph (from the second call of a shape on), every output and gradient has the
     bits of the same calls with the scoring launched eagerly; each graph was used, and only
     when allowed."""
-    d = run_distributed(w.cuda_scoring_graph_matches_eager, 1)[0]
+    d = run_distributed(w.cuda_scoring_graph_matches_eager, 1, device="cuda")[0]
     assert d["device"].startswith("cuda"), d
     assert d["graphs"] == {
         "front": {"front": 1, "scored": 0},
@@ -225,7 +225,7 @@ def test_cuda_expert_graph_matches_eager_layer() -> None:
     the bits of the front replayed alone and the expert half launched eagerly
     (``LRMOE_EXPERT_GRAPHS=0``), in ``save`` and ``recompute`` mode; one layer graph per
     layer, none with the switch off."""
-    d = run_distributed(w.cuda_expert_graph_matches_eager, 1)[0]
+    d = run_distributed(w.cuda_expert_graph_matches_eager, 1, device="cuda")[0]
     assert d["device"].startswith("cuda"), d
     assert d["graphs"] == {
         case: {"graph": 2, "eager": 0} for case in ("save_sample", "recompute_topk")
