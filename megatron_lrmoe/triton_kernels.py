@@ -568,6 +568,87 @@ def _pack_pairs_args_kernel(
 
 
 
+def _row_of_args_kernel(row_of_ptr, pairs_ptr, args_ptr, BLOCK: tl.constexpr):
+    """``row_of[pairs[i]] = i`` for the ``args[9]`` (``ARG_COUNT``) rows to pack, which only the
+    device knows under a replayed graph: the programs stride over the blocks up to it. The
+    caller fills ``row_of`` with ``-1`` first."""
+    n = tl.load(args_ptr + 9)
+    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        pair = tl.load(pairs_ptr + offs, mask=mask, other=0).to(tl.int64)
+        tl.store(row_of_ptr + pair, offs.to(tl.int64), mask=mask)
+
+
+def _row_dot_pack_args_kernel(
+    args_ptr,
+    row_of_ptr,
+    weight_ptr,
+    poison_ptr,
+    n_walk,
+    width,
+    g_stride,
+    z_stride,
+    x_stride,
+    slots_per_token,
+    OUT_TY: tl.constexpr,
+    G_TY: tl.constexpr,
+    Z_TY: tl.constexpr,
+    X_TY: tl.constexpr,
+    P_TY: tl.constexpr,
+    HAS_X: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """The router gradient's row-dot and the packing in one token-major walk: each token's
+    gradient row (and input row) is read once for its slots, not again per kept pair.
+
+    For walk row ``s`` (token ``s // slots_per_token``, pair ``j = slots[s]``, ``-1``: none):
+    ``d_probs[j] = <g[token], z[j]>`` as :func:`_row_dot_body` sums it (same column blocks,
+    same fp32 order, so the same bits); where ``i = row_of[j] >= 0`` (a kept pair, from
+    :func:`_row_of_args_kernel`), ``g_out[i] = g[token] * (probs[j] * weight[i] + poison)`` and
+    (``HAS_X``) ``x_out[i] = x[token]`` as :func:`_pack_pairs_body` writes them. Tensors at the
+    argument block's slots: ``g`` 0, ``x`` 1, ``probs`` 2, ``z`` 4, ``slots`` 5, ``d_probs`` 6,
+    ``g_out`` 7, ``x_out`` 8 (``triton_kernels.ARG_*``)."""
+    g_ptr = _arg_ptr(args_ptr, 0, G_TY)
+    x_ptr = _arg_ptr(args_ptr, 1, X_TY)
+    probs_ptr = _arg_ptr(args_ptr, 2, P_TY)
+    z_ptr = _arg_ptr(args_ptr, 4, Z_TY)
+    slots_ptr = _arg_ptr(args_ptr, 5, tl.int64)
+    out_ptr = _arg_ptr(args_ptr, 6, OUT_TY)
+    g_out_ptr = _arg_ptr(args_ptr, 7, G_TY)
+    x_out_ptr = _arg_ptr(args_ptr, 8, X_TY)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_walk
+    pairs = tl.load(slots_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+    mask_m = mask_m & (pairs >= 0)
+    tokens = (offs_m // slots_per_token).to(tl.int64)
+    row = tl.load(row_of_ptr + pairs, mask=mask_m, other=-1).to(tl.int64)
+    kept = mask_m & (row >= 0)
+    scale = tl.load(probs_ptr + pairs, mask=kept, other=0.0).to(tl.float32) * tl.load(
+        weight_ptr + row, mask=kept, other=0.0
+    ).to(tl.float32)
+    scale = scale + tl.load(poison_ptr).to(tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, width, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        in_row = (offs_h < width)[None, :]
+        mask = mask_m[:, None] & in_row
+        g = tl.load(g_ptr + tokens[:, None] * g_stride + offs_h[None, :], mask=mask, other=0.0)
+        z = tl.load(z_ptr + pairs[:, None] * z_stride + offs_h[None, :], mask=mask, other=0.0)
+        acc = acc + g.to(tl.float32) * z.to(tl.float32)
+        to_pack = kept[:, None] & in_row
+        dst = row[:, None] * width + offs_h[None, :]
+        y = g.to(tl.float32) * scale[:, None]
+        tl.store(g_out_ptr + dst, y.to(g_out_ptr.dtype.element_ty), mask=to_pack)
+        if HAS_X:
+            x = tl.load(
+                x_ptr + tokens[:, None] * x_stride + offs_h[None, :], mask=to_pack, other=0.0
+            )
+            tl.store(x_out_ptr + dst, x, mask=to_pack)
+    dot = tl.sum(acc, axis=1)
+    tl.store(out_ptr + pairs, dot.to(out_ptr.dtype.element_ty), mask=mask_m)
+
 def _act_fwd_kernel(
     out_ptr,
     h_ptr,
@@ -770,6 +851,8 @@ def _kernels() -> SimpleNamespace:
         pair_scores_args=triton.jit(_pair_scores_args_kernel),
         pack_pairs=triton.jit(_pack_pairs_kernel),
         pack_pairs_args=triton.jit(_pack_pairs_args_kernel),
+        row_of_args=triton.jit(_row_of_args_kernel),
+        row_dot_pack_args=triton.jit(_row_dot_pack_args_kernel),
     )
     kernels.interpreted = not isinstance(kernels.scale_rows, JITFunction)
     return kernels
@@ -1203,6 +1286,40 @@ def pack_pairs_from_args(
             num_warps=_NUM_WARPS,
         )
 
+
+def row_dot_pack_from_args(
+    args: torch.Tensor,
+    pairs: torch.Tensor,
+    weight: torch.Tensor,
+    poison: torch.Tensor,
+    row_of_pair: torch.Tensor,
+    shape: tuple[int, int],
+    slots_per_token: int,
+    strides: tuple[int, int, int],
+    dtypes: tuple[torch.dtype, ...],
+    has_x: bool,
+) -> None:
+    """:func:`row_dot_from_args` and :func:`pack_pairs_from_args` in one walk over the tokens
+    (``_row_dot_pack_args_kernel``; the same bits as the two): ``d_probs`` for every pair and
+    the ``K`` kept pairs (``args[ARG_COUNT]``, ``pairs[:K]`` in packed order, ``weight[:K]``)
+    packed. ``row_of_pair`` (``[>= N + 1]`` int64) is filled with ``-1`` and then each kept
+    pair's packed row, which the walk reads. ``shape`` is ``g``'s ``[T, H]``; ``strides`` the
+    row strides of ``g``, ``z`` and ``x``; ``dtypes`` those of ``d_probs``, ``g``, ``z``, ``x``
+    and ``probs``. :func:`args_ready` must hold for every tensor of the block. ``T >= 1``."""
+    n_tokens, width = shape
+    n_walk = n_tokens * slots_per_token
+    block_h, block_m = _reduction_tile(width, None, max_block_h=512, accumulators=2)
+    kernels = _kernels_for(args)
+    with _device_ctx(args):
+        row_of_pair.fill_(-1)
+        grid = (max(1, min(_cdiv(pairs.shape[0], _PAIR_BLOCK), _STRIDING_PROGRAMS)),)
+        kernels.row_of_args[grid](row_of_pair, pairs, args, BLOCK=_PAIR_BLOCK, num_warps=4)
+        kernels.row_dot_pack_args[(_cdiv(n_walk, block_m),)](
+            args, row_of_pair, weight, poison, n_walk, width, *strides, slots_per_token,
+            OUT_TY=_tl_dtype(dtypes[0]), G_TY=_tl_dtype(dtypes[1]), Z_TY=_tl_dtype(dtypes[2]),
+            X_TY=_tl_dtype(dtypes[3]), P_TY=_tl_dtype(dtypes[4]), HAS_X=has_x,
+            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+        )
 
 # Programs per column block of the striding packing kernel: a few per multiprocessor of an
 # H100 / H200 (132), enough to keep their memory pipes busy.

@@ -609,6 +609,65 @@ def test_interp_router_grad_and_packing_from_arg_block(
 
 
 @interp
+@pytest.mark.parametrize("programs", [1, 1024])
+@pytest.mark.parametrize("has_x", [True, False], ids=["x", "no-x"])
+@pytest.mark.parametrize("n", [1, 9, 37])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_row_dot_and_packing_in_one_walk(
+    monkeypatch: pytest.MonkeyPatch, dtype, n: int, has_x: bool, programs: int
+) -> None:
+    """``row_dot_pack_from_args`` (one walk over the tokens) gives the bits of the row-dot and
+    the packing launched apart: the router gradient of every pair, the kept pairs' scaled
+    gradient rows (and input rows) in packed order, the map from pairs to packed rows; rows
+    past the count are not touched, nor the map's trailing entry."""
+    monkeypatch.setattr(triton_kernels, "_STRIDING_PROGRAMS", programs)
+    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 4)  # several blocks of kept rows
+    monkeypatch.setattr(triton_kernels, "_TILE", 256)  # several walk rows per program
+    gen = _gen(1700 + n)
+    h, k = 72, 3
+    g = torch.randn(n, h, generator=gen).to(dtype)
+    x = (3 * torch.randn(n, h, generator=gen)).to(torch.bfloat16)
+    pairs = n * k - 1 if n > 1 else 1
+    slots = torch.full((n, k), -1, dtype=torch.int64)
+    slots.view(-1)[torch.randperm(n * k, generator=gen)[:pairs]] = torch.arange(pairs)
+    token = torch.empty(pairs, dtype=torch.int64)
+    for t, row in enumerate(slots.tolist()):
+        token[[p for p in row if p >= 0]] = t
+    z = torch.randn(pairs, h, generator=gen).to(torch.bfloat16)
+    probs = torch.rand(pairs, generator=gen)
+    kept = max(1, pairs // 2)
+    room = torch.full((pairs,), 10**9, dtype=torch.int64)  # rows past the count: never read
+    room[:kept] = torch.randperm(pairs, generator=gen)[:kept]
+    weight = torch.full((pairs,), float("nan"))
+    weight[:kept] = 1 + torch.rand(kept, generator=gen)
+    poison = torch.tensor(0.0)
+    d_probs = torch.full((pairs,), float("nan"), dtype=probs.dtype)
+    g_out = torch.full((kept + 2, h), 7.0, dtype=dtype)  # two rows past the count stay 7
+    x_out = torch.full((kept + 2, h), 7.0, dtype=x.dtype)
+    row_of = torch.full((pairs + 1,), 5, dtype=torch.int64)  # filled with -1 by the launcher
+    outs = dict(x_out=x_out) if has_x else {}
+    args = _arg_block(
+        g=g, x=x, probs=probs, token=token, z=z, slot_plan=slots, d_probs=d_probs, g_out=g_out,
+        **outs,
+    )
+    args[triton_kernels.ARG_COUNT] = kept
+    triton_kernels.row_dot_pack_from_args(
+        args, room, weight, poison, row_of, (n, h), k, (g.stride(0), z.stride(0), x.stride(0)),
+        (d_probs.dtype, g.dtype, z.dtype, x.dtype, probs.dtype), has_x,
+    )
+    assert torch.equal(d_probs, triton_kernels.row_dot_triton(g, z, probs.dtype, slots=slots))
+    ref_row_of = torch.full((pairs + 1,), -1, dtype=torch.int64)
+    ref_g, ref_x = triton_kernels.pack_pairs_triton(
+        g, token, room[:kept], probs, weight[:kept], x=x if has_x else None, poison=poison,
+        row_of_pair=ref_row_of,
+    )
+    assert torch.equal(g_out[:kept], ref_g) and bool((g_out[kept:] == 7).all())
+    if has_x:
+        assert torch.equal(x_out[:kept], ref_x) and bool((x_out[kept:] == 7).all())
+    assert torch.equal(row_of, ref_row_of) and int(row_of[-1]) == -1
+
+
+@interp
 @pytest.mark.parametrize("programs", [2, 1024])
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

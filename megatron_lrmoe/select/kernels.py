@@ -910,17 +910,18 @@ def front_triton(
     kept_total: bool = False,
     owned: bool = True,
 ) -> Front | None:
-    """:func:`score_select_triton` with the router gradient's row-dot in front and the packing
-    of the kept rows behind, all in one replayed graph; ``None`` where it cannot be.
+    """:func:`score_select_triton` with the router gradient's row-dot and the packing of the
+    kept rows behind it, all in one replayed graph; ``None`` where it cannot be.
 
     Besides the scores and the selection, a replay writes ``front.d_probs`` (``row_dot`` with
     ``slots``: ``<g[t], z[i]>`` for every pair), ``front.g_kept`` and ``front.x_kept``
     (``pack_pairs`` of the kept pairs, in kept order, their routing weights and sample weights
     and the scores' poison applied) and a map from every pair to its packed row, -1 for the
     pairs not kept (``Front.row_of_pair``, :func:`gather_sum_triton`'s ``row_of``). The kept
-    rows are ``sum(quota)`` (host integers), which the buffers must match. Same kernel bodies as
-    the eager ``row_dot_triton`` and ``pack_pairs_triton`` (the packing's programs stride over
-    the kept rows, whose count the graph reads from the argument block), so the same bits.
+    rows are ``sum(quota)`` (host integers), which the buffers must match. The row-dot and the
+    packing are one walk over the tokens (``row_dot_pack_from_args``: each token's rows read
+    once for its pairs) that does the eager ``row_dot_triton``'s and ``pack_pairs_triton``'s
+    arithmetic in their order, so the same bits (``test_interp_row_dot_and_packing_in_one_walk``).
 
     ``None`` as :func:`score_select_triton`, also with ``LRMOE_FRONT_GRAPHS=0`` or buffers the
     graph cannot use in place (``_front_ready``). ``row_of_pair`` is a graph buffer (valid until
@@ -1119,9 +1120,11 @@ class _Captured:
 
 class FrontWork(_Captured):
     """The buffers and launches of a replayed scoring and selection of one shape, with the
-    router gradient's row-dot in front and the packing behind when it has a front
-    (:func:`front_triton`); :class:`_CapturedScored` captures them alone, the expert graphs
-    (``experts/backward_graph.py``) together with the expert backward that follows.
+    router gradient's row-dot and the packing behind it when it has a front
+    (:func:`front_triton`; one walk over the tokens, ``triton_kernels.row_dot_pack_from_args``,
+    which reads each token's rows once for its pairs); :class:`_CapturedScored` captures them
+    alone, the expert graphs (``experts/backward_graph.py``) together with the expert backward
+    that follows.
 
     The launches read the call's tensors (``g``, ``x``, ``probs``, ``token``; ``z``, the slot
     plan and the front's outputs) in place, at the addresses written into an argument block in
@@ -1165,16 +1168,15 @@ class FrontWork(_Captured):
         # Only the front's layout from here on: the launches must not hold this call's tensors
         # (z alone is [N, H]), which later calls pass at their own addresses.
         if front is not None:
-            dot_layout = (
-                front.slots.shape[1], (g.stride(0), front.z.stride(0)),
-                (front.d_probs.dtype, g.dtype, front.z.dtype),
+            # The router gradient's row-dot and the packing, one walk over the tokens.
+            tail_layout = (
+                front.slots.shape[1], (g.stride(0), front.z.stride(0), x.stride(0)),
+                (front.d_probs.dtype, g.dtype, front.z.dtype, x.dtype, probs.dtype),
+                front.x_kept is not None,
             )
-            pack_x = front.x_kept is not None
         del front, g, x, probs, token, call
 
         def launch() -> None:
-            if self.has_front:
-                tk.row_dot_from_args(self.args, shape, *dot_layout)
             tk.row_norms_from_args(self.norms, self.args, shape, strides, dtypes[0])
             torch.amax(self.norms, dim=1, out=self.top)
             tk.pair_scores_from_args(
@@ -1189,10 +1191,9 @@ class FrontWork(_Captured):
                 picked = torch.where(valid, picked.nan_to_num(0.0, 0.0, 0.0), 0.0)
                 torch.sum(picked, dim=0, out=self.sums[2])
             if self.has_front:
-                self.row_of_pair.fill_(-1)
-                tk.pack_pairs_from_args(
-                    self.args, self.kept, self.weight, self.sums[0], self.row_of_pair, shape[1],
-                    strides, (*dtypes[0], *dtypes[1]), pack_x,
+                tk.row_dot_pack_from_args(
+                    self.args, self.kept, self.weight, self.sums[0], self.row_of_pair, shape,
+                    *tail_layout,
                 )
 
         self.launch = launch
