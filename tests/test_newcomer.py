@@ -100,10 +100,25 @@ def test_lrmoe_logs_go_to_stderr() -> None:
 # -- scripts/env.sh: install only when the venv is out of date ----------------------------------
 
 
+# What env.sh's lrmoe_env_current asks a venv to find before it calls it current.
+_ENV_MODULES = ("torch", "megatron.core", "pytest", "matplotlib")
+
+
 def _fake_checkout_and_venv(tmp_path: Path, pythonpath: Path) -> tuple[Path, Path]:
     """A checkout with a setup.py and an (empty) package, and a venv whose python is this
     interpreter with ``pythonpath`` first on its path and no pip (so a wrong answer cannot
-    install anything)."""
+    install anything).
+
+    The fake venv finds the modules env.sh checks where this interpreter finds them: its own
+    site-packages, or this run's ``PYTHONPATH`` (e.g. the GPU host's megatron-core wheel
+    unpacked into a folder), which env.sh drops when it asks the venv itself.
+    """
+    import importlib.util
+
+    missing = [m for m in _ENV_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"this interpreter lacks {missing}, which env.sh requires of a current venv")
+    path = os.pathsep.join(filter(None, [str(pythonpath), os.environ.get("PYTHONPATH")]))
     root = tmp_path / "checkout"
     (root / "megatron_lrmoe").mkdir(parents=True)
     (root / "megatron_lrmoe" / "__init__.py").write_text("")
@@ -115,7 +130,7 @@ def _fake_checkout_and_venv(tmp_path: Path, pythonpath: Path) -> tuple[Path, Pat
     python.write_text(
         "#!/bin/sh\n"
         'case " $* " in *" pip "*) echo "no pip in this fake venv" >&2; exit 3;; esac\n'
-        f'PYTHONPATH={pythonpath} exec {sys.executable} "$@"\n'
+        f'PYTHONPATH="{path}" exec {sys.executable} "$@"\n'
     )
     python.chmod(0o755)
     return root, venv
