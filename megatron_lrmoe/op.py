@@ -576,9 +576,8 @@ def _graphed_backward(
     )
     if rows is None:
         return None
-    g_kept, x_kept = rows.kept(num_kept)
     d_probs = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
-    front = FrontBuffers(z, call.slot_send, d_probs, g_kept, x_kept)
+    front = rows.front_buffers(z, call.slot_send, d_probs)
     scored = scored_call(
         call.lrmoe.selection, ScoreInputs(g, hidden, probs, perm.token_of_pair), counts, quota,
         uniforms, front, kept_total=call.stats is not None,

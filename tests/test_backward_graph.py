@@ -35,16 +35,17 @@ def test_shared_rows_come_from_the_second_sighting_and_grow_when_a_call_keeps_mo
     assert _rows(5, tokens=6) is None  # a one-off shape allocates nothing
     rows = _rows(5, tokens=6)
     assert rows is not None and rows.capacity % 256 == 0 and rows.capacity >= 5
-    assert rows.g.shape == (rows.capacity, 16) and rows.x.shape == rows.g.shape
+    # The kept rows live in the graphs' pool: a set holds none of its own, and hands the front
+    # stand-ins that only say their dtype and that the inputs are packed.
+    front = rows.front_buffers(torch.zeros(12, 16), torch.zeros(6, 2), torch.zeros(12))
+    assert front.rows_in_graph and front.g_kept.shape == (0, 16) and front.x_kept is not None
     assert _rows(7, tokens=6) is rows  # fits: the same buffers
     bg._GRAPHS.add(("layer 1",), SimpleNamespace(rows=rows))
     bg._GRAPHS.add(("layer 2",), SimpleNamespace(rows=rows))
     bigger = _rows(rows.capacity + 1, tokens=6)  # does not fit: a new set ...
     assert bigger is not None and bigger is not rows and bigger.capacity > rows.capacity
     assert not bg._GRAPHS.graphs  # ... and the graphs captured on the old one go with it
-    assert bg.graph_memory_bytes() == sum(
-        t.numel() * t.element_size() for t in (bigger.g, bigger.x)
-    )
+    assert bg.graph_memory_bytes() == 0  # nothing held before a graph captures
 
 
 def test_at_most_max_shapes_keep_buffers(monkeypatch: pytest.MonkeyPatch) -> None:

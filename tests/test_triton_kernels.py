@@ -768,7 +768,7 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
         uniforms = uniforms if policy == "sample" else None
         d_probs = torch.full((pairs,), 7.0)
         d_hidden = torch.full((tokens, width), 7.0)
-        front = kernels.FrontBuffers(z, slot_plan, d_probs, *rows.kept(kept))
+        front = rows.front_buffers(z, slot_plan, d_probs)
         scored = kernels.scored_call(
             policy, kernels.ScoreInputs(g, x, probs, token), counts, quota, uniforms, front,
             kept_total=True,

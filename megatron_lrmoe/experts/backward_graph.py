@@ -15,19 +15,21 @@ What a replay reads and writes:
 ==================  ===========================================================================
 shared buffers      one set per shape (tokens, slots per token, pairs, width, experts, dtype,
                     packed inputs), used by every layer's graph (they never run concurrently:
-                    one stream): ``[C, H]`` kept gradient rows and (at EP 1, ``save`` and
-                    ``recompute`` alike) kept input rows, which the front packs into, ``C >= K``
-                    (a new, larger set, and new graphs, when a call keeps more); the front's
-                    static buffers (norms, scores, the selection, the map from pairs to packed
-                    rows) and its argument block. A shape gets its set on its second sighting;
-                    at most four shapes keep one.
+                    one stream): the front's static buffers (norms, scores, the selection, the
+                    map from pairs to packed rows) and its argument block, and room for ``C >=
+                    K`` kept rows (a new, larger set, and new graphs, when a call keeps more).
+                    A shape gets its set on its second sighting; at most four shapes keep one.
 per call            through the argument block with the segment table (counts, quotas, the
                     sample's uniforms), one host-to-device copy: the gradient, the layer input,
                     the routing weights, ``z``, the slot plan, the saved ``h``, and the router
                     and input gradients it writes. The kept rows per expert are the quotas.
 per layer           the weights and their ``main_grad`` (graph key: their addresses).
-inside the graph    the selection's work, fc2's input gradient, ``dh``, the activation output,
-                    ``dx``: one memory pool shared by every layer's graph.
+inside the graph    the ``[C, H]`` kept gradient rows and (at EP 1, ``save`` and ``recompute``
+                    alike) kept input rows, which the front packs into (the graph writes their
+                    addresses into the argument block), the selection's work, fc2's input
+                    gradient, ``dh``, the activation output, ``dx``: one memory pool shared by
+                    every layer's graph. Each is released once read, so ``dx`` takes the
+                    gradient rows' memory.
 ==================  ===========================================================================
 
 ``K`` changes from call to call: the grouped GEMMs take device offsets (rows past ``K`` are
@@ -62,7 +64,13 @@ from megatron_lrmoe.experts.grouped_gemm import (
     grouped_mm_nt,
 )
 from megatron_lrmoe.experts.wgrad_triton import WgradConfig, config_for, grouped_wgrad_triton
-from megatron_lrmoe.select.kernels import Front, FrontWork, ScoredCall, front_graphs_wanted
+from megatron_lrmoe.select.kernels import (
+    Front,
+    FrontBuffers,
+    FrontWork,
+    ScoredCall,
+    front_graphs_wanted,
+)
 
 __all__ = [
     "EXPERT_GRAPHS_ENV",
@@ -94,15 +102,15 @@ class _Shape(NamedTuple):
 
 
 class ExpertRows:
-    """The buffers every layer's graph of one :class:`_Shape` reads and writes (see the
-    module docstring); ``capacity`` kept rows at most."""
+    """What every layer's graph of one :class:`_Shape` shares (see the module docstring): room
+    for ``capacity`` kept rows in each graph, the front's buffers and the memory pool."""
 
     def __init__(self, shape: _Shape, capacity: int) -> None:
-        device = shape.device
         self.shape, self.capacity = shape, capacity
-        rows = (capacity, shape.width)
-        self.g = torch.empty(rows, dtype=shape.dtype, device=device)
-        self.x = torch.empty(rows, dtype=shape.dtype, device=device) if shape.pack_x else None
+        # [0, H] stand-ins for the kept rows, which each graph allocates in its pool: they tell
+        # the front the rows' dtype and whether the inputs are packed (FrontBuffers).
+        empty = torch.empty((0, shape.width), dtype=shape.dtype, device=shape.device)
+        self._standins = (empty, empty if shape.pack_x else None)
         # The front's static buffers (scores, selection, the argument block), by the front's
         # key: shared by every layer's graph, as the rows are.
         self.fronts: dict[tuple, FrontWork] = {}
@@ -120,14 +128,13 @@ class ExpertRows:
         return self._pool
 
     def nbytes(self) -> int:
-        """Device bytes of the buffers and of the graphs' memory pool."""
-        own = [self.g, self.x]
+        """Device bytes of the front's buffers and of the graphs' memory pool (the kept rows
+        and the expert half's intermediates)."""
+        own: list[torch.Tensor] = []
         for work in self.fronts.values():
             own += [t for t in vars(work).values() if isinstance(t, torch.Tensor)]
         # Each storage once (the front's argument block and segment table are views of one).
-        storages = {
-            t.untyped_storage().data_ptr(): t.untyped_storage() for t in own if t is not None
-        }
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in own}
         total = sum(st.nbytes() for st in storages.values())
         if self._pool is not None and self._graphs:
             pool = tuple(self._pool)
@@ -138,9 +145,12 @@ class ExpertRows:
             )
         return total
 
-    def kept(self, num_kept: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The views the front packs ``num_kept`` gradient (and input) rows into."""
-        return self.g[:num_kept], None if self.x is None else self.x[:num_kept]
+    def front_buffers(
+        self, z: torch.Tensor, slots: torch.Tensor, d_probs: torch.Tensor
+    ) -> FrontBuffers:
+        """The front's per-call tensors, with the kept rows left to the graph
+        (``FrontBuffers.rows_in_graph``)."""
+        return FrontBuffers(z, slots, d_probs, *self._standins, rows_in_graph=True)
 
     def front_work(self, call: ScoredCall) -> FrontWork:
         """The front's buffers and launches for ``call`` (made on first use)."""
@@ -175,11 +185,18 @@ class _LayerGraph:
         self.rows, self.front, self.weights = rows, front, weights
         w1, w2, acc1, acc2 = weights
         h_meta = None if h is None else (h.stride(0), h.dtype)
-        x, args = rows.x, front.args
+        args, shape = front.args, rows.shape
+        tk = triton_kernels
 
         def launch() -> None:
-            front.launch()  # router gradient, scoring, selection, packing into rows.g / rows.x
-            g = rows.g
+            # The kept rows, in this graph's pool: g is free again once fc2's weight gradient
+            # has read it, and dx (the same size) takes its place (x's, in recompute mode).
+            g = torch.empty((rows.capacity, shape.width), dtype=shape.dtype, device=shape.device)
+            x = torch.empty_like(g) if shape.pack_x else None
+            args[tk.ARG_G_OUT].fill_(g.data_ptr())  # after the call's block was loaded
+            if x is not None:
+                args[tk.ARG_X_OUT].fill_(x.data_ptr())
+            front.launch()  # router gradient, scoring, selection, packing into g / x
             # The kept rows per expert are the front's quotas (device, loaded with the block):
             # offsets by a captured cumsum.
             groups = GroupSizes(front.quota)
@@ -202,14 +219,12 @@ class _LayerGraph:
             # still holds about their sum; docs/benchmarks.md section 14).
             del da
             grouped_wgrad_triton(g, act, offs, acc2, config=config)
-            del act
+            del act, g
             grouped_wgrad_triton(dh, x, offs, acc1, config=config)
+            del x
             if need_dx:
                 dx = grouped_mm_nn(dh, w1, groups)
-                shape = rows.shape
-                triton_kernels.gather_sum_from_args(
-                    args, dx, shape.tokens, shape.slots, shape.dtype
-                )
+                tk.gather_sum_from_args(args, dx, shape.tokens, shape.slots, shape.dtype)
 
         self.launch = launch
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -217,7 +232,8 @@ class _LayerGraph:
     def capture(self) -> None:
         """Runs this call's work eagerly and records it (the first run of a captured key), in
         the memory pool of every graph over the same buffers (they never overlap)."""
-        self.graph = capture(self.launch, self.rows.g.device, pool=self.rows.pool_for(self))
+        rows = self.rows
+        self.graph = capture(self.launch, rows.shape.device, pool=rows.pool_for(self))
 
 
 def graph_memory_bytes() -> int:

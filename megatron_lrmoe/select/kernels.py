@@ -813,6 +813,11 @@ class FrontBuffers(NamedTuple):
     d_probs: torch.Tensor  # [N] written: the router gradient of every pair
     g_kept: torch.Tensor  # [K, H] written: the kept pairs' gradient rows times p * w (+ poison)
     x_kept: torch.Tensor | None  # [K, H] written: their input rows (None: not packed)
+    # The kept rows live in the caller's graph (experts/backward_graph.py): g_kept / x_kept are
+    # then [0, H] stand-ins that only say the rows' dtype and whether inputs are packed, and the
+    # graph writes its rows' addresses into the argument block (ARG_G_OUT, ARG_X_OUT) before the
+    # front's launches read them.
+    rows_in_graph: bool = False
 
 
 class Front(NamedTuple):
@@ -826,13 +831,13 @@ class Front(NamedTuple):
 def _front_ready(inputs: ScoreInputs, front: FrontBuffers, num_kept: int) -> bool:
     """Whether a captured graph can run ``front`` on ``inputs`` in place."""
     g, x, probs, _ = inputs
-    z, slots, d_probs, g_kept, x_kept = front
+    z, slots, d_probs, g_kept, x_kept, rows_in_graph = front
     n, (t, h) = probs.shape[0], g.shape
     outputs_ok = (
         d_probs.shape == probs.shape
         and d_probs.dtype in triton_kernels.KERNEL_DTYPES
         and d_probs.is_contiguous()
-        and g_kept.shape == (num_kept, h)
+        and g_kept.shape == (0 if rows_in_graph else num_kept, h)
         and g_kept.dtype == g.dtype
         and g_kept.is_contiguous()
         and (
@@ -927,6 +932,9 @@ def front_triton(
     graph cannot use in place (``_front_ready``). ``row_of_pair`` is a graph buffer (valid until
     the next replay) unless ``owned``; the other outputs are the caller's.
     """
+    if front.rows_in_graph:
+        raise ValueError("front_triton packs into the caller's buffers: rows_in_graph is for "
+                         "the layer graph (experts/backward_graph.run_layer_graph)")
     if not front_graphs_wanted(probs.device):
         return None
     inputs = ScoreInputs(g, x, probs, token)
@@ -1029,12 +1037,13 @@ class _FrontShape(NamedTuple):
     slots_per_token: int
     dtypes: tuple[torch.dtype, torch.dtype]  # z, d_probs
     pack_x: bool
+    rows_in_graph: bool
 
     @classmethod
     def of(cls, front: FrontBuffers) -> "_FrontShape":
         return cls(
             front.z.stride(0), front.slots.shape[1], (front.z.dtype, front.d_probs.dtype),
-            front.x_kept is not None,
+            front.x_kept is not None, front.rows_in_graph,
         )
 
 
