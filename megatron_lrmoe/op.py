@@ -568,7 +568,7 @@ def _graphed_backward(
     """
     counts, quota, uniforms = _local_segments(call, key)
     num_kept = int(quota.numpy().sum())
-    if num_kept == 0:  # nothing to replay; and no shared rows for an empty shape
+    if num_kept == 0:  # nothing to replay, and no rows to make room for
         return None
     perm = call.perm
     rows = expert_graph_rows(

@@ -469,7 +469,7 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     (different weights, so two graphs sharing the buffers and the memory pool) run forward and
     backward on four inputs (the kept count changes), per case (``save`` with ``sample``,
     ``recompute`` with ``topk``), with the whole trimmed backward replayed as one graph per
-    layer (captured on the layer's second sighting once its shape has shared rows) and with
+    layer (captured on the layer's second sighting once its shape has a shared set) and with
     ``LRMOE_EXPERT_GRAPHS=0``. Returns per case the largest
     difference of outputs, input and router gradients and ``main_grad`` (after every call) and
     the expert graphs each mode left."""
@@ -595,8 +595,8 @@ def interp_graphed_backward_matches_stages(
     graph may run, the CUDA graph replaced by re-running its launches, so its kernels run in the
     interpreter) against the same four keep-0.5 calls with ``LRMOE_EXPERT_GRAPHS=0`` and
     ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the torch paths). Every call has the
-    same input, so the same kept count: on the host the shared rows must hold exactly the kept
-    ones (host group sizes add up to the rows), which room 0 gives. Returns the largest
+    same input, so the same kept count: on the host the room for rows must be exactly the kept
+    ones (host group sizes add up to the rows), which headroom 0 gives. Returns the largest
     relative differences of outputs and gradients, whether the kept pairs were the same, and
     the layer graphs each mode left."""
     from megatron_lrmoe.experts import backward_graph as bg

@@ -221,7 +221,7 @@ def test_cuda_expert_graph_matches_eager_layer() -> None:
     """The layer on the GPU, keep 0.5, fused ``main_grad``, two layers sharing the graphs'
     buffers and memory pool: with the whole trimmed backward replayed as one graph per layer
     (the front and the expert half; captured on a layer's second sighting once its shape has
-    shared rows), outputs, input and router gradients and ``main_grad`` after every call have
+    a shared set), outputs, input and router gradients and ``main_grad`` after every call have
     the bits of the front replayed alone and the expert half launched eagerly
     (``LRMOE_EXPERT_GRAPHS=0``), in ``save`` and ``recompute`` mode; one layer graph per
     layer, none with the switch off."""

@@ -721,8 +721,8 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
     expert backward into ``main_grad`` and the return (``gather_sum``). The same kept pairs;
     router gradient, ``main_grad`` and input gradient equal up to fp32 summation order, over a
     first sighting (nothing runs), the capture's eager run and two replays. On the host the
-    shared rows hold exactly the kept ones (host group sizes must add up to them); the GPU test
-    ``test_cuda_expert_graph_matches_eager_layer`` covers room for more rows and the real
+    graph makes room for exactly the kept rows (host group sizes must add up to them); the GPU
+    test ``test_cuda_expert_graph_matches_eager_layer`` covers room for more rows and the real
     capture."""
     from types import SimpleNamespace
 

@@ -237,9 +237,10 @@ class _LayerGraph:
 
 
 def graph_memory_bytes() -> int:
-    """Device memory the expert graphs hold from call to call: the shared buffers (ordinary
-    allocations that stay) and the graphs' memory pools (reserved; ``memory_allocated`` does
-    not count what a replay writes there). For benchmarks: it reads the allocator's snapshot."""
+    """Device memory the expert graphs hold from call to call: the fronts' shared buffers
+    (ordinary allocations that stay) and the graphs' memory pools, the kept rows included
+    (reserved; ``memory_allocated`` does not count what a replay writes there). For
+    benchmarks: it reads the allocator's snapshot."""
     return sum(rows.nbytes() for rows in _ROWS.values())
 
 
@@ -315,7 +316,7 @@ def expert_graph_rows(
     num_experts: int,
     pack_x: bool,
 ) -> ExpertRows | None:
-    """The shared buffers for a call that keeps ``num_kept`` rows, or ``None`` on the first
+    """The shared set for a call that keeps ``num_kept`` rows, or ``None`` on the first
     sighting of its shape (a one-off shape, e.g. a last, shorter micro-batch, allocates
     nothing; the caller then packs into buffers of its own).
 

@@ -62,8 +62,8 @@ def graphs_on_host(replay: bool = True) -> None:
 def layer_graphs_on_host(replay: bool = True) -> None:
     """:func:`graphs_on_host`, and the one graph per layer (``experts/backward_graph.py``):
     wanted wherever the weight gradients go into ``main_grad`` and ``LRMOE_EXPERT_GRAPHS`` is
-    not ``0``, no memory pool, and shared rows that hold exactly the kept ones (on the host the
-    grouped GEMMs' group sizes must add up to the rows: calls must keep the same count)."""
+    not ``0``, no memory pool, and room for exactly the kept rows (on the host the grouped
+    GEMMs' group sizes must add up to the rows: calls must keep the same count)."""
     from megatron_lrmoe import op
     from megatron_lrmoe.experts import backward_graph as bg
 
