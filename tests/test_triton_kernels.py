@@ -549,6 +549,23 @@ def test_interp_scoring_from_arg_block(monkeypatch: pytest.MonkeyPatch, dtype, n
     assert not triton_kernels.args_ready(g.t())  # column-strided
 
 
+def _token_walk_case(gen: torch.Generator, n: int, h: int, k: int, dtype: torch.dtype) -> tuple:
+    """``(g [n, h] dtype, x [n, h] bf16, slots [n, k], token, z [pairs, h] bf16, probs)``:
+    ``n`` tokens whose ``k`` slots hold ``n * k - 1`` pairs (one slot empty; one pair for a
+    single token) in random slots, the token of each pair as the slots say, the pairs' expert
+    outputs and routing weights."""
+    g = torch.randn(n, h, generator=gen).to(dtype)
+    x = (3 * torch.randn(n, h, generator=gen)).to(torch.bfloat16)
+    pairs = n * k - 1 if n > 1 else 1
+    slots = torch.full((n, k), -1, dtype=torch.int64)
+    slots.view(-1)[torch.randperm(n * k, generator=gen)[:pairs]] = torch.arange(pairs)
+    token = torch.empty(pairs, dtype=torch.int64)
+    for t, row in enumerate(slots.tolist()):
+        token[[p for p in row if p >= 0]] = t
+    z = torch.randn(pairs, h, generator=gen).to(torch.bfloat16)
+    return g, x, slots, token, z, torch.rand(pairs, generator=gen)
+
+
 @interp
 @pytest.mark.parametrize("programs", [2, 1024])
 @pytest.mark.parametrize("n", [1, 9, 37])
@@ -565,16 +582,8 @@ def test_interp_router_grad_and_packing_from_arg_block(
     monkeypatch.setattr(triton_kernels, "_TILE", 64)  # 4-row blocks: up to 14 of them
     gen = _gen(950 + n)
     h, k = 72, 3
-    g = torch.randn(n, h, generator=gen).to(dtype)
-    x = (3 * torch.randn(n, h, generator=gen)).to(torch.bfloat16)
-    pairs = n * k - 1 if n > 1 else 1
-    slots = torch.full((n, k), -1, dtype=torch.int64)
-    slots.view(-1)[torch.randperm(n * k, generator=gen)[:pairs]] = torch.arange(pairs)
-    token = torch.empty(pairs, dtype=torch.int64)  # the token of each pair, as slots say
-    for t, row in enumerate(slots.tolist()):
-        token[[p for p in row if p >= 0]] = t
-    z = torch.randn(pairs, h, generator=gen).to(torch.bfloat16)
-    probs = torch.rand(pairs, generator=gen)
+    g, x, slots, token, z, probs = _token_walk_case(gen, n, h, k, dtype)
+    pairs = token.numel()
     d_probs = torch.full((pairs,), float("nan"), dtype=probs.dtype)
     args = _arg_block(g=g, x=x, probs=probs, token=token, z=z, slot_plan=slots, d_probs=d_probs)
     triton_kernels.row_dot_from_args(
@@ -625,16 +634,8 @@ def test_interp_row_dot_and_packing_in_one_walk(
     monkeypatch.setattr(triton_kernels, "_TILE", 256)  # several walk rows per program
     gen = _gen(1700 + n)
     h, k = 72, 3
-    g = torch.randn(n, h, generator=gen).to(dtype)
-    x = (3 * torch.randn(n, h, generator=gen)).to(torch.bfloat16)
-    pairs = n * k - 1 if n > 1 else 1
-    slots = torch.full((n, k), -1, dtype=torch.int64)
-    slots.view(-1)[torch.randperm(n * k, generator=gen)[:pairs]] = torch.arange(pairs)
-    token = torch.empty(pairs, dtype=torch.int64)
-    for t, row in enumerate(slots.tolist()):
-        token[[p for p in row if p >= 0]] = t
-    z = torch.randn(pairs, h, generator=gen).to(torch.bfloat16)
-    probs = torch.rand(pairs, generator=gen)
+    g, x, slots, token, z, probs = _token_walk_case(gen, n, h, k, dtype)
+    pairs = token.numel()
     kept = max(1, pairs // 2)
     room = torch.full((pairs,), 10**9, dtype=torch.int64)  # rows past the count: never read
     room[:kept] = torch.randperm(pairs, generator=gen)[:kept]
