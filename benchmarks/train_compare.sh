@@ -19,6 +19,11 @@
 # The front graph against the stages launched around the replayed scoring and selection:
 #   A_KEEP=0.5 B_KEEP=0.5 B_ENV=LRMOE_FRONT_GRAPHS=0 NAME_A=front NAME_B=eagerfront \
 #     bash benchmarks/train_compare.sh OUT
+# Two versions of the code (run B's entry script in a folder of this checkout that holds the
+# other commit's package: Python puts the script's folder first on the path):
+#   mkdir ab_old && git archive REV megatron_lrmoe pretrain_lrmoe.py | tar -x -C ab_old
+#   A_KEEP=0.5 B_KEEP=0.5 B_ENV=ENTRY=ab_old/pretrain_lrmoe.py NAME_A=new NAME_B=old \
+#     bash benchmarks/train_compare.sh OUT
 #
 # With two visible GPUs runs A and B go concurrently on GPU 0 and 1; with one they run one after
 # the other on GPU 0 (TIMEOUT_S then bounds each run). Needs megatron-core 0.19.2 importable and
