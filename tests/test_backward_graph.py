@@ -62,3 +62,20 @@ def test_at_most_max_shapes_keep_buffers(monkeypatch: pytest.MonkeyPatch) -> Non
     again = _rows(4, 6)  # seen twice before: buffers again at once, new ones
     assert again is not None and again is not kept[6]
     assert [s.tokens for s in bg._ROWS] == [7, 6]
+
+
+def test_the_front_graph_alone_refuses_rows_left_to_a_layer_graph() -> None:
+    """Only the layer graph allocates the kept rows itself; the front graph alone packs into
+    the caller's buffers, so it rejects the stand-ins rather than pack to address 0."""
+    from megatron_lrmoe.select import kernels
+
+    assert _rows(5, tokens=6) is None
+    rows = _rows(5, tokens=6)
+    front = rows.front_buffers(torch.zeros(12, 16), torch.zeros(6, 2, dtype=torch.int64),
+                               torch.zeros(12))  # fmt: skip
+    g = torch.zeros(6, 16)
+    with pytest.raises(ValueError, match="rows_in_graph"):
+        kernels.front_triton(
+            "topk", g, g, torch.zeros(12), torch.zeros(12, dtype=torch.int64),
+            torch.tensor([4, 4, 4]), torch.tensor([2, 2, 2]), None, front,
+        )  # fmt: skip
