@@ -61,12 +61,10 @@ __all__ = [
     "gather_sum_from_args",
     "gather_sum_triton",
     "args_ready",
-    "pack_pairs_from_args",
     "pack_pairs_triton",
     "pair_blocks",
     "pair_scores_from_args",
     "pair_scores_triton",
-    "row_dot_from_args",
     "row_dot_triton",
     "row_norms_from_args",
     "row_norms_triton",
@@ -211,31 +209,6 @@ def _row_dot_kernel(
     _row_dot_body(
         out_ptr, a_ptr, b_ptr, a_index_ptr, n_rows, width, a_stride, b_stride, slots_per_a,
         A_INDEX, SLOTS, BLOCK_M, BLOCK_H,
-    )
-
-
-def _row_dot_args_kernel(
-    args_ptr,
-    n_rows,
-    width,
-    a_stride,
-    b_stride,
-    slots_per_a,
-    OUT_TY: tl.constexpr,
-    A_TY: tl.constexpr,
-    B_TY: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """:func:`_row_dot_body` with ``SLOTS``: ``a`` = ``args[0]`` (the gradient rows), ``b`` =
-    ``args[4]`` (the pairs' expert outputs), the slot table ``args[5]``, ``out`` ``args[6]``."""
-    a_ptr = _arg_ptr(args_ptr, 0, A_TY)
-    b_ptr = _arg_ptr(args_ptr, 4, B_TY)
-    slots_ptr = _arg_ptr(args_ptr, 5, tl.int64)
-    out_ptr = _arg_ptr(args_ptr, 6, OUT_TY)
-    _row_dot_body(
-        out_ptr, a_ptr, b_ptr, slots_ptr, n_rows, width, a_stride, b_stride, slots_per_a,
-        False, True, BLOCK_M, BLOCK_H,
     )
 
 
@@ -531,43 +504,6 @@ def _pack_pairs_kernel(
     )
 
 
-def _pack_pairs_args_kernel(
-    args_ptr,
-    pairs_ptr,
-    weight_ptr,
-    poison_ptr,
-    row_of_ptr,
-    width,
-    g_stride,
-    x_stride,
-    G_TY: tl.constexpr,
-    X_TY: tl.constexpr,
-    P_TY: tl.constexpr,
-    T_TY: tl.constexpr,
-    HAS_X: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """:func:`_pack_pairs_body` (poison and ``row_of`` on) with ``g``, ``x``, ``probs`` and
-    ``token`` at ``args[0..3]``, the dense outputs at ``args[7]`` (``g_out``) and ``args[8]``
-    (``x_out``), and the number of rows to pack in ``args[9]``, which only the device knows
-    when a graph replays this launch: the programs stride over the row blocks up to it."""
-    g_ptr = _arg_ptr(args_ptr, 0, G_TY)
-    x_ptr = _arg_ptr(args_ptr, 1, X_TY)
-    probs_ptr = _arg_ptr(args_ptr, 2, P_TY)
-    token_ptr = _arg_ptr(args_ptr, 3, T_TY)
-    g_out_ptr = _arg_ptr(args_ptr, 7, G_TY)
-    x_out_ptr = _arg_ptr(args_ptr, 8, X_TY)
-    n_out = tl.load(args_ptr + 9)
-    for pid_m in range(tl.program_id(0), tl.cdiv(n_out, BLOCK_M), tl.num_programs(0)):
-        _pack_pairs_body(
-            pid_m, g_out_ptr, x_out_ptr, g_ptr, x_ptr, token_ptr, pairs_ptr, probs_ptr,
-            weight_ptr, poison_ptr, row_of_ptr, n_out, width, g_stride, x_stride, width, width,
-            HAS_X, True, True, BLOCK_M, BLOCK_H,
-        )
-
-
-
 def _row_of_args_kernel(row_of_ptr, pairs_ptr, args_ptr, BLOCK: tl.constexpr):
     """``row_of[pairs[i]] = i`` for the ``args[9]`` (``ARG_COUNT``) rows to pack, which only the
     device knows under a replayed graph: the programs stride over the blocks up to it. The
@@ -839,7 +775,6 @@ def _kernels() -> SimpleNamespace:
     kernels = SimpleNamespace(
         scale_rows=triton.jit(_scale_rows_kernel),
         row_dot=triton.jit(_row_dot_kernel),
-        row_dot_args=triton.jit(_row_dot_args_kernel),
         gather_sum=triton.jit(_gather_sum_kernel),
         gather_sum_args=triton.jit(_gather_sum_args_kernel),
         act_fwd=triton.jit(_act_fwd_kernel),
@@ -850,7 +785,6 @@ def _kernels() -> SimpleNamespace:
         row_norms_args=triton.jit(_row_norms_args_kernel),
         pair_scores_args=triton.jit(_pair_scores_args_kernel),
         pack_pairs=triton.jit(_pack_pairs_kernel),
-        pack_pairs_args=triton.jit(_pack_pairs_args_kernel),
         row_of_args=triton.jit(_row_of_args_kernel),
         row_dot_pack_args=triton.jit(_row_dot_pack_args_kernel),
     )
@@ -1232,61 +1166,6 @@ def pair_scores_from_args(
         )
 
 
-def row_dot_from_args(
-    args: torch.Tensor,
-    shape: tuple[int, int],
-    slots_per_token: int,
-    strides: tuple[int, int],
-    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
-) -> None:
-    """:func:`row_dot_triton` with ``slots``, every tensor read through the argument block:
-    ``out = args[ARG_D_PROBS]``, ``a = args[ARG_G]`` (``shape`` ``[T, H]``), ``b =
-    args[ARG_Z]``, ``slots = args[ARG_SLOT_PLAN]`` (``[T, slots_per_token]`` int64, contiguous);
-    ``strides`` are ``a``'s and ``b``'s row strides, ``dtypes`` those of ``out``, ``a``, ``b``.
-    :func:`args_ready` must hold for all four. ``T >= 1``."""
-    n_tokens, width = shape
-    n_walk = n_tokens * slots_per_token
-    block_h, block_m = _reduction_tile(width, None, max_block_h=512, accumulators=2)
-    with _device_ctx(args):
-        _kernels_for(args).row_dot_args[(_cdiv(n_walk, block_m),)](
-            args, n_walk, width, strides[0], strides[1], slots_per_token,
-            OUT_TY=_tl_dtype(dtypes[0]), A_TY=_tl_dtype(dtypes[1]), B_TY=_tl_dtype(dtypes[2]),
-            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
-        )
-
-
-def pack_pairs_from_args(
-    args: torch.Tensor,
-    pairs: torch.Tensor,
-    weight: torch.Tensor,
-    poison: torch.Tensor,
-    row_of_pair: torch.Tensor,
-    width: int,
-    strides: tuple[int, int],
-    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype],
-    has_x: bool,
-) -> None:
-    """:func:`pack_pairs_triton` (with ``poison`` and ``row_of_pair``) for a row count known
-    only on the device: ``g``, ``x``, ``probs``, ``token`` at ``args[ARG_G..ARG_TOKEN]`` (row
-    ``strides`` of ``g`` and ``x``; ``dtypes`` of the four), the contiguous outputs at
-    ``args[ARG_G_OUT]``, ``args[ARG_X_OUT]`` (``has_x``), and the rows to pack, ``K``, in
-    ``args[ARG_COUNT]``. ``pairs`` and ``weight`` have room for the most rows there can be;
-    at most :data:`_STRIDING_PROGRAMS` programs per column block stride over the row blocks
-    up to ``K`` (so a replayed graph launches no idle ones); rows from ``K`` on are not
-    touched. ``width >= 1``."""
-    n_max = pairs.shape[0]
-    block_h = _col_block(width, None)
-    block_m = max(1, _TILE // block_h)
-    grid = (max(1, min(_cdiv(n_max, block_m), _STRIDING_PROGRAMS)), _cdiv(width, block_h))
-    with _device_ctx(args):
-        _kernels_for(args).pack_pairs_args[grid](
-            args, pairs, weight, poison, row_of_pair, width, strides[0], strides[1],
-            G_TY=_tl_dtype(dtypes[0]), X_TY=_tl_dtype(dtypes[1]), P_TY=_tl_dtype(dtypes[2]),
-            T_TY=_tl_dtype(dtypes[3]), HAS_X=has_x, BLOCK_M=block_m, BLOCK_H=block_h,
-            num_warps=_NUM_WARPS,
-        )
-
-
 def row_dot_pack_from_args(
     args: torch.Tensor,
     pairs: torch.Tensor,
@@ -1299,13 +1178,15 @@ def row_dot_pack_from_args(
     dtypes: tuple[torch.dtype, ...],
     has_x: bool,
 ) -> None:
-    """:func:`row_dot_from_args` and :func:`pack_pairs_from_args` in one walk over the tokens
-    (``_row_dot_pack_args_kernel``; the same bits as the two): ``d_probs`` for every pair and
-    the ``K`` kept pairs (``args[ARG_COUNT]``, ``pairs[:K]`` in packed order, ``weight[:K]``)
-    packed. ``row_of_pair`` (``[>= N + 1]`` int64) is filled with ``-1`` and then each kept
-    pair's packed row, which the walk reads. ``shape`` is ``g``'s ``[T, H]``; ``strides`` the
-    row strides of ``g``, ``z`` and ``x``; ``dtypes`` those of ``d_probs``, ``g``, ``z``, ``x``
-    and ``probs``. :func:`args_ready` must hold for every tensor of the block. ``T >= 1``."""
+    """:func:`row_dot_triton` (with ``slots``) and :func:`pack_pairs_triton` (with ``poison``
+    and ``row_of_pair``) in one walk over the tokens, every tensor read through the argument
+    block (``_row_dot_pack_args_kernel``; the same bits as the two): ``d_probs`` for every pair
+    and the ``K`` kept pairs (``args[ARG_COUNT]``, ``pairs[:K]`` in packed order,
+    ``weight[:K]``) packed. ``row_of_pair`` (``[>= N + 1]`` int64) is filled with ``-1`` and
+    then each kept pair's packed row, which the walk reads. ``shape`` is ``g``'s ``[T, H]``;
+    ``strides`` the row strides of ``g``, ``z`` and ``x``; ``dtypes`` those of ``d_probs``,
+    ``g``, ``z``, ``x`` and ``probs``. :func:`args_ready` must hold for every tensor of the
+    block. ``T >= 1``."""
     n_tokens, width = shape
     n_walk = n_tokens * slots_per_token
     block_h, block_m = _reduction_tile(width, None, max_block_h=512, accumulators=2)
@@ -1320,6 +1201,7 @@ def row_dot_pack_from_args(
             X_TY=_tl_dtype(dtypes[3]), P_TY=_tl_dtype(dtypes[4]), HAS_X=has_x,
             BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
         )
+
 
 # Programs per column block of the striding packing kernel: a few per multiprocessor of an
 # H100 / H200 (132), enough to keep their memory pipes busy.

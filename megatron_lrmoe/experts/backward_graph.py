@@ -204,19 +204,19 @@ class _LayerGraph:
             da = grouped_mm_nn(g, w2, groups)
             if h_meta is None:  # recompute: fc1 again, on the kept rows
                 h_kept = grouped_mm_nt(x, w1, groups)
-                dh, act, _ = triton_kernels.act_backward_triton(
+                dh, act, _ = tk.act_backward_triton(
                     da, h_kept, spec.gated, spec.kind, None, True
                 )
                 del h_kept
             else:
                 dh = torch.empty((rows.capacity, w1.shape[1]), dtype=g.dtype, device=g.device)
                 act = torch.empty_like(da)
-                triton_kernels.act_backward_from_args(
+                tk.act_backward_from_args(
                     args, da, dh, act, h_meta[0], h_meta[1], spec.gated, spec.kind
                 )
             # Each intermediate is released once read, as in expert_backward, so that a later
-            # one may reuse its memory (measured: each is a segment of its own, so the pool
-            # still holds about their sum; docs/benchmarks.md section 14).
+            # one may reuse its memory: dx takes g's (docs/benchmarks.md section 17); da, dh
+            # and act stay segments of their own (section 14).
             del da
             grouped_wgrad_triton(g, act, offs, acc2, config=config)
             del act, g

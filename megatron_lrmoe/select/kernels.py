@@ -1037,13 +1037,12 @@ class _FrontShape(NamedTuple):
     slots_per_token: int
     dtypes: tuple[torch.dtype, torch.dtype]  # z, d_probs
     pack_x: bool
-    rows_in_graph: bool
 
     @classmethod
     def of(cls, front: FrontBuffers) -> "_FrontShape":
         return cls(
             front.z.stride(0), front.slots.shape[1], (front.z.dtype, front.d_probs.dtype),
-            front.x_kept is not None, front.rows_in_graph,
+            front.x_kept is not None,
         )
 
 
