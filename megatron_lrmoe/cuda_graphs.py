@@ -28,9 +28,14 @@ def capture(
     a side stream ordered after the current one, which then waits for it; no synchronisation
     (capture only records). ``pool`` is a memory pool shared with other graphs that are never
     replayed concurrently (``torch.cuda.graph_pool_handle()``), else the graph gets its own.
+
+    The side stream is one per device (:func:`_side_stream`), the same for every capture: the
+    caching allocator keeps what the eager run frees for reuse on that stream only, so a new
+    stream per capture (torch hands out 32 in turn) would keep up to 32 sets of the eager run's
+    intermediates reserved, one per stream, in a model of many layers.
     """
     current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
+    side = _side_stream(torch.device(device))
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
@@ -44,6 +49,19 @@ def capture(
             graph.capture_end()
     current.wait_stream(side)
     return graph
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream :func:`capture` runs and records on, one per device."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 class GraphCache(Generic[Entry]):
