@@ -24,26 +24,27 @@ def capture(
 ) -> torch.cuda.CUDAGraph:
     """Runs ``launch`` once eagerly and returns a graph of the same launches.
 
-    The eager run (it also warms the allocator's and Triton's caches) and the capture happen on
-    a side stream ordered after the current one, which then waits for it; no synchronisation
-    (capture only records). ``pool`` is a memory pool shared with other graphs that are never
-    replayed concurrently (``torch.cuda.graph_pool_handle()``), else the graph gets its own.
+    The eager run (it does this call's work and warms the allocator's and Triton's caches) runs
+    on the current stream, so what it frees goes back to the cache the caller allocates from.
+    The capture happens on a side stream ordered after it, which the current stream then waits
+    for; no synchronisation (capture only records). ``pool`` is a memory pool shared with other
+    graphs that are never replayed concurrently (``torch.cuda.graph_pool_handle()``), else the
+    graph gets its own.
 
     The side stream is one per device (:func:`_side_stream`), the same for every capture. The
     caching allocator hands a freed block only to allocations on the stream it was freed on, in
     a graph's pool as outside it: with a new stream per capture (torch hands out 32 in turn),
-    graphs sharing a pool could not reuse each other's memory, and each stream would keep a set
-    of the eager run's intermediates reserved. Measured on an H200
+    graphs sharing a pool could not reuse each other's memory. Measured on an H200
     (``benchmarks/graph_memory.py``, 16 layers): the layer graphs' pool held 247 MiB with one
     side stream against 3937 MiB with a stream per capture, and the process reserved 8324
     against 15706 MiB.
     """
+    launch()
     current = torch.cuda.current_stream(device)
     side = _side_stream(torch.device(device))
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
-        launch()
         # thread_local: other threads' CUDA calls (checkpoint writers, NCCL watchdogs) do not
         # invalidate this capture.
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")

@@ -8,6 +8,7 @@ what ``capture`` asks of them.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,11 +16,16 @@ import torch
 from megatron_lrmoe import cuda_graphs
 
 
-def test_every_capture_runs_on_one_side_stream_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Captures share one side stream per device: the allocator keeps what an eager run frees
-    for that stream only, so a stream per capture would keep a set per stream reserved."""
+def test_captures_record_on_one_side_stream_and_warm_up_on_the_current(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Captures record on one side stream per device (the allocator reuses a freed block only
+    on the stream it was freed on, so graphs captured on different streams would not share
+    their pool's memory); each eager warm-up runs on the current stream, so what it frees goes
+    back to the cache the caller allocates from."""
     made: list[torch.device] = []
-    used: list[object] = []
+    active: list[object] = []
+    recorded_on: list[object] = []
 
     class Stream:
         def __init__(self, device: torch.device) -> None:
@@ -30,14 +36,18 @@ def test_every_capture_runs_on_one_side_stream_per_device(monkeypatch: pytest.Mo
 
     class Graph:
         def capture_begin(self, pool: object = None, capture_error_mode: str = "") -> None:
-            pass
+            recorded_on.append(active[-1] if active else current)
 
         def capture_end(self) -> None:
             pass
 
-    def on(stream: object) -> contextlib.AbstractContextManager:
-        used.append(stream)
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def on(stream: object) -> Iterator[None]:
+        active.append(stream)
+        try:
+            yield
+        finally:
+            active.pop()
 
     current = Stream(torch.device("cuda", 0))
     made.clear()
@@ -46,9 +56,14 @@ def test_every_capture_runs_on_one_side_stream_per_device(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(cuda_graphs, "_SIDE_STREAMS", {})
-    runs: list[int] = []
+    launched_on: list[object] = []
     for device in (0, 0, 1, 0, 1):
-        cuda_graphs.capture(lambda: runs.append(1), torch.device("cuda", device))
+        cuda_graphs.capture(
+            lambda: launched_on.append(active[-1] if active else current),
+            torch.device("cuda", device),
+        )
     assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert len(set(map(id, used))) == 2 and current not in used
-    assert len(runs) == 10  # each capture: the eager run, then the recorded one
+    assert len(set(map(id, recorded_on))) == 2 and current not in recorded_on
+    # each capture: the eager run on the current stream, then the recorded one on the side
+    assert launched_on[0::2] == [current] * 5
+    assert [id(s) for s in launched_on[1::2]] == [id(s) for s in recorded_on]
