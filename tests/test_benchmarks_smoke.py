@@ -242,3 +242,35 @@ def test_host_path_cpu_times_the_graphed_backward(tmp_path: Path) -> None:
     assert set(stages) >= {"_graphed_backward", "scored_call", "run_layer_graph", "_record_trimmed"}
     parts = ("_local_segments", "scored_call", "run_layer_graph", "_local_plan")
     assert sum(stages[k] for k in parts) <= stages["_graphed_backward"], stages
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
+)
+def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/model_bench.py, tiny, on the CPU shim: two stacked layers per keep ratio run
+    forward and backward with fused accumulation; keep 1.0 is the ratios' base."""
+    out = tmp_path / "model.json"
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    ifname = _loopback()
+    if ifname is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+        "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--tokens", "8",
+        "--keep", "1.0", "0.5", "--rounds", "1", "--warmup", "2", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert [row["keep"] for row in result["rows"]] == [1.0, 0.5]
+    keep1, keep_half = result["rows"]
+    assert keep1["bwd_vs_keep1"] == 1.0
+    assert keep_half["bwd_vs_keep1"] == keep_half["bwd_ms"] / keep1["bwd_ms"]
+    for row in result["rows"]:
+        assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0
+    assert result["floor"] == {}  # the GEMM floor is taken on a GPU only
+    assert "keep 0.5: fwd" in proc.stdout

@@ -1,0 +1,224 @@
+"""LRMoE layers stacked as in a model: the host queues layer after layer, nothing waits between.
+
+    torchrun --nproc_per_node=1 benchmarks/model_bench.py [--layers 8] [--experts 16]
+        [--tokens 8192] [--keep 1.0 0.75 0.5] [--selection sample] [--rounds 10] [--warmup 3]
+        [--out model_bench.json]
+
+``layer_bench.py`` times one layer call started on an idle GPU, so the host's work in front of
+the layer's first kernels and between them (Megatron's router, the pair plan, the op's set-up,
+the backward's Python) is on its clock whenever the GPU is faster than the host; at small calls
+that is most of what it measures. In a model the host queues the next layer while the GPU still
+works on this one. Here ``--layers`` LRMoE layers of the Qwen3-30B-A3B MoE shape (``--experts``
+experts, weight gradients fused into an fp32 ``main_grad``, as in training) form a residual
+stream (each adds its output to the next one's input) and run forward, then backward, with no
+synchronisation inside a round; CUDA events around the stack give each phase's time per layer
+as a model sees it (the one start-up of the round is spread over the layers).
+
+Per keep ratio (its own layers, built afresh from the same seed), medians over ``--rounds``
+after ``--warmup`` (each layer's backward graph is captured in the warm-up):
+    fwd_ms, bwd_ms: GPU time per layer of the forward and the backward.
+    host_fwd_ms, host_bwd_ms: host time per layer to queue them (below the GPU time: the GPU is
+        the bound, as it is in a model whose host runs ahead).
+    bwd_vs_keep1: bwd_ms over keep 1.0's (the first ``--keep``; the ratio needs keep 1.0 there).
+    peak_mib: peak memory allocated during one round above what the layers hold before it.
+    graphs_mib: what the expert graphs hold (``backward_graph.graph_memory_bytes``).
+    reserved_mib: memory reserved after the rounds (the graphs' pool included; the graphs of
+        the keep ratio before are dropped with its layers, ``backward_graph.reset``).
+Floor, per layer (GPU only, keep 1.0's rows: ``layer_bench._floor``): the grouped GEMMs of the
+experts; ``acc_ms`` the fp32 ``main_grad`` accumulation of both weight gradients (a bf16 add into
+fp32, which the fused weight gradient does in its epilogue and an unfused layer leaves to DDP).
+
+On a CPU (a smoke run with the test-only shim) the times are host times and no floor is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import (  # noqa: E402
+    attach_main_grad,
+    init_distributed,
+    moe_config,
+    write_json,
+    zero_grads,
+)
+
+
+class _Clock:
+    """CUDA events on a GPU, ``perf_counter`` on the CPU: milliseconds between marks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (waits for the last one)."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def _build(args: argparse.Namespace, keep: float, pg: Any, device: torch.device) -> list[Any]:
+    from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+
+    cfg = moe_config(1, num_moe_experts=args.experts)
+    lrmoe = LRMoEConfig(keep_ratio=keep, selection=args.selection, grad_accumulation_fusion="on")
+    torch.manual_seed(1234)  # the same weights at every keep ratio
+    layers = []
+    for number in range(1, args.layers + 1):
+        spec = get_lrmoe_moe_spec(lrmoe)
+        layer = spec(config=cfg, pg_collection=pg, layer_number=number).to(device)
+        attach_main_grad(layer)
+        layers.append(layer)
+    return layers
+
+
+def _round(layers: list[Any], x: torch.Tensor, up: torch.Tensor) -> dict[str, float]:
+    """Forward through the stack, then backward; per-layer GPU and host milliseconds."""
+    clock = _Clock(x.device)
+    if clock.cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    clock.mark()
+    h = x.detach().requires_grad_(True)
+    for layer in layers:
+        out, _ = layer(h)
+        h = h + out
+    clock.mark()
+    t1 = time.perf_counter()
+    h.backward(up)
+    clock.mark()
+    t2 = time.perf_counter()
+    fwd, bwd = clock.spans_ms()
+    n = len(layers)
+    for layer in layers:
+        zero_grads(layer)
+    return dict(
+        fwd_ms=fwd / n,
+        bwd_ms=bwd / n,
+        host_fwd_ms=(t1 - t0) * 1e3 / n,
+        host_bwd_ms=(t2 - t1) * 1e3 / n,
+    )
+
+
+def _accumulation_ms(layer: Any, warmup: int, iters: int) -> float:
+    """GPU ms of adding bf16 weight gradients of both projections into their fp32 main_grad."""
+    from benchmarks.common import cuda_median_ms
+
+    pairs = [(w.main_grad, torch.randn_like(w)) for w in layer.experts.weights()]
+    return cuda_median_ms(lambda: [m.add_(g) for m, g in pairs], warmup, iters)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.75, 0.5])
+    parser.add_argument("--selection", choices=("sample", "topk"), default="sample")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.warmup < 2:
+        parser.error(f"--warmup {args.warmup}: at least 2 (graphs are captured on a 2nd call)")
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pg = init_distributed(1, device.type)
+    from megatron_lrmoe.experts import backward_graph
+
+    base_cfg = moe_config(1)
+    if args.experts < base_cfg.moe_router_topk:
+        parser.error(
+            f"--experts {args.experts}: fewer than the router's top-{base_cfg.moe_router_topk}"
+        )
+    hidden = base_cfg.hidden_size
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(100)
+    x = torch.randn(args.tokens, 1, hidden, device=device, generator=gen).to(dtype)
+    up = torch.randn(x.shape, device=device, generator=gen).to(dtype)
+    rows: list[dict[str, Any]] = []
+    floor: dict[str, float] = {}
+    for keep in args.keep:
+        layers = _build(args, keep, pg, device)
+        for _ in range(args.warmup):
+            _round(layers, x, up)
+        samples = [_round(layers, x, up) for _ in range(args.rounds)]
+        row: dict[str, Any] = {"keep": keep}
+        for key in samples[0]:
+            row[key] = statistics.median(s[key] for s in samples)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            _round(layers, x, up)
+            row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            row["reserved_mib"] = torch.cuda.memory_reserved() / 2**20
+            row["graphs_mib"] = backward_graph.graph_memory_bytes() / 2**20
+            if not floor:
+                from benchmarks.layer_bench import _floor
+
+                floor = _floor(layers[0], 1, args.tokens, args.warmup, args.rounds, [])
+                floor["acc_ms"] = _accumulation_ms(layers[0], args.warmup, args.rounds)
+        rows.append(row)
+        # The expert graphs keep their layers' weights and main_grad referenced (they read
+        # them at their addresses): drop them with the layers.
+        del layers
+        backward_graph.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    keep1 = next((r for r in rows if r["keep"] == 1.0), None)
+    print(
+        f"{args.layers} layers, {args.experts} experts, {args.tokens} tokens, "
+        f"{args.selection}, per layer (medians of {args.rounds} rounds):"
+    )
+    for row in rows:
+        if keep1 is not None:
+            row["bwd_vs_keep1"] = row["bwd_ms"] / keep1["bwd_ms"]
+        memory = (
+            f" peak {row['peak_mib']:.0f} MiB, reserved {row['reserved_mib']:.0f} MiB, graphs "
+            f"{row['graphs_mib']:.0f} MiB"
+            if "peak_mib" in row
+            else ""
+        )
+        ratio = f" (bwd/keep1 {row['bwd_vs_keep1']:.3f})" if "bwd_vs_keep1" in row else ""
+        print(
+            f"  keep {row['keep']:g}: fwd {row['fwd_ms']:.3f} ms, bwd {row['bwd_ms']:.3f} ms{ratio}"
+            f"; host fwd {row['host_fwd_ms']:.3f}, bwd {row['host_bwd_ms']:.3f};{memory}"
+        )
+    if floor and keep1 is not None:
+        total = keep1["fwd_ms"] + keep1["bwd_ms"]
+        print(
+            f"  floor: GEMMs {floor['floor_ms']:.3f} ms (fwd {floor['gemm_fwd_ms']:.3f}, bwd "
+            f"{floor['gemm_bwd_ms']:.3f}), main_grad accumulation {floor['acc_ms']:.3f} ms; keep "
+            f"1.0 / GEMMs {total / floor['floor_ms']:.3f}, / (GEMMs + accumulation) "
+            f"{total / (floor['floor_ms'] + floor['acc_ms']):.3f}"
+        )
+    if args.out:
+        payload = {"args": vars(args), "torch": torch.__version__, "rows": rows, "floor": floor}
+        write_json(args.out, payload)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
