@@ -22,8 +22,8 @@ after ``--warmup`` (each layer's backward graph is captured in the warm-up):
     bwd_vs_keep1: bwd_ms over keep 1.0's (the first ``--keep``; the ratio needs keep 1.0 there).
     peak_mib: peak memory allocated during one round above what the layers hold before it.
     graphs_mib: what the expert graphs hold (``backward_graph.graph_memory_bytes``).
-    reserved_mib: memory reserved after the rounds (the graphs' pool included; the graphs of
-        the keep ratio before are dropped with its layers, ``backward_graph.reset``).
+    reserved_mib: memory reserved after the rounds (the graphs' pool included; each keep
+        ratio starts without graphs or shared buffers, ``backward_graph.reset``).
 Floor, per layer (GPU only, keep 1.0's rows: ``layer_bench._floor``): the grouped GEMMs of the
 experts; ``acc_ms`` the fp32 ``main_grad`` accumulation of both weight gradients (a bf16 add into
 fp32, which the fused weight gradient does in its epilogue and an unfused layer leaves to DDP).
@@ -181,8 +181,8 @@ def main() -> None:
                 floor = _floor(layers[0], 1, args.tokens, args.warmup, args.rounds, [])
                 floor["acc_ms"] = _accumulation_ms(layers[0], args.warmup, args.rounds)
         rows.append(row)
-        # The expert graphs keep their layers' weights and main_grad referenced (they read
-        # them at their addresses): drop them with the layers.
+        # Each keep ratio starts from no graphs and no shared buffers (a deleted layer's
+        # graphs go with its weights; the shared buffers and their pool would stay).
         del layers
         backward_graph.reset()
         if device.type == "cuda":

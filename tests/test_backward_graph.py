@@ -9,6 +9,7 @@ The graphs themselves need CUDA (``test_cuda_expert_graph_matches_eager_layer`` 
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -79,3 +80,20 @@ def test_the_front_graph_alone_refuses_rows_left_to_a_layer_graph() -> None:
             "topk", g, g, torch.zeros(12), torch.zeros(12, dtype=torch.int64),
             torch.tensor([4, 4, 4]), torch.tensor([2, 2, 2]), None, front,
         )  # fmt: skip
+
+
+def test_a_layers_graphs_go_when_its_weight_is_freed() -> None:
+    """``_track``: a cached layer graph stays until the layer's fc1 weight is freed (the layer
+    deleted), or until the cache lets it go first (then freeing the weight is a no-op)."""
+    w1, other = torch.zeros(3, 4), torch.zeros(3, 4)
+    mine, theirs = SimpleNamespace(), SimpleNamespace()
+    bg._track(("mine",), mine, w1)
+    bg._track(("theirs",), theirs, other)
+    assert bg._GRAPHS.graphs == {("mine",): mine, ("theirs",): theirs}
+    del w1
+    gc.collect()
+    assert bg._GRAPHS.graphs == {("theirs",): theirs}
+    bg._GRAPHS.clear()
+    del other  # its entry went first: nothing left to drop
+    gc.collect()
+    assert not bg._GRAPHS.graphs

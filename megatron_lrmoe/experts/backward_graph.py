@@ -23,7 +23,8 @@ per call            through the argument block with the segment table (counts, q
                     sample's uniforms), one host-to-device copy: the gradient, the layer input,
                     the routing weights, ``z``, the slot plan, the saved ``h``, and the router
                     and input gradients it writes. The kept rows per expert are the quotas.
-per layer           the weights and their ``main_grad`` (graph key: their addresses).
+per layer           the weights and their ``main_grad`` (graph key: their addresses; not
+                    referenced, so a deleted layer is freed and its graphs dropped).
 inside the graph    the ``[C, H]`` kept gradient rows and (at EP 1, ``save`` and ``recompute``
                     alike) kept input rows, which the front packs into (the graph writes their
                     addresses into the argument block), the selection's work, fc2's input
@@ -49,7 +50,7 @@ from __future__ import annotations
 import collections
 import os
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -181,8 +182,11 @@ class _LayerGraph:
         need_dx: bool,
         config: WgradConfig,
     ) -> None:
-        # The weights and main_grad stay referenced: the graph reads them at their addresses.
-        self.rows, self.front, self.weights = rows, front, weights
+        # The graph reads the weights and main_grad at their addresses, which are part of its
+        # key (run_layer_graph): it replays only on the tensors it was captured on, which the
+        # caller holds at that call. So it keeps no reference to them (``launch`` goes once
+        # captured), and a layer that is deleted takes its graphs with it (_track).
+        self.rows, self.front = rows, front
         w1, w2, acc1, acc2 = weights
         h_meta = None if h is None else (h.stride(0), h.dtype)
         args, shape = front.args, rows.shape
@@ -226,14 +230,16 @@ class _LayerGraph:
                 dx = grouped_mm_nn(dh, w1, groups)
                 tk.gather_sum_from_args(args, dx, shape.tokens, shape.slots, shape.dtype)
 
-        self.launch = launch
+        self.launch: Callable[[], None] | None = launch
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def capture(self) -> None:
         """Runs this call's work eagerly and records it (the first run of a captured key), in
         the memory pool of every graph over the same buffers (they never overlap)."""
-        rows = self.rows
-        self.graph = capture(self.launch, rows.shape.device, pool=rows.pool_for(self))
+        rows, launch = self.rows, self.launch
+        assert launch is not None, "a layer graph is captured once"
+        self.graph = capture(launch, rows.shape.device, pool=rows.pool_for(self))
+        self.launch = None  # it holds the weights and main_grad
 
 
 def graph_memory_bytes() -> int:
@@ -349,6 +355,13 @@ def expert_graph_rows(
     return rows
 
 
+def _track(key: tuple, entry: _LayerGraph, owner: torch.Tensor) -> None:
+    """Caches ``entry`` under ``key`` until ``owner`` (the layer's fc1 weight, a parameter that
+    lives as long as the layer) is freed, or the cache lets it go first."""
+    _GRAPHS.add(key, entry)
+    weakref.finalize(owner, _GRAPHS.graphs.pop, key, None)
+
+
 def _drop(shape: _Shape) -> None:
     """Forgets the shared buffers of ``shape`` and the graphs captured on them."""
     rows = _ROWS.pop(shape)
@@ -411,7 +424,7 @@ def run_layer_graph(
     if entry is None:
         entry = _LayerGraph(rows, work, _Weights(w1, w2, *into), h, spec, need_dx, config)
         entry.capture()
-        _GRAPHS.add(key, entry)
+        _track(key, entry, w1)
     else:
         entry.graph.replay()
     return work.front(num_kept, owned=False)
