@@ -13,9 +13,10 @@ buffers and the graphs' memory pool). Keep 1.0 captures nothing and is the basel
 ``--stream-per-capture`` records every capture on a new side stream, as ``cuda_graphs.capture``
 did before 7ccdf9d (the eager warm-up stays on the current stream, as since 01f65b1): the
 caching allocator reuses a freed block only on the stream it was freed on, so the graphs' shared
-pool then grows with the captures (up to torch's 32 pool streams). Run the script once with and once without it (one
-process each: the allocator's state carries over within a process). ``gpu_run20/call1``: 16
-layers, 16 experts, 4096 tokens, keep 0.5: graphs 247 vs 3937 MiB, reserved 8324 vs 15706 MiB.
+pool then grows with the captures (up to torch's 32 pool streams). Run the script once with
+and once without it (one process each: the allocator's state carries over within a process).
+``gpu_run20/call1``: 16 layers, 16 experts, 4096 tokens, keep 0.5: graphs 247 vs 3937 MiB,
+reserved 8324 vs 15706 MiB.
 """
 
 from __future__ import annotations

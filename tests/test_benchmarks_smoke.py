@@ -77,26 +77,35 @@ def _loopback() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
-)
-def test_replica_bench_runs_at_ep2(tmp_path: Path) -> None:
-    out = tmp_path / "replica_bench.json"
+def _torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` under torchrun with ``nproc`` CPU processes (this checkout on the path); fails
+    the test with the output's tail unless it exits 0."""
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
     ifname = _loopback()
     if ifname is not None:  # as run_distributed does: gloo must not pick a hostname interface
         env.setdefault("GLOO_SOCKET_IFNAME", ifname)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "benchmarks/replica_bench.py", "--device", "cpu", "--hidden", "32", "--ffn", "16",
-        "--experts", "16", "--topk", "2", "--tokens", "128", "--iters", "1", "--warmup", "1",
-        "--zipf", "1.5", "--hot-experts", "2", "--calib-iters", "100", "--out", str(out),
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", script, *args,
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
+)
+def test_replica_bench_runs_at_ep2(tmp_path: Path) -> None:
+    out = tmp_path / "replica_bench.json"
+    proc = _torchrun(
+        2, "benchmarks/replica_bench.py", "--device", "cpu", "--hidden", "32", "--ffn", "16",
+        "--experts", "16", "--topk", "2", "--tokens", "128", "--iters", "1", "--warmup", "1",
+        "--zipf", "1.5", "--hot-experts", "2", "--calib-iters", "100", "--out", str(out),
+    )  # fmt: skip
     result = json.loads(out.read_text())
     assert result["ep"] == 2 and "hot-rank" in proc.stdout
     blocks = {b["scenario"]: b for b in result["scenarios"]}
@@ -132,20 +141,10 @@ def test_gpu_equivalence_runs_on_the_cpu_with_fused_accumulation(tmp_path: Path)
     """benchmarks/gpu_equivalence.py --fused, tiny, on the CPU shim: keep 1.0 with its weight
     gradients added into main_grad passes against stock in bf16 (both against stock in fp32)."""
     out = tmp_path / "eq.json"
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path)
-    ifname = _loopback()
-    if ifname is not None:
-        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-        "benchmarks/gpu_equivalence.py", "--experts", "8", "--tokens", "32", "--fused",
+    _torchrun(
+        1, "benchmarks/gpu_equivalence.py", "--experts", "8", "--tokens", "32", "--fused",
         "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["experts"] == 8 and result["fused"] and result["ep"] == 1
     (report,) = result["ranks"]
@@ -251,20 +250,10 @@ def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/model_bench.py, tiny, on the CPU shim: two stacked layers per keep ratio run
     forward and backward with fused accumulation; keep 1.0 is the ratios' base."""
     out = tmp_path / "model.json"
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path)
-    ifname = _loopback()
-    if ifname is not None:
-        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-        "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--tokens", "8",
+    proc = _torchrun(
+        1, "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--tokens", "8",
         "--keep", "1.0", "0.5", "--rounds", "1", "--warmup", "2", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    )  # fmt: skip
     result = json.loads(out.read_text())
     assert [row["keep"] for row in result["rows"]] == [1.0, 0.5]
     keep1, keep_half = result["rows"]
