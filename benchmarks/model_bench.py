@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (  # noqa: E402
     attach_main_grad,
+    cuda_median_ms,
     init_distributed,
     moe_config,
     write_json,
@@ -121,8 +122,6 @@ def _round(layers: list[Any], x: torch.Tensor, up: torch.Tensor) -> dict[str, fl
 
 def _accumulation_ms(layer: Any, warmup: int, iters: int) -> float:
     """GPU ms of adding bf16 weight gradients of both projections into their fp32 main_grad."""
-    from benchmarks.common import cuda_median_ms
-
     pairs = [(w.main_grad, torch.randn_like(w)) for w in layer.experts.weights()]
     return cuda_median_ms(lambda: [m.add_(g) for m, g in pairs], warmup, iters)
 
