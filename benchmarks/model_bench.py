@@ -4,6 +4,9 @@
         [--tokens 8192] [--keep 1.0 0.75 0.5] [--selection sample] [--rounds 10] [--warmup 3]
         [--out model_bench.json]
 
+One process per GPU; expert parallelism over all of them (EP = number of processes),
+``--tokens`` per GPU; times and memory are the largest over the ranks.
+
 ``layer_bench.py`` times one layer call started on an idle GPU, so the host's work in front of
 the layer's first kernels and between them (Megatron's router, the pair plan, the op's set-up,
 the backward's Python) is on its clock whenever the GPU is faster than the host; at small calls
@@ -15,7 +18,7 @@ synchronisation inside a round; CUDA events around the stack give each phase's t
 as a model sees it (the one start-up of the round is spread over the layers).
 
 Per keep ratio (its own layers, built afresh from the same seed), medians over ``--rounds``
-after ``--warmup`` (each layer's backward graph is captured in the warm-up):
+after ``--warmup`` (at EP 1 each layer's backward graph is captured in the warm-up):
     fwd_ms, bwd_ms: GPU time per layer of the forward and the backward.
     host_fwd_ms, host_bwd_ms: host time per layer to queue them (below the GPU time: the GPU is
         the bound, as it is in a model whose host runs ahead).
@@ -24,8 +27,9 @@ after ``--warmup`` (each layer's backward graph is captured in the warm-up):
     graphs_mib: what the expert graphs hold (``backward_graph.graph_memory_bytes``).
     reserved_mib: memory reserved after the rounds (the graphs' pool included; each keep
         ratio starts without graphs or shared buffers, ``backward_graph.reset``).
-Floor, per layer (GPU only, keep 1.0's rows: ``layer_bench._floor``): the grouped GEMMs of the
-experts; ``acc_ms`` the fp32 ``main_grad`` accumulation of both weight gradients (a bf16 add into
+Floor, per layer (GPU only, keep 1.0's rows, rank 0: ``layer_bench._floor``): the grouped GEMMs
+of the experts, at EP > 1 plus the four all-to-alls of the pair rows (``floor_ms``; printed as
+"GEMMs"); ``acc_ms`` the fp32 ``main_grad`` accumulation of both weight gradients (a bf16 add into
 fp32, which the fused weight gradient does in its epilogue and an unfused layer leaves to DDP).
 
 On a CPU (a smoke run with the test-only shim) the times are host times and no floor is taken.
@@ -77,10 +81,12 @@ class _Clock:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
-def _build(args: argparse.Namespace, keep: float, pg: Any, device: torch.device) -> list[Any]:
+def _build(
+    args: argparse.Namespace, ep: int, keep: float, pg: Any, device: torch.device
+) -> list[Any]:
     from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
 
-    cfg = moe_config(1, num_moe_experts=args.experts)
+    cfg = moe_config(ep, num_moe_experts=args.experts)
     lrmoe = LRMoEConfig(keep_ratio=keep, selection=args.selection, grad_accumulation_fusion="on")
     torch.manual_seed(1234)  # the same weights at every keep ratio
     layers = []
@@ -93,7 +99,8 @@ def _build(args: argparse.Namespace, keep: float, pg: Any, device: torch.device)
 
 
 def _round(layers: list[Any], x: torch.Tensor, up: torch.Tensor) -> dict[str, float]:
-    """Forward through the stack, then backward; per-layer GPU and host milliseconds."""
+    """Forward through the stack, then backward; per-layer GPU and host milliseconds (the
+    largest over the ranks)."""
     clock = _Clock(x.device)
     if clock.cuda:
         torch.cuda.synchronize()
@@ -112,12 +119,19 @@ def _round(layers: list[Any], x: torch.Tensor, up: torch.Tensor) -> dict[str, fl
     n = len(layers)
     for layer in layers:
         zero_grads(layer)
-    return dict(
+    times = dict(
         fwd_ms=fwd / n,
         bwd_ms=bwd / n,
         host_fwd_ms=(t1 - t0) * 1e3 / n,
         host_bwd_ms=(t2 - t1) * 1e3 / n,
     )
+    return dict(zip(times, _max_over_ranks(list(times.values()), x.device)))
+
+
+def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
 
 
 def _accumulation_ms(layer: Any, warmup: int, iters: int) -> float:
@@ -142,24 +156,28 @@ def main() -> None:
     if args.warmup < 2:
         parser.error(f"--warmup {args.warmup}: at least 2 (graphs are captured on a 2nd call)")
 
+    ep = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if args.experts % ep:
+        parser.error(f"--experts {args.experts}: not a multiple of EP {ep} (the processes)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    pg = init_distributed(1, device.type)
+    pg = init_distributed(ep, device.type)
     from megatron_lrmoe.experts import backward_graph
 
-    base_cfg = moe_config(1)
+    base_cfg = moe_config(ep)
     if args.experts < base_cfg.moe_router_topk:
         parser.error(
             f"--experts {args.experts}: fewer than the router's top-{base_cfg.moe_router_topk}"
         )
     hidden = base_cfg.hidden_size
     dtype = torch.bfloat16
-    gen = torch.Generator(device=device).manual_seed(100)
+    gen = torch.Generator(device=device).manual_seed(100 + rank)
     x = torch.randn(args.tokens, 1, hidden, device=device, generator=gen).to(dtype)
     up = torch.randn(x.shape, device=device, generator=gen).to(dtype)
     rows: list[dict[str, Any]] = []
     floor: dict[str, float] = {}
     for keep in args.keep:
-        layers = _build(args, keep, pg, device)
+        layers = _build(args, ep, keep, pg, device)
         for _ in range(args.warmup):
             _round(layers, x, up)
         samples = [_round(layers, x, up) for _ in range(args.rounds)]
@@ -171,13 +189,17 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             _round(layers, x, up)
-            row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            row["reserved_mib"] = torch.cuda.memory_reserved() / 2**20
-            row["graphs_mib"] = backward_graph.graph_memory_bytes() / 2**20
+            memory = (
+                (torch.cuda.max_memory_allocated() - base) / 2**20,
+                torch.cuda.memory_reserved() / 2**20,
+                backward_graph.graph_memory_bytes() / 2**20,
+            )
+            keys = ("peak_mib", "reserved_mib", "graphs_mib")
+            row.update(zip(keys, _max_over_ranks(list(memory), device)))
             if not floor:
                 from benchmarks.layer_bench import _floor
 
-                floor = _floor(layers[0], 1, args.tokens, args.warmup, args.rounds, [])
+                floor = _floor(layers[0], ep, args.tokens, args.warmup, args.rounds, [])
                 floor["acc_ms"] = _accumulation_ms(layers[0], args.warmup, args.rounds)
         rows.append(row)
         # Each keep ratio starts from no graphs and no shared buffers (a deleted layer's
@@ -186,9 +208,12 @@ def main() -> None:
         backward_graph.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if rank != 0:
+        torch.distributed.destroy_process_group()
+        return
     keep1 = next((r for r in rows if r["keep"] == 1.0), None)
     print(
-        f"{args.layers} layers, {args.experts} experts, {args.tokens} tokens, "
+        f"{args.layers} layers, {args.experts} experts, EP {ep}, {args.tokens} tokens per GPU, "
         f"{args.selection}, per layer (medians of {args.rounds} rounds):"
     )
     for row in rows:
@@ -209,12 +234,15 @@ def main() -> None:
         total = keep1["fwd_ms"] + keep1["bwd_ms"]
         print(
             f"  floor: GEMMs {floor['floor_ms']:.3f} ms (fwd {floor['gemm_fwd_ms']:.3f}, bwd "
-            f"{floor['gemm_bwd_ms']:.3f}), main_grad accumulation {floor['acc_ms']:.3f} ms; keep "
+            f"{floor['gemm_bwd_ms']:.3f}, all-to-alls {floor['a2a4_ms']:.3f}), main_grad "
+            f"accumulation {floor['acc_ms']:.3f} ms; keep "
             f"1.0 / GEMMs {total / floor['floor_ms']:.3f}, / (GEMMs + accumulation) "
             f"{total / (floor['floor_ms'] + floor['acc_ms']):.3f}"
         )
     if args.out:
-        payload = {"args": vars(args), "torch": torch.__version__, "rows": rows, "floor": floor}
+        payload = {
+            "args": vars(args), "ep": ep, "torch": torch.__version__, "rows": rows, "floor": floor,
+        }  # fmt: skip
         write_json(args.out, payload)
     torch.distributed.destroy_process_group()
 

@@ -247,14 +247,15 @@ def test_host_path_cpu_times_the_graphed_backward(tmp_path: Path) -> None:
     torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
 )
 def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
-    """benchmarks/model_bench.py, tiny, on the CPU shim: two stacked layers per keep ratio run
-    forward and backward with fused accumulation; keep 1.0 is the ratios' base."""
+    """benchmarks/model_bench.py, tiny, on the CPU shim at EP 2: two stacked layers per keep
+    ratio run forward and backward with fused accumulation; keep 1.0 is the ratios' base."""
     out = tmp_path / "model.json"
     proc = _torchrun(
-        1, "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--tokens", "8",
+        2, "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--tokens", "8",
         "--keep", "1.0", "0.5", "--rounds", "1", "--warmup", "2", "--out", str(out),
     )  # fmt: skip
     result = json.loads(out.read_text())
+    assert result["ep"] == 2
     assert [row["keep"] for row in result["rows"]] == [1.0, 0.5]
     keep1, keep_half = result["rows"]
     assert keep1["bwd_vs_keep1"] == 1.0
@@ -262,4 +263,4 @@ def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0
     assert result["floor"] == {}  # the GEMM floor is taken on a GPU only
-    assert "keep 0.5: fwd" in proc.stdout
+    assert "EP 2" in proc.stdout and "keep 0.5: fwd" in proc.stdout
