@@ -359,7 +359,7 @@ def _track(key: tuple, entry: _LayerGraph, owner: torch.Tensor) -> None:
     """Caches ``entry`` under ``key`` until ``owner`` (the layer's fc1 weight, a parameter that
     lives as long as the layer) is freed, or the cache lets it go first."""
     _GRAPHS.add(key, entry)
-    weakref.finalize(owner, _GRAPHS.graphs.pop, key, None)
+    weakref.finalize(owner, _GRAPHS.graphs.pop, key, None).atexit = False
 
 
 def _drop(shape: _Shape) -> None:
