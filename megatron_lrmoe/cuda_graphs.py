@@ -25,13 +25,12 @@ def capture(
     """Runs ``launch`` once eagerly and returns a graph of the same launches.
 
     The eager run (it does this call's work and warms the allocator's and Triton's caches) runs
-    on the current stream, so what it frees goes back to the cache the caller allocates from
-    (on the side stream it stayed reserved for that stream: 982 MiB at 4 layers of 128 experts
-    and 16384 tokens, docs/benchmarks.md section 18).
-    The capture happens on a side stream ordered after it, which the current stream then waits
-    for; no synchronisation (capture only records). ``pool`` is a memory pool shared with other
-    graphs that are never replayed concurrently (``torch.cuda.graph_pool_handle()``), else the
-    graph gets its own.
+    on the current stream, so what it frees goes back to the cache the caller allocates from (on
+    the side stream it stayed reserved for that stream: 982 MiB at 4 layers of 128 experts and
+    16384 tokens, docs/benchmarks.md section 18). The recording happens on a side stream ordered
+    after it, which the current stream then waits for; no synchronisation (capture only
+    records). ``pool`` is a memory pool shared with other graphs that are never replayed
+    concurrently (``torch.cuda.graph_pool_handle()``), else the graph gets its own.
 
     The side stream is one per device (:func:`_side_stream`), the same for every capture. The
     caching allocator hands a freed block only to allocations on the stream it was freed on, in
@@ -62,7 +61,7 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream :func:`capture` runs and records on, one per device."""
+    """The stream :func:`capture` records on, one per device."""
     if device.index is None:
         device = torch.device(device.type, torch.cuda.current_device())
     stream = _SIDE_STREAMS.get(device)
