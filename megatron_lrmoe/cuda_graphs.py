@@ -4,7 +4,8 @@
 
 A graph replaces the host's per-kernel launch work by one launch; what it reads and writes
 must stay at the addresses it was captured with, so every user keeps those buffers on the
-object that holds the graph.
+object that holds the graph, or makes their addresses part of the graph's key (a layer graph's
+weights and ``main_grad``, which the caller holds whenever it replays).
 """
 
 from __future__ import annotations
