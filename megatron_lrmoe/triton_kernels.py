@@ -585,6 +585,7 @@ def _row_dot_pack_args_kernel(
     dot = tl.sum(acc, axis=1)
     tl.store(out_ptr + pairs, dot.to(out_ptr.dtype.element_ty), mask=mask_m)
 
+
 def _act_fwd_kernel(
     out_ptr,
     h_ptr,
