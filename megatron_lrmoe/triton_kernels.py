@@ -1190,9 +1190,7 @@ def row_dot_pack_from_args(
     block. ``T >= 1``."""
     n_tokens, width = shape
     n_walk = n_tokens * slots_per_token
-    # The row-dot's column blocks (so its bits), half its rows and warps: 383 against 407 us at
-    # 128 experts, 16384 tokens, keep 0.5 on an H200 (benchmarks/walk_bench.py, gpu_run21).
-    block_h, block_m = _reduction_tile(width, None, max_block_h=512, accumulators=4)
+    block_h, block_m = _reduction_tile(width, None, max_block_h=512, accumulators=2)
     kernels = _kernels_for(args)
     with _device_ctx(args):
         row_of_pair.fill_(-1)
@@ -1202,7 +1200,7 @@ def row_dot_pack_from_args(
             args, row_of_pair, weight, poison, n_walk, width, *strides, slots_per_token,
             OUT_TY=_tl_dtype(dtypes[0]), G_TY=_tl_dtype(dtypes[1]), Z_TY=_tl_dtype(dtypes[2]),
             X_TY=_tl_dtype(dtypes[3]), P_TY=_tl_dtype(dtypes[4]), HAS_X=has_x,
-            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=4,
+            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
         )
 
 
