@@ -57,7 +57,7 @@ from megatron_lrmoe.dispatch.compaction import (
 )
 from megatron_lrmoe.dispatch.permutation import PairPermutation
 from megatron_lrmoe.dispatch.replicas import KeptLayout, ReplicaLayout
-from megatron_lrmoe.dispatch.rows import gather_sum, pack_pairs, row_dot
+from megatron_lrmoe.dispatch.rows import gather_rows, gather_sum, pack_pairs, row_dot
 from megatron_lrmoe.experts.activation import GluSpec
 from megatron_lrmoe.experts.backward_graph import (
     expert_graph_rows,
@@ -168,7 +168,7 @@ class ExpertCall:
         index = self._indices.get(key)
         if index is None:
             index = self._indices[key] = chunk_transpose_index(counts, rows.device)
-        return rows.index_select(0, index)
+        return gather_rows(rows, index)
 
     @property
     def exact(self) -> bool:
@@ -342,7 +342,7 @@ class ExactMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
-        x = call.to_experts(hidden.index_select(0, call.token_of_send))
+        x = call.to_experts(gather_rows(hidden, call.token_of_send))
         p_e = call.to_experts(call.to_send_order(probs))
         z, h = expert_forward_parts(
             x, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec, probs=p_e
@@ -360,7 +360,7 @@ class ExactMoEFunction(torch.autograd.Function):
         if call.sample_stream is not None:
             call.sample_stream()  # every backward advances the stream, exact or not
         g = grad_out.contiguous()
-        dz = call.to_experts(g.index_select(0, call.token_of_send))
+        dz = call.to_experts(gather_rows(g, call.token_of_send))
         into = _main_grad_targets(call, *ctx.params)
         dx, dw1, dw2, dp_e = expert_backward_parts(
             dz, x, h, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec,
@@ -467,7 +467,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
         save = call.activation_mode == "save"
-        x = call.to_experts(hidden.index_select(0, call.token_of_send))
+        x = call.to_experts(gather_rows(hidden, call.token_of_send))
         z, h = expert_forward_parts(
             x, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec
         )
@@ -1032,7 +1032,7 @@ def _kept_inputs(ctx, kept: KeptPlan, x_in: Optional[torch.Tensor]) -> torch.Ten
     kept rows of the saved fc1 output are not gathered: the activation backward reads them in
     place (``h_rows``).
     """
-    return x_in if x_in is not None else ctx.x.index_select(0, kept.kept_positions)
+    return x_in if x_in is not None else gather_rows(ctx.x, kept.kept_positions)
 
 
 def return_dx(

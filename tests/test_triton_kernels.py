@@ -335,6 +335,33 @@ def test_interp_scale_rows_gather(small_tiles, dtype, k: int, index_dtype) -> No
 
 
 @interp
+@pytest.mark.parametrize(
+    "k, index_dtype, layout",
+    [(0, torch.int64, "contiguous"), (1, torch.int32, "transposed"),
+     (19, torch.int64, "row_strided"), (53, torch.int32, "contiguous")],
+    ids=["k0-i64", "k1-i32-transposed", "k19-i64-strided", "k53-i32"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_interp_gather_rows(
+    monkeypatch: pytest.MonkeyPatch, dtype, k: int, index_dtype, layout: str
+) -> None:
+    """The gather kernel copies the bits of ``index_select``: repeated and unordered rows,
+    int32 and int64 and non-contiguous indices, strided and transposed rows, ragged row and
+    column blocks (8 rows x 16 columns at H = 200), no rows at all."""
+    monkeypatch.setattr(triton_kernels, "_TILE", 64)
+    g = _gen(250 + k)
+    n, h = 23, 200
+    rows = _rows_layout(torch.randn(n, h, generator=g).to(dtype), layout)
+    index = torch.randint(0, n, (2 * k,), generator=g).to(index_dtype)
+    for idx in (index[:k], index[::2]):
+        got = triton_kernels.gather_rows_triton(rows, idx)
+        assert got.shape == (k, h) and got.is_contiguous()
+        assert torch.equal(got, rows.index_select(0, idx))
+    with pytest.raises(ValueError, match="gather_rows_triton"):
+        triton_kernels.gather_rows_triton(rows, index.float())
+
+
+@interp
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["out32", "out16"])
 @pytest.mark.parametrize("n, block_h, layout", ROW_CASES, ids=ROW_CASE_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -1102,6 +1129,8 @@ def test_cuda_realistic_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
         for name, fn, args in [
             ("scale_rows", rowwise.scale_rows, (x, probs)),
             ("scale_rows[index]", rowwise.scale_rows, (x, probs[: index.numel()], index)),
+            ("gather_rows", rowwise.gather_rows, (x[: n // 8], torch.randint(0, n // 8, (n,),
+                                                                            device=dev))),
         ]:
             got, ref = fn(*args), _torch_path(monkeypatch, fn, *args)
             assert torch.equal(got, ref), name  # RNE on the GPU: bit-exact

@@ -45,6 +45,23 @@ def _scale_rows_triton_ok(
     )
 
 
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows.index_select(0, index)`` (the reference, and the path off CUDA): ``[N, H] ->
+    [K, H]``. On CUDA one Triton copy kernel (``triton_kernels.gather_rows_triton``), about
+    1.2-1.4x faster than ``index_select`` at the forward's pair gather on an H200. Like the
+    other fast paths it does not range-check ``index``."""
+    if (
+        triton_kernels.use_triton(rows, index)
+        and rows.dim() == 2
+        and rows.dtype in triton_kernels.KERNEL_DTYPES
+        and index.dim() == 1
+        and index.dtype in _INDEX_DTYPES
+        and not _needs_autograd(rows)
+    ):
+        return triton_kernels.gather_rows_triton(rows, index)
+    return rows.index_select(0, index)
+
+
 def scale_rows(
     rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor | None = None
 ) -> torch.Tensor:
