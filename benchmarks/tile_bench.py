@@ -1,6 +1,6 @@
 """Tiles of memory-bound row kernels at the Qwen3-30B-A3B shape, against the memory's speed (GPU).
 
-    python3 benchmarks/tile_bench.py --case walk|gather [--experts 128] [--tokens 16384]
+    python3 benchmarks/tile_bench.py --case walk|gather|rowdot [--experts 128] [--tokens 16384]
         [--keep 0.5] [--iters 50] [--out tile_bench.json]
 
 ``--case walk``: the trimmed backward's one walk, ``triton_kernels.row_dot_pack_from_args``:
@@ -10,6 +10,9 @@ input row written to packed rows, launched through an argument block as the repl
 does (random routing and a random kept ``--keep`` share, in the layer's expert-sorted pair
 order). Per tile: whether the outputs are the bits of the tile the package launches (packed
 rows always are; the row-dot's fp32 order may follow the tile).
+
+``--case rowdot``: the router gradient's row-dot launched alone (``row_dot_triton`` with the
+token-major slots), as the eager trimmed backward runs it (EP > 1, or no graphs).
 
 ``--case gather``: the forward's gather of every pair's token row into expert order
 (``[T, H] -> [S, H]``, ``hidden.index_select(0, token_of_pair)`` in the op's forward), torch's
@@ -147,11 +150,36 @@ def _gather_case(t: dict) -> Case:
     )
 
 
+def _rowdot_case(t: dict) -> Case:
+    from megatron_lrmoe import triton_kernels as tk
+
+    g, z, slots = t["g"], t["z"], t["slots"]
+    n_walk, width = slots.numel(), g.shape[1]
+    out = t["d_probs"]
+    index = slots.reshape(-1)
+    kernels = tk._kernels()
+
+    def package() -> None:
+        out.copy_(tk.row_dot_triton(g, z, torch.float32, slots=slots))
+
+    def tile(block_m: int, block_h: int, warps: int, stages: int) -> Callable[[], object]:
+        return lambda: kernels.row_dot[(tk._cdiv(n_walk, block_m),)](
+            out, g, z, index, n_walk, width, g.stride(0), z.stride(0), slots.shape[1],
+            A_INDEX=False, SLOTS=True, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps,
+            num_stages=stages,
+        )
+
+    return Case(
+        f"row-dot alone: {n_walk} pairs", package, "row_dot_triton (+ a copy of its output)",
+        tile, {"d_probs": out}, z.numel() * 2 + g.numel() * 2 + n_walk * 12, z,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--case", choices=("walk", "gather"), default="walk")
+    parser.add_argument("--case", choices=("walk", "gather", "rowdot"), default="walk")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--keep", type=float, default=0.5)
@@ -169,7 +197,9 @@ def main() -> None:
 
     t = _inputs(args.experts, args.tokens, args.keep, args.hidden, args.topk,
                 torch.device("cuda"))
-    case = _walk_case(t, args.topk) if args.case == "walk" else _gather_case(t)
+    cases = {"walk": lambda: _walk_case(t, args.topk), "gather": lambda: _gather_case(t),
+             "rowdot": lambda: _rowdot_case(t)}
+    case = cases[args.case]()
     width = t["g"].shape[1]
     case.package()
     torch.cuda.synchronize()

@@ -860,6 +860,16 @@ def _col_block(width: int, override: int | None) -> int:
     return best
 
 
+# The row-dot's column block (its fp32 summation order, so its bits: the walk and the
+# row-dot launched alone share it) and the walk's warps. The walk on 4 x 256 tiles and 4 warps
+# was the fastest of 2-16 rows x 256-2048 columns on 4 or 8 warps at both shapes measured on an
+# H200 (benchmarks/tile_bench.py --case walk, gpu_run21 calls 1-2): 375 against 407 us for 4 x
+# 512 on 8 warps at 128 experts, 16384 tokens and keep 0.5; 236 against 245 at 16 experts,
+# 8192 tokens and keep 0.75.
+_ROW_DOT_BLOCK_H = 256
+_WALK_WARPS = 4
+
+
 def _reduction_tile(
     width: int, override: int | None, max_block_h: int, accumulators: int
 ) -> tuple[int, int]:
@@ -1060,7 +1070,9 @@ def row_dot_triton(
     if n_rows == 0:
         return out
     a, b = _unit_cols(a), _unit_cols(b)
-    block_h, block_m = _reduction_tile(width, block_h, max_block_h=512, accumulators=2)
+    block_h, block_m = _reduction_tile(
+        width, block_h, max_block_h=_ROW_DOT_BLOCK_H, accumulators=2
+    )
     index = a_index if slots is None else slots.reshape(-1)
     n_walk = n_rows if slots is None else index.numel()
     with _device_ctx(b):
@@ -1257,7 +1269,7 @@ def row_dot_pack_from_args(
     block. ``T >= 1``."""
     n_tokens, width = shape
     n_walk = n_tokens * slots_per_token
-    block_h, block_m = _reduction_tile(width, None, max_block_h=512, accumulators=2)
+    block_h, block_m = _reduction_tile(width, None, max_block_h=_ROW_DOT_BLOCK_H, accumulators=4)
     kernels = _kernels_for(args)
     with _device_ctx(args):
         row_of_pair.fill_(-1)
@@ -1267,7 +1279,7 @@ def row_dot_pack_from_args(
             args, row_of_pair, weight, poison, n_walk, width, *strides, slots_per_token,
             OUT_TY=_tl_dtype(dtypes[0]), G_TY=_tl_dtype(dtypes[1]), Z_TY=_tl_dtype(dtypes[2]),
             X_TY=_tl_dtype(dtypes[3]), P_TY=_tl_dtype(dtypes[4]), HAS_X=has_x,
-            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_WALK_WARPS,
         )
 
 
