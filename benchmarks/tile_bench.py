@@ -16,7 +16,8 @@ token-major slots), as the eager trimmed backward runs it (EP > 1, or no graphs)
 
 ``--case gather``: the forward's gather of every pair's token row into expert order
 (``[T, H] -> [S, H]``, ``hidden.index_select(0, token_of_pair)`` in the op's forward), torch's
-``index_select`` against the Triton row kernel (``_scale_rows_kernel``, a scale of 1: exact).
+``index_select`` against the Triton row kernel (``_scale_rows_kernel`` without a scale: a copy;
+gpu_run21 call 2 ran it with a scale of 1, which reads one fp32 more per row).
 
 Per tile (``BLOCK_M`` rows, ``BLOCK_H`` columns, warps, stages) the median CUDA-event time and
 GB/s of the bytes the kernel must move; a device-to-device copy gives the memory's speed.
@@ -133,14 +134,14 @@ def _gather_case(t: dict) -> Case:
     x, token = t["x"], t["token_of_pair"]
     n_out, width = token.numel(), x.shape[1]
     out = torch.empty(n_out, width, dtype=x.dtype, device=x.device)
-    ones = torch.ones(n_out, device=x.device)
     kernels = tk._kernels()
 
     def tile(block_m: int, block_h: int, warps: int, stages: int) -> Callable[[], object]:
         grid = (tk._cdiv(n_out, block_m), tk._cdiv(width, block_h))
         return lambda: kernels.scale_rows[grid](
-            out, x, ones, token, n_out, width, x.stride(0), out.stride(0), HAS_INDEX=True,
-            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps, num_stages=stages,
+            out, x, token, token, n_out, width, x.stride(0), out.stride(0), HAS_INDEX=True,
+            BLOCK_M=block_m, BLOCK_H=block_h, HAS_SCALE=False, num_warps=warps,
+            num_stages=stages,
         )
 
     return Case(

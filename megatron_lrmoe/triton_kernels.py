@@ -135,49 +135,30 @@ def _scale_rows_kernel(
     HAS_INDEX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_SCALE: tl.constexpr = True,
 ):
-    """``out[i, :] = rows[index[i] (or i), :] * scale[i]`` on a ``BLOCK_M x BLOCK_H`` tile."""
+    """``out[i, :] = rows[index[i] (or i), :] * scale[i]`` on a ``BLOCK_M x BLOCK_H`` tile;
+    without ``HAS_SCALE`` a copy (``scale`` unread)."""
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_m = offs_m < n_out
     mask = mask_m[:, None] & (offs_h < width)[None, :]
-    scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
     if HAS_INDEX:
         src = tl.load(index_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     else:
         src = offs_m.to(tl.int64)
     x = tl.load(rows_ptr + src[:, None] * rows_stride + offs_h[None, :], mask=mask, other=0.0)
-    # Products of two bf16/fp16 values are exact in fp32, so one rounding here equals torch's
-    # same-dtype multiply as well as its promoted one.
-    y = x.to(tl.float32) * scale[:, None]
     dst = offs_m.to(tl.int64)[:, None] * out_stride + offs_h[None, :]
-    tl.store(out_ptr + dst, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _gather_rows_kernel(
-    out_ptr,
-    rows_ptr,
-    index_ptr,
-    n_out,
-    width,
-    rows_stride,
-    out_stride,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """``out[i, :] = rows[index[i], :]`` (a copy, any dtype) on a ``BLOCK_M x BLOCK_H`` tile."""
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_m = offs_m < n_out
-    mask = mask_m[:, None] & (offs_h < width)[None, :]
-    src = tl.load(index_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    x = tl.load(rows_ptr + src[:, None] * rows_stride + offs_h[None, :], mask=mask, other=0.0)
-    dst = offs_m.to(tl.int64)[:, None] * out_stride + offs_h[None, :]
-    tl.store(out_ptr + dst, x, mask=mask)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
+        # Products of two bf16/fp16 values are exact in fp32, so one rounding here equals
+        # torch's same-dtype multiply as well as its promoted one.
+        y = x.to(tl.float32) * scale[:, None]
+        tl.store(out_ptr + dst, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + dst, x, mask=mask)
 
 
 def _row_dot_body(
@@ -800,7 +781,6 @@ def _kernels() -> SimpleNamespace:
         module[name] = triton.jit(module[name])
     kernels = SimpleNamespace(
         scale_rows=triton.jit(_scale_rows_kernel),
-        gather_rows=triton.jit(_gather_rows_kernel),
         row_dot=triton.jit(_row_dot_kernel),
         gather_sum=triton.jit(_gather_sum_kernel),
         gather_sum_args=triton.jit(_gather_sum_args_kernel),
@@ -1010,9 +990,10 @@ def gather_rows_triton(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     block_m = max(1, (2 * _TILE) // block_h)
     grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
     with _device_ctx(rows):
-        _kernels_for(rows).gather_rows[grid](
-            out, rows, index, n_out, width, rows.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_GATHER_WARPS,
+        _kernels_for(rows).scale_rows[grid](
+            out, rows, index, index, n_out, width, rows.stride(0), out.stride(0),
+            HAS_INDEX=True, BLOCK_M=block_m, BLOCK_H=block_h, HAS_SCALE=False,
+            num_warps=_GATHER_WARPS,
         )
     return out
 
