@@ -183,14 +183,16 @@ class LRMoELayer(MoELayer):
             and self._gemms_take_device_offsets(hidden_states, weights)
         )
         if deferred:
-            if dispatcher.counts_on_host:  # nothing to wait for (CPU): check the pair plan now
+            resolved_first = dispatcher.counts_on_host
+            if resolved_first:  # nothing to wait for (CPU): check the pair plan now
                 probs = dispatcher.resolve(probs)
             call = self._expert_call()
             output = self._experts(hidden_states, probs, call, weights)
-            resolved = dispatcher.resolve(probs)
-            if resolved is not probs:  # fewer pairs than T * topk: run it again, rebuilt
-                probs, call = resolved, self._expert_call()
-                output = self._experts(hidden_states, probs, call, weights)
+            if not resolved_first:
+                resolved = dispatcher.resolve(probs)
+                if resolved is not probs:  # fewer pairs than T * topk: run it again, rebuilt
+                    probs, call = resolved, self._expert_call()
+                    output = self._experts(hidden_states, probs, call, weights)
             call.set_plan(self._plan(None))
         else:
             probs = dispatcher.resolve(probs)
