@@ -294,26 +294,32 @@ class LRMoELayer(MoELayer):
         if not self.lrmoe_config.record_stats:
             return None
         plan, layout = call.plan, call.layout
+        # One reduction on a numpy view of the host counts, the rest summed from its list: a
+        # torch CPU op costs several microseconds of host time each, and this runs in every
+        # forward (tests/test_layer.py compares the counts with torch sums over the counts).
+        counts = plan.global_counts.numpy()
+        tokens_per_expert = counts.sum(0).tolist()
         stats = CallStats(
             layer_number=plan.layer_number,
             call_index=call_index,
-            total_pairs=int(plan.global_counts.sum()),
-            pairs_sent=int(plan.send_counts.sum()),
+            total_pairs=sum(tokens_per_expert),
+            pairs_sent=int(counts[plan.ep_rank].sum()),
             quota_per_expert=plan.quota.tolist(),
-            tokens_per_expert=plan.global_counts.sum(0).tolist(),
+            tokens_per_expert=tokens_per_expert,
             control=plan.control,
         )
         if plan.control is not None:
             stats.replicas_placed = plan.control.num_replicas
             stats.planned_forward_peak = plan.control.forward_peak
             stats.planned_backward_peak = plan.control.backward_peak
-        rows = plan.tokens_per_local_expert
         if layout is not None:
             stats.replica_experts = list(layout.replicas_of[layout.ep_rank])
             stats.replicas_fetched = fetched
             rows = layout.rows_per_instance
             stats.forward_per_replica = rows[layout.num_owned :].tolist()
-        stats.forward_rows = int(rows.sum())
+            stats.forward_rows = int(rows.sum())
+        else:  # the local experts' rows: their columns of the counts, summed over sources
+            stats.forward_rows = sum(tokens_per_expert[plan.local_experts])
         return stats
 
 
