@@ -1,6 +1,8 @@
-"""Host time of the trimmed backward around its replayed graph, measured on the CPU (no GPU).
+"""Host time of the layer's forward and of the trimmed backward around its replayed graph,
+measured on the CPU (no GPU).
 
     python benchmarks/host_path_cpu.py [--tokens 512] [--experts 128] [--hidden 256] [--iters 200]
+    python benchmarks/host_path_cpu.py --mode forward [--tokens 64] [--experts 16] [--hidden 64]
 
 At EP 1 with the weight gradients fused into ``main_grad`` the whole trimmed backward is one
 replayed CUDA graph per layer (``experts/backward_graph.py``). What the host does around that
@@ -17,6 +19,15 @@ plan, its parts are listed below it, and ``_record_trimmed`` (statistics) follow
 the GPU host, a call costs several times what it costs in a loop (docs/benchmarks.md section
 14). This machine's CPU is not the GPU host's: compare stages and code changes between runs of
 this script on one machine (alternate them), not with ``host_trace.py``'s numbers.
+
+``--mode forward`` times the layer's forward instead (keep ``--keep``, EP 1, fused accumulation,
+statistics on: the defaults a training run has). At small calls on the GPU host (16 experts, 4096
+tokens per GPU) the forward's host code (Megatron's router, then ours: the dispatcher's stages,
+the plan, the statistics, the op's forward) takes several times the expert GEMMs' GPU time. The
+CPU runs the same deferred EP 1 path as a Hopper GPU there (fp32 grouped_mm on the CPU; Triton
+and the device count copy are the GPU's only differences), with real but tiny kernels. Reported:
+``layer_call`` (the whole ``layer(x)``, by ``perf_counter`` around it) and each stage of
+``FORWARD_STAGES`` (the stage clock, inclusive), median us per call.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -44,6 +56,42 @@ BACKWARD_STAGES = (
     "expert_graph_wanted",
 )
 
+# The forward's stages: host_trace's (router, count exchange, pair plan, call plan, the layer's
+# routed experts, the op), then ours by name ("module:Qualified.name", as ``--time``).
+FORWARD_STAGES = (
+    "fwd.router", "fwd.preprocess(counts+sync)", "fwd.PairPermutation.build",
+    "fwd.CallPlan.build", "fwd.routed_experts_compute", "fwd.op", "TrimmedMoEFunction.forward",
+    "ExactMoEFunction.forward", "gather_sum",
+)
+FORWARD_TARGETS = (
+    "megatron.core.transformer.moe.moe_layer:MoELayer.forward",
+    "megatron_lrmoe.dispatch.dispatcher:LRAlltoAllTokenDispatcher.dispatch_preprocess",
+    "megatron_lrmoe.dispatch.dispatcher:LRAlltoAllTokenDispatcher._set_stock_metadata",
+    "megatron_lrmoe.dispatch.dispatcher:LRAlltoAllTokenDispatcher.resolve",
+    "megatron_lrmoe.layer:LRMoELayer._gemms_take_device_offsets",
+    "megatron_lrmoe.layer:LRMoELayer._expert_call",
+    "megatron_lrmoe.layer:LRMoELayer._plan",
+    "megatron_lrmoe.layer:LRMoELayer._call_stats",
+    "megatron_lrmoe.op:expert_forward_parts",
+)
+
+
+def _layer(tokens: int, experts: int, hidden: int, keep: float, selection: str) -> Any:
+    """EP 1, fused accumulation (``main_grad`` attached), no aux loss: one LRMoE layer."""
+    from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+    from megatron_lrmoe.testing import init_megatron_parallel, moe_transformer_config
+
+    pg = init_megatron_parallel(ep=1)
+    cfg = moe_transformer_config(
+        expert_model_parallel_size=1, hidden_size=hidden, num_moe_experts=experts,
+        moe_router_topk=min(8, experts), moe_aux_loss_coeff=0.0,
+    )
+    lrmoe = LRMoEConfig(keep_ratio=keep, selection=selection, grad_accumulation_fusion="on")
+    layer = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
+    for p in layer.experts.weights():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+    return layer
+
 
 def measure(
     rank: int,
@@ -57,21 +105,11 @@ def measure(
 ) -> dict[str, Any]:
     """Keep 0.5, EP 1, fused accumulation: median host us per call of each backward stage,
     after five warm-up calls (the second and third capture the front and the layer graph)."""
-    from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
     from megatron_lrmoe.experts import backward_graph
-    from megatron_lrmoe.testing import init_megatron_parallel, moe_transformer_config
     from megatron_lrmoe.testing.host_graphs import layer_graphs_on_host
 
     layer_graphs_on_host(replay=False)
-    pg = init_megatron_parallel(ep=1)
-    cfg = moe_transformer_config(
-        expert_model_parallel_size=1, hidden_size=hidden, num_moe_experts=experts,
-        moe_router_topk=min(8, experts), moe_aux_loss_coeff=0.0,
-    )
-    lrmoe = LRMoEConfig(keep_ratio=0.5, selection=selection, grad_accumulation_fusion="on")
-    layer = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
-    for p in layer.experts.weights():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+    layer = _layer(tokens, experts, hidden, 0.5, selection)
     gen = torch.Generator().manual_seed(3)
     # The same input every call: the same kept count, which the host's shared rows need.
     x = torch.randn(tokens, 1, hidden, generator=gen)
@@ -102,15 +140,61 @@ def measure(
     }
 
 
+def measure_forward(
+    rank: int,
+    world: int,
+    tokens: int,
+    experts: int,
+    hidden: int,
+    iters: int,
+    selection: str,
+    keep: float,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Median host us per forward call (gradients on, no backward) after ten warm-up calls:
+    ``iters`` whole calls, then ``iters`` more with the stage clock (its wrappers cost about
+    1 us each). The same input every call: the same plan every call."""
+    layer = _layer(tokens, experts, hidden, keep, selection)
+    x = torch.randn(tokens, 1, hidden, generator=torch.Generator().manual_seed(3))
+
+    def call() -> float:
+        inp = x.clone().requires_grad_(True)
+        start = time.perf_counter()
+        layer(inp)
+        return (time.perf_counter() - start) * 1e6
+
+    for _ in range(10):
+        call()
+    whole = [call() for _ in range(iters)]
+    targets = FORWARD_TARGETS + tuple(extra)
+    labels = FORWARD_STAGES + tuple(spec.partition(":")[2] for spec in targets)
+    clock = StageClock(targets, only=labels)
+    try:
+        for _ in range(iters):
+            call()
+            clock.lap()
+    finally:
+        clock.restore()
+    stage_us = {"layer_call": statistics.median(whole)}
+    stage_us.update(
+        {k: statistics.median(clock.us[k]) for k in labels if any(clock.us[k])}
+    )
+    return {"stage_us": stage_us, "torch": torch.__version__}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--mode", default="backward", choices=("backward", "forward"))
+    parser.add_argument("--tokens", type=int, help="default 512 (backward), 64 (forward)")
+    parser.add_argument("--experts", type=int, help="default 128 (backward), 16 (forward)")
+    parser.add_argument("--hidden", type=int, help="default 256 (backward), 64 (forward)")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--selection", default="sample", choices=("sample", "topk"))
+    parser.add_argument(
+        "--keep", type=float, default=0.5, help="keep ratio (forward mode; backward: 0.5)"
+    )
     parser.add_argument(
         "--time", nargs="*", default=[], metavar="MODULE:NAME",
         help="more functions for the stage clock (as host_trace.py --time), e.g. "
@@ -118,18 +202,28 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_path.json"))
     args = parser.parse_args()
-    # Read by triton when the worker imports it (host_graphs.py needs the interpreter).
-    os.environ["TRITON_INTERPRET"] = "1"
+    forward = args.mode == "forward"
+    defaults = (64, 16, 64) if forward else (512, 128, 256)
+    for name, value in zip(("tokens", "experts", "hidden"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not forward:
+        # Read by triton when the worker imports it (host_graphs.py needs the interpreter).
+        os.environ["TRITON_INTERPRET"] = "1"
     from megatron_lrmoe.testing import run_distributed
 
-    result = run_distributed(
-        measure, 1, args.tokens, args.experts, args.hidden, args.iters, args.selection,
-        tuple(args.time), timeout=1800,
-    )[0]
+    shape = (args.tokens, args.experts, args.hidden, args.iters, args.selection)
+    if forward:
+        result = run_distributed(
+            measure_forward, 1, *shape, args.keep, tuple(args.time), timeout=1800
+        )[0]
+        what = f"forward, keep {args.keep}"
+    else:
+        result = run_distributed(measure, 1, *shape, tuple(args.time), timeout=1800)[0]
+        what = f"keep 0.5, {result['layer_graphs']} layer graph(s)"
     result.update(vars(args))
-    print(f"keep 0.5 {args.selection}, {args.tokens} tokens, {args.experts} experts, hidden "
-          f"{args.hidden}: host us per call (median of {args.iters}), "
-          f"{result['layer_graphs']} layer graph(s)")
+    print(f"{what}, {args.selection}, {args.tokens} tokens, {args.experts} experts, hidden "
+          f"{args.hidden}: host us per call (median of {args.iters})")
     for name, us in result["stage_us"].items():
         print(f"  {name:30s} {us:8.1f}")
     write_json(args.out, result)

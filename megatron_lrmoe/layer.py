@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.dispatch.dispatcher import LRAlltoAllTokenDispatcher
 from megatron_lrmoe.dispatch.replicas import ReplicaLayout
-from megatron_lrmoe.experts.grouped_gemm import grouped_mm_backend
+from megatron_lrmoe.experts.grouped_gemm import grouped_mm_backend, grouped_mm_backend_for
 from megatron_lrmoe.experts.module import LRGroupedMLP
 from megatron_lrmoe.experts.replica_weights import ReplicaWeightCache
 from megatron_lrmoe.op import ExpertCall, lrmoe_experts
@@ -176,20 +176,23 @@ class LRMoELayer(MoELayer):
         # At EP 1 without the controller the forward needs no host integer when its grouped
         # GEMMs take device offsets: launch it before waiting for the counts (the plan, which
         # only the backward needs, is built behind it). The per-expert loop reads host sizes.
+        weights = self.experts.weights()
         deferred = (
             not _uses_controller(lrmoe)
             and dispatcher.ep_size == 1
-            and self._gemms_take_device_offsets(hidden_states)
+            and self._gemms_take_device_offsets(hidden_states, weights)
         )
         if deferred:
-            if dispatcher.counts_on_host:  # nothing to wait for (CPU): check the pair plan now
+            resolved_first = dispatcher.counts_on_host
+            if resolved_first:  # nothing to wait for (CPU): check the pair plan now
                 probs = dispatcher.resolve(probs)
             call = self._expert_call()
-            output = self._experts(hidden_states, probs, call)
-            resolved = dispatcher.resolve(probs)
-            if resolved is not probs:  # fewer pairs than T * topk: run it again, rebuilt
-                probs, call = resolved, self._expert_call()
-                output = self._experts(hidden_states, probs, call)
+            output = self._experts(hidden_states, probs, call, weights)
+            if not resolved_first:
+                resolved = dispatcher.resolve(probs)
+                if resolved is not probs:  # fewer pairs than T * topk: run it again, rebuilt
+                    probs, call = resolved, self._expert_call()
+                    output = self._experts(hidden_states, probs, call, weights)
             call.set_plan(self._plan(None))
         else:
             probs = dispatcher.resolve(probs)
@@ -208,13 +211,13 @@ class LRMoELayer(MoELayer):
                     # No gradients (evaluation) may run after an optimizer step with the step not
                     # yet announced: fetch afresh then, without touching the cache.
                     step = self._step if torch.is_grad_enabled() else None
-                    w1, w2 = self.experts.weights()
+                    w1, w2 = weights
                     replica_weights = self._replica_cache.weights(
                         layout, w1, w2, self.ep_group, step
                     )
                     fetched = self._replica_cache.last_fetched
             call = self._expert_call(self._plan(control), layout, replica_weights)
-            output = self._experts(hidden_states, probs, call)
+            output = self._experts(hidden_states, probs, call, weights)
         # The op reads the statistics only in backward: filled here, behind the forward's work.
         stats = self._call_stats(call, call_index, 0 if deferred else fetched)
         call.stats = stats
@@ -224,13 +227,20 @@ class LRMoELayer(MoELayer):
                 fn(int(self.layer_number or 1), stats)
         return output, None
 
-    def _gemms_take_device_offsets(self, hidden_states: torch.Tensor) -> bool:
-        """Whether both forward grouped GEMMs run as torch's grouped_mm (no host group sizes)."""
-        w1, w2 = self.experts.weights()
-        act = hidden_states.new_empty((0, w2.shape[2]))  # the fc2 row operand's layout
-        return (
-            grouped_mm_backend(hidden_states, w1) == "torch_grouped_mm"
-            and grouped_mm_backend(act, w2) == "torch_grouped_mm"
+    def _gemms_take_device_offsets(
+        self,
+        hidden_states: torch.Tensor,
+        weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> bool:
+        """Whether both forward grouped GEMMs run as torch's grouped_mm (no host group sizes).
+
+        ``weights``: the experts' ``(w1, w2)`` when the caller has them at hand.
+        """
+        w1, w2 = self.experts.weights() if weights is None else weights
+        # fc2's row operand is the activation: hidden's dtype and device, w2's input width.
+        return grouped_mm_backend(hidden_states, w1) == "torch_grouped_mm" and (
+            grouped_mm_backend_for(hidden_states.dtype, hidden_states.device, w2.shape[2], w2)
+            == "torch_grouped_mm"
         )
 
     def _plan(self, control: Optional[ControlPlan]) -> CallPlan:
@@ -269,8 +279,14 @@ class LRMoELayer(MoELayer):
             fuse_grad_accumulation=self.lrmoe_config.fuses_grad_accumulation(self.config),
         )
 
-    def _experts(self, hidden_states: torch.Tensor, probs: torch.Tensor, call: ExpertCall):
-        w1, w2 = self.experts.weights()
+    def _experts(
+        self,
+        hidden_states: torch.Tensor,
+        probs: torch.Tensor,
+        call: ExpertCall,
+        weights: tuple[torch.Tensor, torch.Tensor],
+    ):
+        w1, w2 = weights
         return lrmoe_experts(hidden_states, probs, call, w1, w2)
 
     def _call_stats(self, call: ExpertCall, call_index: int, fetched: int) -> Optional[CallStats]:
@@ -278,26 +294,32 @@ class LRMoELayer(MoELayer):
         if not self.lrmoe_config.record_stats:
             return None
         plan, layout = call.plan, call.layout
+        # One reduction on a numpy view of the host counts, the rest summed from its list: a
+        # torch CPU op costs several microseconds of host time each, and this runs in every
+        # forward (tests/test_layer.py compares the counts with torch sums over the counts).
+        counts = plan.global_counts.numpy()
+        tokens_per_expert = counts.sum(0).tolist()
         stats = CallStats(
             layer_number=plan.layer_number,
             call_index=call_index,
-            total_pairs=int(plan.global_counts.sum()),
-            pairs_sent=int(plan.send_counts.sum()),
+            total_pairs=sum(tokens_per_expert),
+            pairs_sent=int(counts[plan.ep_rank].sum()),
             quota_per_expert=plan.quota.tolist(),
-            tokens_per_expert=plan.global_counts.sum(0).tolist(),
+            tokens_per_expert=tokens_per_expert,
             control=plan.control,
         )
         if plan.control is not None:
             stats.replicas_placed = plan.control.num_replicas
             stats.planned_forward_peak = plan.control.forward_peak
             stats.planned_backward_peak = plan.control.backward_peak
-        rows = plan.tokens_per_local_expert
         if layout is not None:
             stats.replica_experts = list(layout.replicas_of[layout.ep_rank])
             stats.replicas_fetched = fetched
             rows = layout.rows_per_instance
             stats.forward_per_replica = rows[layout.num_owned :].tolist()
-        stats.forward_rows = int(rows.sum())
+            stats.forward_rows = int(rows.sum())
+        else:  # the local experts' rows: their columns of the counts, summed over sources
+            stats.forward_rows = sum(tokens_per_expert[plan.local_experts])
         return stats
 
 

@@ -681,3 +681,72 @@ def fused_accumulation_under_saved_tensor_hooks(rank: int, world: int) -> list[d
             ],
         })
     return out
+
+
+def forward_host_facts(rank: int, world: int) -> dict[str, Any]:
+    """The forward's host shortcuts next to their slow obvious forms, at EP = ``world``.
+
+    ``decided``: the layer's "both forward GEMMs take device offsets" answer (memoised per
+    input in ``grouped_gemm``) as ``LRMOE_GROUPED_MM`` and the operands' dtypes change, the
+    layer's own weights cast last; a stale memo would repeat an earlier answer. ``stats`` /
+    ``metadata``: the call's statistics and stock's split metadata (host numpy sums) against
+    torch sums over the call's all-gathered counts, the form they replaced.
+    """
+    from megatron_lrmoe.control.quota import expert_quotas
+    from megatron_lrmoe.experts import grouped_gemm as gg
+
+    pg = init_megatron_parallel(ep=world)
+    cfg = _config(world, moe_aux_loss_coeff=0.0)
+    lr = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=0.5))(
+        config=cfg, pg_collection=pg, layer_number=1
+    )
+    x, up = _inputs(rank, cfg.hidden_size)
+    hidden = x.view(-1, cfg.hidden_size)
+    weights = lr.experts.weights()
+    take = lr._gemms_take_device_offsets
+    decided: dict[str, Any] = {"auto": take(hidden)}
+    try:
+        os.environ[gg.GROUPED_MM_ENV] = "loop"
+        decided["loop"] = take(hidden)
+        os.environ[gg.GROUPED_MM_ENV] = "bogus"
+        try:
+            decided["bogus"] = take(hidden)
+        except ValueError:
+            decided["bogus"] = "ValueError"
+    finally:
+        os.environ.pop(gg.GROUPED_MM_ENV, None)
+    decided["unset"] = take(hidden)
+    for dtype in (torch.float64, torch.bfloat16):
+        cast = tuple(w.detach().to(dtype) for w in weights)
+        decided[str(dtype)] = take(hidden.to(dtype), cast)
+        decided[f"weights {dtype}"] = take(hidden, cast)  # tokens stay fp32
+
+    _run(lr, x, up)
+    stats = lr.last_call_stats
+    d = lr.token_dispatcher
+    counts = d.global_counts.clone()
+    ep_rank = d.ep_rank
+    L = lr.num_local_experts
+    local = counts[:, ep_rank * L : (ep_rank + 1) * L]
+    facts = {
+        "stats": [
+            stats.total_pairs, stats.pairs_sent, stats.tokens_per_expert,
+            stats.quota_per_expert, stats.forward_rows,
+        ],
+        "stats_want": [
+            int(counts.sum()), int(counts[ep_rank].sum()), counts.sum(0).tolist(),
+            expert_quotas(counts.sum(0), 0.5).tolist(), int(local.sum()),
+        ],
+        "metadata": [
+            d.num_out_tokens, d.input_splits.tolist(), d.output_splits.tolist(),
+            d.output_splits_tp.tolist(), d.num_global_tokens_per_local_expert.tolist(),
+            str(d.num_global_tokens_per_local_expert.dtype),
+        ],
+        "metadata_want": [
+            int(counts[ep_rank].sum()), counts[ep_rank].reshape(world, L).sum(1).tolist(),
+            local.sum(1).tolist(), [int(local.sum())], local.tolist(), str(torch.int64),
+        ],
+    }  # fmt: skip
+    lr.to(torch.float64)  # the layer's own weights change dtype: asked again, not served stale
+    decided["layer float64"] = take(hidden.double())
+    return {"decided": decided, **facts}

@@ -1,12 +1,12 @@
 """CPU smoke tests of the benchmark scripts (benchmarks/replica_bench.py, gpu_equivalence.py,
-host_path_cpu.py).
+host_path_cpu.py in both modes).
 
 Cheapest first: the benchmark's pure helpers (routing targets, the EP 2 closed-form optimum
 against the repo's brute force), then one real run of the script under torchrun at EP 2 (gloo,
 CPU shim, tiny shapes) whose JSON must show what the GPU run is meant to show: the requested
 skew was reached, replicas were placed, the layer kept its plan, and replicas lowered the
 measured per-rank forward rows. Then the bf16 equivalence check with fused accumulation, and
-last the host-time tool of the graphed backward, both on tiny shapes.
+last the host-time tool of the graphed backward and of the forward, on tiny shapes.
 """
 
 from __future__ import annotations
@@ -241,6 +241,39 @@ def test_host_path_cpu_times_the_graphed_backward(tmp_path: Path) -> None:
     assert set(stages) >= {"_graphed_backward", "scored_call", "run_layer_graph", "_record_trimmed"}
     parts = ("_local_segments", "scored_call", "run_layer_graph", "_local_plan")
     assert sum(stages[k] for k in parts) <= stages["_graphed_backward"], stages
+
+
+def test_host_path_cpu_times_the_forward(tmp_path: Path) -> None:
+    """benchmarks/host_path_cpu.py --mode forward on tiny shapes: the whole call and every
+    forward stage have a time, the parts no more than their wholes."""
+    out = tmp_path / "host_fwd.json"
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    cmd = [
+        sys.executable, "benchmarks/host_path_cpu.py", "--mode", "forward", "--tokens", "32",
+        "--experts", "8", "--hidden", "32", "--iters", "5", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == "forward" and result["keep"] == 0.5, result
+    stages = result["stage_us"]
+    assert set(stages) >= {
+        "layer_call", "MoELayer.forward", "fwd.router", "fwd.routed_experts_compute",
+        "TrimmedMoEFunction.forward", "LRMoELayer._plan", "LRMoELayer._call_stats",
+        "LRMoELayer._gemms_take_device_offsets", "LRAlltoAllTokenDispatcher.resolve",
+        "LRAlltoAllTokenDispatcher._set_stock_metadata", "expert_forward_parts",
+    }, stages
+    assert "ExactMoEFunction.forward" not in stages  # keep 0.5 runs the trimmed op only
+    assert all(us > 0 for us in stages.values()), stages
+    assert stages["fwd.CallPlan.build"] <= stages["LRMoELayer._plan"], stages
+    assert stages["expert_forward_parts"] <= stages["TrimmedMoEFunction.forward"], stages
+    # Medians of nested spans keep their order (each call's part is inside its whole).
+    for part in ("LRMoELayer._plan", "LRMoELayer._call_stats", "fwd.op"):
+        assert stages[part] <= stages["fwd.routed_experts_compute"], (part, stages)
+    assert stages["fwd.routed_experts_compute"] <= stages["MoELayer.forward"], stages
 
 
 @pytest.mark.skipif(

@@ -184,6 +184,22 @@ def test_partial_routing_map_at_ep1() -> None:
     _check_counts(results)
 
 
+def test_forward_host_shortcuts_match_their_slow_forms() -> None:
+    """EP 2: the device-offset decision follows LRMOE_GROUPED_MM and the operands' dtypes
+    (memoised, never stale); the call's statistics and stock's split metadata equal torch sums
+    over the all-gathered counts."""
+    grouped = hasattr(torch.nn.functional, "grouped_mm")  # fp32 / bf16 on the CPU, aligned
+    want = {
+        "auto": grouped, "loop": False, "bogus": "ValueError", "unset": grouped,
+        "torch.float64": False, "weights torch.float64": False,
+        "torch.bfloat16": grouped, "weights torch.bfloat16": False, "layer float64": False,
+    }  # fmt: skip
+    for rank, d in enumerate(run_distributed(w.forward_host_facts, 2, timeout=240)):
+        assert d["decided"] == want, (rank, d["decided"])
+        assert d["stats"] == d["stats_want"], rank
+        assert d["metadata"] == d["metadata_want"], rank
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (counts copied async)")
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16-grouped_mm", "fp32-loop"])
 def test_cuda_partial_routing_map_reruns_the_forward(bf16: bool) -> None:

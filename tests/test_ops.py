@@ -225,6 +225,56 @@ def test_grouped_mm_backend_rules() -> None:
     assert grouped_mm_backend(torch.randn(3, 16), torch.randn(2, 6, 16)) == "loop"
 
 
+def test_grouped_mm_backend_memo_equals_the_rule() -> None:
+    """The memoised decision against :func:`decide_backend` (uncached) on every combination of
+    environment value, dtypes, devices and aligned / unaligned widths the CPU offers."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    cpu = torch.device("cpu")
+    for env in (None, "auto", " LOOP ", "loop", ""):
+        for xd in dtypes:
+            for wd in dtypes:
+                for widths in ((16, 8, 32), (16, 8, 5), (12, 24), (3, 24)):
+                    w_shape = (2,) + widths[:0:-1] if len(widths) == 3 else (4, widths[1])
+                    x = torch.empty(4, widths[0], dtype=xd)
+                    w = torch.empty(w_shape, dtype=wd)
+                    want = gg.decide_backend(env, xd, cpu, wd, cpu, widths)
+                    if not HAS_GROUPED_MM:
+                        want = "loop"
+                    with pytest.MonkeyPatch.context() as mp:
+                        if env is None:
+                            mp.delenv(gg.GROUPED_MM_ENV, raising=False)
+                        else:
+                            mp.setenv(gg.GROUPED_MM_ENV, env)
+                        assert grouped_mm_backend(x, w) == want, (env, xd, wd, widths)
+                        assert gg.grouped_mm_backend_for(xd, cpu, widths[0], w) == want
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="torch.nn.functional.grouped_mm missing")
+def test_grouped_mm_backend_is_never_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision is memoised per input; the same operands must follow a changed
+    ``LRMOE_GROUPED_MM`` (read at run time, as documented) and changed dtypes or widths."""
+    x, w = torch.randn(6, 16), torch.randn(3, 8, 16)
+    assert grouped_mm_backend(x, w) == "torch_grouped_mm"  # now cached
+    monkeypatch.setenv(gg.GROUPED_MM_ENV, "loop")
+    assert grouped_mm_backend(x, w) == "loop"
+    monkeypatch.setenv(gg.GROUPED_MM_ENV, "Auto")
+    assert grouped_mm_backend(x, w) == "torch_grouped_mm"
+    monkeypatch.setenv(gg.GROUPED_MM_ENV, "lopo")  # an unknown value raises every time
+    for _ in range(2):
+        with pytest.raises(ValueError, match="LRMOE_GROUPED_MM"):
+            grouped_mm_backend(x, w)
+    monkeypatch.delenv(gg.GROUPED_MM_ENV)
+    assert grouped_mm_backend(x, w) == "torch_grouped_mm"
+    assert grouped_mm_backend(x.double(), w.double()) == "loop"  # no fp64 kernel
+    assert grouped_mm_backend(x, w.bfloat16()) == "loop"  # the weights' dtype alone changed
+    assert grouped_mm_backend(x.bfloat16(), w.bfloat16()) == "torch_grouped_mm"
+    assert grouped_mm_backend(x, torch.randn(3, 6, 16)) == "loop"  # 24-byte width
+    assert gg.grouped_mm_backend_for(torch.float32, x.device, 6, w) == "loop"
+    assert gg.grouped_mm_backend_for(torch.float32, x.device, 16, w) == "torch_grouped_mm"
+    monkeypatch.delattr(F, "grouped_mm")  # a torch without it: never served from the memo
+    assert grouped_mm_backend(x, w) == "loop"
+
+
 # --------------------------------------------------------------------------------------------
 # activation
 # --------------------------------------------------------------------------------------------

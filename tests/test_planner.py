@@ -10,6 +10,7 @@ import math
 import random
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from megatron_lrmoe.control.planner import (
     greedy_balance_over_replicas,
     split_quota_over_sources,
 )
+from megatron_lrmoe.control.quota import split_np
 
 # --------------------------------------------------------------------------------------------- #
 # Quotas
@@ -127,6 +129,21 @@ def test_split_validates() -> None:
         split_quota_over_sources(torch.tensor([[1, 2]]), torch.tensor([1, 1, 1]))
     with pytest.raises(ValueError):
         split_quota_over_sources(torch.tensor([[1, -2]]), torch.tensor([1, 0]))
+
+
+def test_split_np_one_source_equals_the_reference() -> None:
+    """One source (EP 1) takes split_np's shortcut (the quota is the source's share): the same
+    int64 [1, E] as the validated split, zero-pair experts and quota 0 / all included."""
+    rng = random.Random(5)
+    for _ in range(100):
+        n = np.array([[rng.choice([0, 0, 1, 2, 7, 50, 1000]) for _ in range(rng.randint(1, 40))]])
+        quota = np.array([rng.randint(0, int(t)) for t in n[0]], dtype=np.int64)
+        got = split_np(n, quota)
+        want = split_quota_over_sources(torch.from_numpy(n), torch.from_numpy(quota))
+        assert got.dtype == np.int64 and got.shape == n.shape
+        assert got.tolist() == want.tolist()
+        got[0, 0] += 1  # a copy, not a view of the quota
+        assert quota.tolist() == want[0].tolist()
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -203,6 +203,8 @@ def split_np(counts: np.ndarray, quota: np.ndarray) -> np.ndarray:
     ``leftover``-th largest key replace the stable arg-sort.
     """
     num_sources = counts.shape[0]
+    if num_sources == 1:  # one source holds every pair: its share is the whole quota
+        return quota[None, :].astype(np.result_type(quota, counts))
     by_group = counts.T
     total = by_group.sum(1)
     base, key = np.divmod(quota[:, None] * by_group, np.maximum(total, 1)[:, None])

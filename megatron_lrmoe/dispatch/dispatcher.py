@@ -20,6 +20,7 @@ shared-expert output.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -33,6 +34,7 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     _pending: "HostCounts | None" = None
     _global_counts: torch.Tensor | None = None
+    _local_pairs: int = 0  # global_counts[ep_rank].sum() of the current call
     # Build the pair plan for T * topk pairs before the counts reach the host; turned off for
     # good the first time a routing map has fewer pairs (then every call waits first).
     expect_full_routing: bool = True
@@ -79,15 +81,17 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._global_counts = global_counts
 
     def _set_stock_metadata(self, global_counts: torch.Tensor) -> None:
+        # numpy views of the host counts: a torch CPU op costs several times a numpy one on
+        # these few integers, and this runs once per call before the plan (same int64 values).
+        counts = global_counts.numpy()
         lo = self.local_expert_indices[0]
-        local = global_counts[:, lo : lo + self.num_local_experts].contiguous()
-        self.num_out_tokens = int(global_counts[self.ep_rank].sum())
-        self.input_splits = (
-            global_counts[self.ep_rank].reshape(self.ep_size, self.num_local_experts).sum(1).numpy()
-        )
-        self.output_splits = local.sum(1).numpy()
+        local = np.ascontiguousarray(counts[:, lo : lo + self.num_local_experts])
+        row = counts[self.ep_rank]
+        self._local_pairs = self.num_out_tokens = int(row.sum())
+        self.input_splits = row.reshape(self.ep_size, self.num_local_experts).sum(1)
+        self.output_splits = local.sum(1)
         self.output_splits_tp = self.output_splits.sum(keepdims=True)
-        self.num_global_tokens_per_local_expert = local
+        self.num_global_tokens_per_local_expert = torch.from_numpy(local)
 
     def dispatch_preprocess(
         self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
@@ -111,7 +115,7 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.expect_full_routing and not self.counts_on_host:
             num_pairs = routing_map.shape[0] * topk
         else:
-            num_pairs = int(self.global_counts[self.ep_rank].sum())
+            num_pairs = self._num_local_pairs()
         self.pair_permutation = PairPermutation.build(routing_map, num_pairs, topk)
         return hidden, permute_probs(probs, self.pair_permutation)
 
@@ -126,7 +130,7 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             weights of the rebuilt pair plan (``pair_permutation`` is replaced; later calls
             wait for the counts before building it).
         """
-        num_pairs = int(self.global_counts[self.ep_rank].sum())
+        num_pairs = self._num_local_pairs()
         if num_pairs == self.pair_permutation.num_pairs:
             return probs
         self.expect_full_routing = False
@@ -134,6 +138,12 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self.routing_map, num_pairs, self.config.moe_router_topk
         )
         return permute_probs(self.probs, self.pair_permutation)
+
+    def _num_local_pairs(self) -> int:
+        """Pairs of this rank's tokens, ``global_counts[ep_rank].sum()`` (waits for the counts,
+        which sets it with stock's metadata)."""
+        self._counts_to_host()
+        return self._local_pairs
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Stage 6: the op already summed each token's pairs; shared-expert output added."""

@@ -48,7 +48,9 @@ __all__ = [
     "GroupSizes",
     "GroupedMMBackend",
     "GROUPED_MM_ENV",
+    "decide_backend",
     "grouped_mm_backend",
+    "grouped_mm_backend_for",
     "grouped_mm_nn",
     "grouped_mm_nt",
     "grouped_mm_tn",
@@ -172,8 +174,11 @@ def _as_group_sizes(counts: Counts) -> GroupSizes:
     return counts if isinstance(counts, GroupSizes) else GroupSizes(counts)
 
 
-def _env_mode() -> str:
-    mode = os.environ.get(GROUPED_MM_ENV, "auto").strip().lower() or "auto"
+def _env_mode(raw: str | None = None) -> str:
+    """``LRMOE_GROUPED_MM`` normalised (``raw``: its value, read here when not given)."""
+    if raw is None:
+        raw = os.environ.get(GROUPED_MM_ENV)
+    mode = (raw or "auto").strip().lower() or "auto"
     if mode not in ("auto", "loop"):
         raise ValueError(
             f"{GROUPED_MM_ENV}={mode!r} is not supported; use 'auto' (default) or 'loop'"
@@ -205,6 +210,42 @@ def _width_aligned(width: int, dtype: torch.dtype) -> bool:
     return (width * dtype.itemsize) % _ALIGN_BYTES == 0
 
 
+def decide_backend(
+    env: str | None,
+    x_dtype: torch.dtype,
+    x_device: torch.device,
+    w_dtype: torch.dtype,
+    w_device: torch.device,
+    widths: tuple[int, ...],
+) -> GroupedMMBackend:
+    """:func:`grouped_mm_backend`'s rule on what it reads of the operands (the reference).
+
+    Args:
+        env: The raw value of ``LRMOE_GROUPED_MM`` (``None`` when unset).
+        x_dtype, x_device: The row operand's.
+        w_dtype, w_device: The other operand's.
+        widths: Every feature width of both operands (all dims but the row / group dim).
+    """
+    if _env_mode(env) == "loop":
+        return "loop"
+    if x_dtype != w_dtype or x_device != w_device:
+        return "loop"
+    if not _device_dtype_supported(x_device, x_dtype):
+        return "loop"
+    if not all(_width_aligned(int(d), x_dtype) for d in widths):
+        return "loop"
+    return "torch_grouped_mm"
+
+
+# The decision per distinct input: every grouped product asks (four to eight per layer call and
+# pass), and the rule costs several microseconds of host time against well under one for the
+# lookup. Keyed on everything the rule reads, the environment's value included, so a changed
+# variable, dtype, device or width is a new key, never a stale answer. An unknown environment
+# value raises each time (exceptions are not cached). Few distinct keys exist in a process (one
+# per weight stack shape, dtype and device), the bound only guards against a pathological one.
+_cached_backend = functools.lru_cache(maxsize=1024)(decide_backend)
+
+
 def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> GroupedMMBackend:
     """Says which backend the grouped products take for these operands.
 
@@ -212,7 +253,8 @@ def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> GroupedMMBackend:
     expert MLP step picks predictably: ``x`` is the row operand ``[N, *]`` and ``w`` the other
     operand, either a stacked weight ``[G, *, *]`` or, for the weight-gradient form, a second
     row operand ``[N, *]``. All feature widths (every dim but the row/group dim) must be a
-    multiple of 16 bytes.
+    multiple of 16 bytes. ``LRMOE_GROUPED_MM`` is read on every call; the rule's answer is
+    memoised per distinct input (:func:`decide_backend`, the uncached reference).
 
     Args:
         x: Row operand ``[N, K]``.
@@ -224,18 +266,20 @@ def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> GroupedMMBackend:
     Raises:
         ValueError: If ``LRMOE_GROUPED_MM`` holds an unknown value.
     """
-    if _env_mode() == "loop":
+    return grouped_mm_backend_for(x.dtype, x.device, x.shape[-1], w)
+
+
+def grouped_mm_backend_for(
+    dtype: torch.dtype, device: torch.device, width: int, w: torch.Tensor
+) -> GroupedMMBackend:
+    """:func:`grouped_mm_backend` for a row operand described by its dtype, device and width
+    (``[N, width]``), e.g. one not computed yet, without allocating it."""
+    if not hasattr(F, "grouped_mm"):  # outside the memo: tests may take it away
+        _env_mode()  # a bad value raises all the same
         return "loop"
-    if not hasattr(F, "grouped_mm"):
-        return "loop"
-    if x.dtype != w.dtype or x.device != w.device:
-        return "loop"
-    if not _device_dtype_supported(x.device, x.dtype):
-        return "loop"
-    widths = [x.shape[-1], w.shape[-1]] + ([w.shape[-2]] if w.dim() == 3 else [])
-    if not all(_width_aligned(int(d), x.dtype) for d in widths):
-        return "loop"
-    return "torch_grouped_mm"
+    shape = w.shape
+    widths = (width, shape[-1], shape[-2]) if len(shape) == 3 else (width, shape[-1])
+    return _cached_backend(os.environ.get(GROUPED_MM_ENV), dtype, device, w.dtype, w.device, widths)
 
 
 def _layout_ok(t: torch.Tensor) -> bool:
