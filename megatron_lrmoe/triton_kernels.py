@@ -843,9 +843,9 @@ def _col_block(width: int, override: int | None) -> int:
 # The row-dot's column block (its fp32 summation order, so its bits: the walk and the
 # row-dot launched alone share it) and the walk's warps. The walk on 4 x 256 tiles and 4 warps
 # was the fastest of 2-16 rows x 256-2048 columns on 4 or 8 warps at both shapes measured on an
-# H200 (benchmarks/tile_bench.py --case walk, gpu_run21 calls 1-2): 375 against 407 us for 4 x
-# 512 on 8 warps at 128 experts, 16384 tokens and keep 0.5; 236 against 245 at 16 experts,
-# 8192 tokens and keep 0.75.
+# H200 (benchmarks/tile_bench.py --case walk, gpu_run21 calls 1, 2 and 4): 375-392 against
+# 403-407 us for 4 x 512 on 8 warps at 128 experts, 16384 tokens and keep 0.5; 236 against 245
+# at 16 experts, 8192 tokens and keep 0.75. The row-dot alone: 163 against 170 us.
 _ROW_DOT_BLOCK_H = 256
 _WALK_WARPS = 4
 
