@@ -40,7 +40,8 @@ The front (router gradient, scoring, selection, packing) runs eagerly on the CPU
 kernels (``--front eager``: ``row_dot``, ``select_kept``, ``pack_kept``), or as on CUDA through
 :func:`replayed_front` with the host switches of ``host_graphs.py`` (``--front graph``: the
 front's launches run once, in Triton's interpreter, when its graph is captured; a replay does
-nothing and leaves the captured kept plan in place, so later stages see the same rows). Reported
+nothing and leaves the captured kept plan in place, so later stages see the same rows; the
+gradient rows it would have packed stay unwritten, so time the expert GEMMs eagerly). Reported
 per rank: ``backward_call`` (the whole ``out.backward``, Megatron's router included, by
 ``perf_counter``), ``backward_host`` (the same minus its all-to-alls) and each stage of
 ``EP_BACKWARD_STAGES`` and ``EP_TARGETS`` (the stage clock, inclusive, only the calls inside
