@@ -88,7 +88,8 @@ def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
     :func:`chunk_transpose_index` of a grid's transpose from the grid's own (two device ops,
     no host copy)."""
     positions = torch.arange(index.numel(), dtype=index.dtype, device=index.device)
-    return torch.empty_like(index).scatter_(0, index, positions)
+    # index_copy_, not scatter_: deterministic on CUDA under torch.use_deterministic_algorithms.
+    return torch.empty_like(index).index_copy_(0, index, positions)
 
 
 def exclusive_cumsum_np(counts: np.ndarray) -> np.ndarray:
