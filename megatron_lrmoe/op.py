@@ -1127,7 +1127,7 @@ def _record_trimmed(
     stats, plan, lrmoe = call.stats, call.plan, call.lrmoe
     hidden = g.shape[-1]
     recompute_rows = call.activation_mode == "recompute" and plan.ep_size > 1
-    _fill_exchanges(
+    send_per_rank = _fill_exchanges(
         call, g, kept.send_kept, kept.recv_kept, hidden * (2 if recompute_rows else 1)
     )
     # What the selection returned, not the plan (the same number when selection is exact).
@@ -1142,7 +1142,7 @@ def _record_trimmed(
             stats.exchanges["scores"] = _exchange_stats(plan.send_counts, rank, 4, 0, 0)
             stats.exchanges["weights"] = _exchange_stats(plan.recv_counts, rank, 4, 0, 0)
         elif call.activation_mode == "save":
-            stats.exchanges["positions"] = _exchange_stats(kept.send_kept, rank, 8, 0, 0)
+            stats.exchanges["positions"] = _rank_exchange(send_per_rank, rank, 8, 0, 0)
     stats.timer = timer
     stats.backward_done = True
 
@@ -1171,7 +1171,9 @@ def _fill_exchanges(
     send_kept: torch.Tensor,
     recv_kept: torch.Tensor,
     grad_row_width: int,
-) -> None:
+) -> np.ndarray:
+    """The gradient exchanges' statistics; returns the ``[P]`` rows sent to each rank (the
+    kept positions, one per kept row, go the same way)."""
     stats, plan = call.stats, call.plan
     rank = plan.ep_rank
     elem = g.element_size()
@@ -1194,3 +1196,4 @@ def _fill_exchanges(
     stats.exchanges["dgrad"] = _rank_exchange(
         recv.sum(1), rank, hidden * elem, stock_recv, hidden * elem
     )
+    return send_per_rank
