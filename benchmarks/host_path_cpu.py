@@ -3,6 +3,8 @@ measured on the CPU (no GPU).
 
     python benchmarks/host_path_cpu.py [--tokens 512] [--experts 128] [--hidden 256] [--iters 200]
     python benchmarks/host_path_cpu.py --mode forward [--tokens 64] [--experts 16] [--hidden 64]
+    python benchmarks/host_path_cpu.py --ep 2 [--keep 0.5] [--front eager] [--tokens 256]
+        [--experts 32] [--hidden 64]
 
 At EP 1 with the weight gradients fused into ``main_grad`` the whole trimmed backward is one
 replayed CUDA graph per layer (``experts/backward_graph.py``). What the host does around that
@@ -28,6 +30,25 @@ CPU runs the same deferred EP 1 path as a Hopper GPU there (fp32 grouped_mm on t
 and the device count copy are the GPU's only differences), with real but tiny kernels. Reported:
 ``layer_call`` (the whole ``layer(x)``, by ``perf_counter`` around it) and each stage of
 ``FORWARD_STAGES`` (the stage clock, inclusive), median us per call.
+
+``--ep 2`` (backward mode) times the eager backward at expert parallelism > 1 instead: one gloo
+process per EP rank (CPU shim, fp32, one thread each), keep ``--keep`` (0.5: the trimmed
+backward, ``TrimmedMoEFunction.backward``; 1.0: ``ExactMoEFunction.backward``), fused
+accumulation, statistics on, scope local, ``save`` mode, no replicas (the defaults a training
+run has; Qwen3-30B runs EP 8 with 16 local experts, hence 32 experts at EP 2 by default).
+The front (router gradient, scoring, selection, packing) runs eagerly on the CPU's reference
+kernels (``--front eager``: ``row_dot``, ``select_kept``, ``pack_kept``), or as on CUDA through
+:func:`replayed_front` with the host switches of ``host_graphs.py`` (``--front graph``: the
+front's launches run once, in Triton's interpreter, when its graph is captured; a replay does
+nothing and leaves the captured kept plan in place, so later stages see the same rows; the
+gradient rows it would have packed stay unwritten, so time the expert GEMMs eagerly). Reported
+per rank: ``backward_call`` (the whole ``out.backward``, Megatron's router included, by
+``perf_counter``), ``backward_host`` (the same minus its all-to-alls) and each stage of
+``EP_BACKWARD_STAGES`` and ``EP_TARGETS`` (the stage clock, inclusive, only the calls inside
+the backward), median us per call. A rank waits for the others inside the all-to-alls
+(``all_to_all_rows``, reported on its own), so every stage around one is timed without it
+(``StageClock``'s ``exclude``): the stages count this rank's host work only. The table prints
+every rank, the JSON's ``stage_us`` is rank 0's.
 """
 
 from __future__ import annotations
@@ -56,6 +77,24 @@ BACKWARD_STAGES = (
     "expert_graph_wanted",
 )
 
+# The eager backward's stages at EP > 1 (host_trace.STAGES, both autograd functions'
+# backward), then ours by name: EP_TARGETS.
+EP_BACKWARD_STAGES = (
+    "TrimmedMoEFunction.backward", "ExactMoEFunction.backward", "replayed_front", "row_dot",
+    "select_kept", "_local_segments", "_local_plan", "_record_selection", "pack_kept",
+    "exchange_kept", "_kept_inputs", "expert_backward_parts", "return_dx", "gather_sum",
+    "_trimmed_grads", "_record_trimmed", "_record_exact",
+)
+EP_TARGETS = (
+    "megatron_lrmoe.op:ExpertCall.fold_grads",
+    "megatron_lrmoe.op:ExpertCall.to_experts",
+    "megatron_lrmoe.op:ExpertCall.to_sources",
+    "megatron_lrmoe.op:ExpertCall.reorder",
+    "megatron_lrmoe.dispatch.comm:all_to_all_rows",
+)
+# Where a rank waits for the others: left out of every stage around it (StageClock.exclude).
+EP_EXCLUDED = ("all_to_all_rows",)
+
 # The forward's stages: host_trace's (router, count exchange, pair plan, call plan, the layer's
 # routed experts, the op), then ours by name ("module:Qualified.name", as ``--time``).
 FORWARD_STAGES = (
@@ -76,14 +115,16 @@ FORWARD_TARGETS = (
 )
 
 
-def _layer(tokens: int, experts: int, hidden: int, keep: float, selection: str) -> Any:
-    """EP 1, fused accumulation (``main_grad`` attached), no aux loss: one LRMoE layer."""
+def _layer(
+    tokens: int, experts: int, hidden: int, keep: float, selection: str, ep: int = 1
+) -> Any:
+    """EP ``ep``, fused accumulation (``main_grad`` attached), no aux loss: one LRMoE layer."""
     from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
     from megatron_lrmoe.testing import init_megatron_parallel, moe_transformer_config
 
-    pg = init_megatron_parallel(ep=1)
+    pg = init_megatron_parallel(ep=ep)
     cfg = moe_transformer_config(
-        expert_model_parallel_size=1, hidden_size=hidden, num_moe_experts=experts,
+        expert_model_parallel_size=ep, hidden_size=hidden, num_moe_experts=experts,
         moe_router_topk=min(8, experts), moe_aux_loss_coeff=0.0,
     )
     lrmoe = LRMoEConfig(keep_ratio=keep, selection=selection, grad_accumulation_fusion="on")
@@ -102,39 +143,63 @@ def measure(
     iters: int,
     selection: str,
     extra: tuple[str, ...] = (),
+    keep: float = 0.5,
+    front: str = "eager",
 ) -> dict[str, Any]:
-    """Keep 0.5, EP 1, fused accumulation: median host us per call of each backward stage,
-    after five warm-up calls (the second and third capture the front and the layer graph)."""
-    from megatron_lrmoe.experts import backward_graph
-    from megatron_lrmoe.testing.host_graphs import layer_graphs_on_host
+    """Median host us per call of each backward stage, after five warm-up calls.
 
-    layer_graphs_on_host(replay=False)
-    layer = _layer(tokens, experts, hidden, 0.5, selection)
-    gen = torch.Generator().manual_seed(3)
+    EP 1 (``world`` 1): keep 0.5, the graphed backward (the second and third call capture the
+    front and the layer graph). EP ``world`` > 1: keep ``keep``, the eager backward, its front
+    replayed (``front="graph"``) or eager; only the stage calls inside ``out.backward`` count.
+    """
+    from megatron_lrmoe.experts import backward_graph
+    from megatron_lrmoe.testing.host_graphs import graphs_on_host, layer_graphs_on_host
+
+    if world == 1:
+        layer_graphs_on_host(replay=False)
+        keep, stages, targets, excluded = 0.5, BACKWARD_STAGES, tuple(extra), ()
+    else:
+        if front == "graph":
+            graphs_on_host(replay=False)
+        stages, targets, excluded = EP_BACKWARD_STAGES, EP_TARGETS + tuple(extra), EP_EXCLUDED
+    layer = _layer(tokens, experts, hidden, keep, selection, ep=world)
+    gen = torch.Generator().manual_seed(3 + rank)
     # The same input every call: the same kept count, which the host's shared rows need.
     x = torch.randn(tokens, 1, hidden, generator=gen)
     up = torch.randn(tokens, 1, hidden, generator=gen)
+    clock: StageClock | None = None
+    whole: list[float] = []
 
     def step() -> None:
         out, _ = layer(x.clone().requires_grad_(True))
+        if clock is not None:
+            clock.calls.clear()  # the forward's calls of the stages (reorder, gather_sum)
+        start = time.perf_counter()
         out.backward(up)
+        whole.append((time.perf_counter() - start) * 1e6)
         for p in layer.parameters():
             p.grad = None
 
     for _ in range(5):
         step()
-    labels = BACKWARD_STAGES + tuple(spec.partition(":")[2] for spec in extra)
-    clock = StageClock(extra, only=labels)
+    whole.clear()
+    labels = stages + tuple(spec.partition(":")[2] for spec in targets)
+    clock = StageClock(targets, only=labels, exclude=excluded)
+    host: list[float] = []
     try:
         for _ in range(iters):
             step()
+            host.append(whole[-1] - sum(clock.calls.get(k, 0.0) for k in excluded))
             clock.lap()
     finally:
         clock.restore()
+    stage_us: dict[str, float] = {}
+    if world > 1:
+        stage_us["backward_call"] = statistics.median(whole)
+        stage_us["backward_host"] = statistics.median(host)
+    stage_us.update({k: statistics.median(clock.us[k]) for k in labels if any(clock.us[k])})
     return {
-        "stage_us": {
-            k: statistics.median(clock.us[k]) for k in labels if any(clock.us[k])
-        },
+        "stage_us": stage_us,
         "layer_graphs": len(backward_graph._GRAPHS.graphs),
         "torch": torch.__version__,
     }
@@ -187,13 +252,25 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--mode", default="backward", choices=("backward", "forward"))
-    parser.add_argument("--tokens", type=int, help="default 512 (backward), 64 (forward)")
-    parser.add_argument("--experts", type=int, help="default 128 (backward), 16 (forward)")
-    parser.add_argument("--hidden", type=int, help="default 256 (backward), 64 (forward)")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="EP ranks, one gloo process each (backward mode)"
+    )
+    parser.add_argument(
+        "--front", default="eager", choices=("eager", "graph"),
+        help="--ep > 1: the backward's front eager, or replayed as on CUDA",
+    )
+    parser.add_argument(
+        "--tokens", type=int, help="per rank; default 512 (backward), 64 (forward), 256 (--ep)"
+    )
+    parser.add_argument(
+        "--experts", type=int, help="default 128 (backward), 16 (forward), 32 (--ep)"
+    )
+    parser.add_argument("--hidden", type=int, help="default 256 (backward), 64 (forward, --ep)")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--selection", default="sample", choices=("sample", "topk"))
     parser.add_argument(
-        "--keep", type=float, default=0.5, help="keep ratio (forward mode; backward: 0.5)"
+        "--keep", type=float, default=0.5,
+        help="keep ratio (forward mode and --ep > 1; EP 1 backward: 0.5)",
     )
     parser.add_argument(
         "--time", nargs="*", default=[], metavar="MODULE:NAME",
@@ -203,11 +280,13 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_path.json"))
     args = parser.parse_args()
     forward = args.mode == "forward"
-    defaults = (64, 16, 64) if forward else (512, 128, 256)
+    if args.ep < 1 or (forward and args.ep != 1):
+        parser.error(f"--ep {args.ep}: the forward mode runs at EP 1, the backward at EP >= 1")
+    defaults = (64, 16, 64) if forward else (512, 128, 256) if args.ep == 1 else (256, 32, 64)
     for name, value in zip(("tokens", "experts", "hidden"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if not forward:
+    if not forward and (args.ep == 1 or args.front == "graph"):
         # Read by triton when the worker imports it (host_graphs.py needs the interpreter).
         os.environ["TRITON_INTERPRET"] = "1"
     from megatron_lrmoe.testing import run_distributed
@@ -218,14 +297,23 @@ def main() -> None:
             measure_forward, 1, *shape, args.keep, tuple(args.time), timeout=1800
         )[0]
         what = f"forward, keep {args.keep}"
-    else:
+    elif args.ep == 1:
         result = run_distributed(measure, 1, *shape, tuple(args.time), timeout=1800)[0]
         what = f"keep 0.5, {result['layer_graphs']} layer graph(s)"
+    else:
+        ranks = run_distributed(
+            measure, args.ep, *shape, tuple(args.time), args.keep, args.front, timeout=1800
+        )
+        result = dict(ranks[0], stage_us_per_rank=[r["stage_us"] for r in ranks])
+        what = f"EP {args.ep}, keep {args.keep}, front {args.front}"
     result.update(vars(args))
     print(f"{what}, {args.selection}, {args.tokens} tokens, {args.experts} experts, hidden "
           f"{args.hidden}: host us per call (median of {args.iters})")
-    for name, us in result["stage_us"].items():
-        print(f"  {name:30s} {us:8.1f}")
+    per_rank = result.get("stage_us_per_rank", [result["stage_us"]])
+    if len(per_rank) > 1:
+        print(f"  {'':30s} " + " ".join(f"{f'rank {r}':>8s}" for r in range(len(per_rank))))
+    for name in result["stage_us"]:
+        print(f"  {name:30s} " + " ".join(f"{r.get(name, 0.0):8.1f}" for r in per_rank))
     write_json(args.out, result)
 
 

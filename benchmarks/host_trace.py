@@ -81,14 +81,27 @@ def _forward_stages() -> list[tuple[Any, str, str]]:
 
 class StageClock:
     """Wraps the op's stage functions (and the forward's, see ``_forward_stages``) with
-    ``perf_counter`` (about 1 us each); ``only``: just the stages with these labels."""
+    ``perf_counter`` (about 1 us each); ``only``: just the stages with these labels.
 
-    def __init__(self, extra: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> None:
+    ``exclude``: labels (of stages this clock wraps) whose time is left out of every stage
+    that encloses them (they still report their own): e.g. the all-to-alls of a multi-process
+    CPU run, where a rank waits for the others, so that the stages around them count host
+    work only.
+    """
+
+    def __init__(
+        self,
+        extra: tuple[str, ...] = (),
+        only: tuple[str, ...] | None = None,
+        exclude: tuple[str, ...] = (),
+    ) -> None:
         from megatron_lrmoe import op
 
         self.saved: list[tuple[Any, str, Any]] = []
         self.us: dict[str, list[float]] = collections.defaultdict(list)
         self.calls: dict[str, float] = collections.defaultdict(float)
+        self.exclude = frozenset(exclude)
+        self._excluded_us = 0.0  # running total of the excluded stages' time
         targets = [(op, name, name) for name in STAGES if hasattr(op, name)]
         # The autograd functions' own forward and backward (looked up on the class at run time).
         for cls in (op.TrimmedMoEFunction, op.ExactMoEFunction):
@@ -107,13 +120,18 @@ class StageClock:
                 setattr(owner, name, self._wrap(label, raw))
 
     def _wrap(self, name: str, fn: Any) -> Any:
+        excluded = name in self.exclude
+
         @functools.wraps(fn)
         def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, inner0 = time.perf_counter(), self._excluded_us
             try:
                 return fn(*a, **k)
             finally:
-                self.calls[name] += (time.perf_counter() - t0) * 1e6
+                us = (time.perf_counter() - t0) * 1e6 - (self._excluded_us - inner0)
+                self.calls[name] += us
+                if excluded:
+                    self._excluded_us += us
 
         return timed
 

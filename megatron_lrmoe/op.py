@@ -53,6 +53,8 @@ from megatron_lrmoe.dispatch.compaction import (
     chunk_transpose_index,
     exclusive_cumsum,
     host_to_device,
+    inverse_permutation,
+    kept_position_shift,
     row_chunk_ids,
 )
 from megatron_lrmoe.dispatch.permutation import PairPermutation
@@ -161,13 +163,21 @@ class ExpertCall:
         """Reorder ``rows`` laid out as an a-major ``counts[A, B]`` chunk grid to b-major.
 
         Index plans are cached per call: forward and a keep-all backward reuse the same two.
+        The way back (``counts.t()``) is the inverse permutation of the way there, so where
+        one is cached the other is its inverse (:func:`chunk_transpose_index` is the
+        reference, ``tests/test_compaction.py`` compares them).
         """
         if counts.shape[0] == 1 or counts.shape[1] == 1:
             return rows
-        key = (tuple(counts.shape), counts.numpy().tobytes())
+        key = _grid_key(counts)
         index = self._indices.get(key)
         if index is None:
-            index = self._indices[key] = chunk_transpose_index(counts, rows.device)
+            there = self._indices.get(_grid_key(counts.t()))
+            if there is None:
+                index = chunk_transpose_index(counts, rows.device)
+            else:
+                index = inverse_permutation(there)
+            self._indices[key] = index
         return gather_rows(rows, index)
 
     @property
@@ -290,6 +300,11 @@ class ExpertCall:
         if self.layout is None:
             return own1, own2
         return fold_replica_grads(own1, own2, dw1[1], dw2[1], self.layout, self.group)
+
+
+def _grid_key(counts: torch.Tensor) -> tuple:
+    """What a chunk grid's reorder index depends on: its shape and its counts."""
+    return tuple(counts.shape), counts.numpy().tobytes()
 
 
 def lrmoe_experts(
@@ -830,30 +845,42 @@ def _local_plan(
     counts: torch.Tensor,
     poison: torch.Tensor,
 ) -> KeptPlan:
-    """The :class:`KeptPlan` of a scope-local selection (:func:`_local_segments`)."""
+    """The :class:`KeptPlan` of a scope-local selection (:func:`_local_segments`; its
+    ``counts`` is this rank's row of the plan's counts, which :func:`kept_position_shift` reads
+    with the other ranks' rows)."""
     plan = call.plan
     device = sel.kept_index.device
     p, nle = plan.ep_size, plan.num_local_experts
     send_kept = quota.reshape(p, nle)
-    recv_kept = plan.quota_by_source[:, plan.local_experts].contiguous()
     kept_positions = None
-    if call.activation_mode == "save":
-        if p == 1:
+    if p == 1:
+        recv_kept = plan.quota_by_source[:, plan.local_experts].contiguous()
+        if call.activation_mode == "save":
             # Send order is expert order: the kept pairs are the kept expert-side rows.
             kept_positions = sel.kept_index
-        else:
-            # The expert side holds every received row; tell it which ones survived, as the
-            # position of each kept row inside its (source, expert) chunk.
-            seg = row_chunk_ids(quota, device)
-            within = sel.kept_index - host_to_device(exclusive_cumsum(counts), device)[seg]
-            within = comm.all_to_all_rows(
-                within, send_kept.sum(1).tolist(), recv_kept.sum(1).tolist(), call.group
-            )
-            # Chunk start of (source r, local expert l) in the expert-order layout.
-            chunk_start = exclusive_cumsum(plan.recv_counts.t().reshape(-1)).reshape(nle, p).t()
-            chunk_of_row = row_chunk_ids(recv_kept.reshape(-1), device)
-            positions = host_to_device(chunk_start.reshape(-1), device)[chunk_of_row] + within
-            kept_positions = call.reorder(positions, recv_kept)
+        return KeptPlan(sel.kept_index, sel.weight, send_kept, recv_kept, kept_positions, poison)
+    # Host integers in numpy (a torch CPU op costs ~5 us; this runs in every backward).
+    recv_np = np.ascontiguousarray(plan.quota_by_source.numpy()[:, plan.local_experts])
+    recv_kept = torch.from_numpy(recv_np)
+    if call.activation_mode == "save":
+        # The expert side holds every received row; the source tells it which ones survived,
+        # as their rows there: each kept send position plus its expert's shift (one host
+        # table, one copy, one expansion; the owner only reorders what arrives).
+        quota_np = quota.numpy()
+        shift = kept_position_shift(
+            np.asarray(plan.global_counts.numpy(), dtype=np.int64), plan.ep_rank, nle
+        )
+        shift_and_quota = host_to_device(torch.from_numpy(np.stack([shift, quota_np])), device)
+        positions = sel.kept_index + torch.repeat_interleave(
+            shift_and_quota[0], shift_and_quota[1], output_size=sel.kept_index.numel()
+        )
+        positions = comm.all_to_all_rows(
+            positions,
+            quota_np.reshape(p, nle).sum(1).tolist(),
+            recv_np.sum(1).tolist(),
+            call.group,
+        )
+        kept_positions = call.reorder(positions, recv_kept)
     return KeptPlan(sel.kept_index, sel.weight, send_kept, recv_kept, kept_positions, poison)
 
 
@@ -1100,7 +1127,7 @@ def _record_trimmed(
     stats, plan, lrmoe = call.stats, call.plan, call.lrmoe
     hidden = g.shape[-1]
     recompute_rows = call.activation_mode == "recompute" and plan.ep_size > 1
-    _fill_exchanges(
+    send_per_rank = _fill_exchanges(
         call, g, kept.send_kept, kept.recv_kept, hidden * (2 if recompute_rows else 1)
     )
     # What the selection returned, not the plan (the same number when selection is exact).
@@ -1115,7 +1142,7 @@ def _record_trimmed(
             stats.exchanges["scores"] = _exchange_stats(plan.send_counts, rank, 4, 0, 0)
             stats.exchanges["weights"] = _exchange_stats(plan.recv_counts, rank, 4, 0, 0)
         elif call.activation_mode == "save":
-            stats.exchanges["positions"] = _exchange_stats(kept.send_kept, rank, 8, 0, 0)
+            stats.exchanges["positions"] = _rank_exchange(send_per_rank, rank, 8, 0, 0)
     stats.timer = timer
     stats.backward_done = True
 
@@ -1144,7 +1171,9 @@ def _fill_exchanges(
     send_kept: torch.Tensor,
     recv_kept: torch.Tensor,
     grad_row_width: int,
-) -> None:
+) -> np.ndarray:
+    """The gradient exchanges' statistics; returns the ``[P]`` rows sent to each rank (the
+    kept positions, one per kept row, go the same way)."""
     stats, plan = call.stats, call.plan
     rank = plan.ep_rank
     elem = g.element_size()
@@ -1167,3 +1196,4 @@ def _fill_exchanges(
     stats.exchanges["dgrad"] = _rank_exchange(
         recv.sum(1), rank, hidden * elem, stock_recv, hidden * elem
     )
+    return send_per_rank

@@ -1,5 +1,5 @@
 """CPU smoke tests of the benchmark scripts (benchmarks/replica_bench.py, gpu_equivalence.py,
-host_path_cpu.py in both modes).
+host_path_cpu.py in both modes and at EP 2).
 
 Cheapest first: the benchmark's pure helpers (routing targets, the EP 2 closed-form optimum
 against the repo's brute force), then one real run of the script under torchrun at EP 2 (gloo,
@@ -274,6 +274,44 @@ def test_host_path_cpu_times_the_forward(tmp_path: Path) -> None:
     for part in ("LRMoELayer._plan", "LRMoELayer._call_stats", "fwd.op"):
         assert stages[part] <= stages["fwd.routed_experts_compute"], (part, stages)
     assert stages["fwd.routed_experts_compute"] <= stages["MoELayer.forward"], stages
+
+
+def test_host_path_cpu_times_the_eager_backward_at_ep2(tmp_path: Path) -> None:
+    """benchmarks/host_path_cpu.py --ep 2 on tiny shapes: both ranks report the trimmed eager
+    backward's stages (and none of the forward's or the exact path's), parts within wholes."""
+    out = tmp_path / "host_ep.json"
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    cmd = [
+        sys.executable, "benchmarks/host_path_cpu.py", "--ep", "2", "--tokens", "16",
+        "--experts", "4", "--hidden", "16", "--iters", "3", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["ep"] == 2 and result["keep"] == 0.5, result
+    assert len(result["stage_us_per_rank"]) == 2 and result["stage_us"] == (
+        result["stage_us_per_rank"][0]
+    )
+    for stages in result["stage_us_per_rank"]:
+        assert set(stages) >= {
+            "backward_call", "TrimmedMoEFunction.backward", "row_dot", "select_kept",
+            "_local_segments", "_local_plan", "pack_kept", "exchange_kept", "_kept_inputs",
+            "expert_backward_parts", "return_dx", "gather_sum", "_trimmed_grads",
+            "_record_trimmed", "ExpertCall.fold_grads", "ExpertCall.reorder",
+        }, stages
+        # Keep 0.5 runs the trimmed op; the forward's calls (to_experts) do not count.
+        assert not {"ExactMoEFunction.backward", "ExpertCall.to_experts"} & set(stages), stages
+        # Each call's part lies inside its whole, so the medians keep that order too.
+        whole = stages["TrimmedMoEFunction.backward"]
+        parts = ("row_dot", "select_kept", "pack_kept", "exchange_kept", "_kept_inputs",
+                 "expert_backward_parts", "return_dx", "_trimmed_grads")  # fmt: skip
+        assert all(stages[k] <= whole for k in parts), stages
+        assert whole <= stages["backward_call"], stages
+        assert stages["_local_plan"] <= stages["select_kept"], stages
+        assert stages["gather_sum"] <= stages["return_dx"], stages
 
 
 @pytest.mark.skipif(

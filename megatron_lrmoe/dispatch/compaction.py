@@ -6,6 +6,7 @@ are contiguous. "a-major" means all chunks of a=0 first, then a=1, ...
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -64,21 +65,43 @@ def chunk_transpose_index(counts: torch.Tensor, device: torch.device | str) -> t
         ``idx`` of length ``counts.sum()`` with ``b_major = a_major[idx]``. Rows keep their order
         inside a chunk. Invariant: ``idx`` is a permutation.
     """
-    counts = counts.to(torch.int64).cpu()
-    total = int(counts.sum())
+    # The chunk offsets in numpy: this runs for the count grids of every layer call (forward
+    # and backward), where a torch CPU op on a tiny tensor costs several times a numpy one.
+    c = _host_int64(counts)
+    total = int(c.sum())
     if total == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
-    src_start = exclusive_cumsum(counts.reshape(-1)).reshape(counts.shape)  # a-major offsets
-    counts_t = counts.t().reshape(-1)  # b-major chunk sizes
-    src_start_t = src_start.t().reshape(-1)
-    dst_start_t = exclusive_cumsum(counts_t)
+    src_start = exclusive_cumsum_np(c.reshape(-1)).reshape(c.shape)  # a-major offsets
+    counts_t = c.T.reshape(-1)  # b-major chunk sizes
     # Per chunk in b-major order: shift = where its rows live in the a-major layout minus where
     # they land; one repeat_interleave turns it into a per-row index.
-    shift_and_count = host_to_device(torch.stack([src_start_t - dst_start_t, counts_t]), device)
+    shift = src_start.T.reshape(-1) - exclusive_cumsum_np(counts_t)
+    shift_and_count = host_to_device(torch.from_numpy(np.stack([shift, counts_t])), device)
     per_row_shift = torch.repeat_interleave(
         shift_and_count[0], shift_and_count[1], output_size=total
     )
     return torch.arange(total, device=device) + per_row_shift
+
+
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[index[i]] = i`` for a permutation ``index``: e.g. the
+    :func:`chunk_transpose_index` of a grid's transpose from the grid's own (two device ops,
+    no host copy)."""
+    positions = torch.arange(index.numel(), dtype=index.dtype, device=index.device)
+    # index_copy_, not scatter_: deterministic on CUDA under torch.use_deterministic_algorithms.
+    return torch.empty_like(index).index_copy_(0, index, positions)
+
+
+def exclusive_cumsum_np(counts: np.ndarray) -> np.ndarray:
+    """:func:`exclusive_cumsum` of a host ``[n]`` int64 array."""
+    return np.cumsum(counts) - counts
+
+
+def _host_int64(counts: torch.Tensor) -> np.ndarray:
+    """The values of host ``counts`` as int64 numpy (a view where they are int64 already)."""
+    counts = counts.to(torch.int64)
+    # NOTE: device-to-host sync if counts are on a device; callers pass host plans.
+    return (counts if counts.device.type == "cpu" else counts.cpu()).numpy()
 
 
 def chunk_gather_index(
@@ -114,6 +137,29 @@ def row_chunk_ids(counts: torch.Tensor, device: torch.device | str) -> torch.Ten
     total = int(counts.sum())
     ids = torch.arange(counts.numel(), device=device)
     return torch.repeat_interleave(ids, host_to_device(counts, device), output_size=total)
+
+
+def kept_position_shift(global_counts: np.ndarray, rank: int, num_local: int) -> np.ndarray:
+    """``[E]`` per expert: where source ``rank``'s rows of that expert start in its owner's
+    expert-order rows, minus where they start in the source's send order.
+
+    Expert ``e = d * L + l`` is the ``l``-th local expert of rank ``d``; a rank's send order is
+    expert-major (``global_counts[rank]`` rows per expert), an owner's expert order is
+    ``[local expert][source rank]`` (the chunk grid ``global_counts[:, d*L:(d+1)*L]``, b-major).
+    A kept pair at send position ``i`` of expert ``e`` is then row ``i + shift[e]`` of the rows
+    its owner saved: the source names the row and the owner adds nothing.
+
+    Args:
+        global_counts: ``[P, E]`` int64 forward pairs per (source rank, expert), the plan's.
+        rank: The source rank.
+        num_local: L, experts per rank.
+    """
+    p = global_counts.shape[0]
+    # [owner d, local expert l * P + source r]: each owner's expert-order chunk sizes.
+    by_owner = global_counts.reshape(p, p, num_local).transpose(1, 2, 0).reshape(p, -1)
+    chunk_start = (np.cumsum(by_owner, axis=1) - by_owner).reshape(p, num_local, p)
+    send_start = exclusive_cumsum_np(global_counts[rank])
+    return chunk_start[:, :, rank].reshape(-1) - send_start
 
 
 def scatter_rows(rows: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
