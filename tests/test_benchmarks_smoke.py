@@ -220,22 +220,26 @@ def test_train_timers_reads_megatron_timer_blocks(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "t.json").read_text())["train.log"]["optimizer"] == 290.0
 
 
-def test_host_path_cpu_times_the_graphed_backward(tmp_path: Path) -> None:
-    """benchmarks/host_path_cpu.py on tiny shapes: the graphed path ran (one layer graph) and
-    every stage it lists has a time, the parts no more than the whole."""
-    pytest.importorskip("triton")
-    out = tmp_path / "host_path.json"
+def _host_path(out: Path, *args: str) -> dict:
+    """Runs benchmarks/host_path_cpu.py with ``args`` writing ``out``; returns its JSON."""
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
-    cmd = [
-        sys.executable, "benchmarks/host_path_cpu.py", "--tokens", "64", "--experts", "8",
-        "--hidden", "32", "--iters", "3", "--out", str(out),
-    ]  # fmt: skip
+    cmd = [sys.executable, "benchmarks/host_path_cpu.py", *args, "--out", str(out)]
     proc = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_host_path_cpu_times_the_graphed_backward(tmp_path: Path) -> None:
+    """benchmarks/host_path_cpu.py on tiny shapes: the graphed path ran (one layer graph) and
+    every stage it lists has a time, the parts no more than the whole."""
+    pytest.importorskip("triton")
+    result = _host_path(
+        tmp_path / "host_path.json", "--tokens", "64", "--experts", "8", "--hidden", "32",
+        "--iters", "3",
+    )
     assert result["layer_graphs"] == 1, result
     stages = result["stage_us"]
     assert set(stages) >= {"_graphed_backward", "scored_call", "run_layer_graph", "_record_trimmed"}
@@ -246,18 +250,10 @@ def test_host_path_cpu_times_the_graphed_backward(tmp_path: Path) -> None:
 def test_host_path_cpu_times_the_forward(tmp_path: Path) -> None:
     """benchmarks/host_path_cpu.py --mode forward on tiny shapes: the whole call and every
     forward stage have a time, the parts no more than their wholes."""
-    out = tmp_path / "host_fwd.json"
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path)
-    cmd = [
-        sys.executable, "benchmarks/host_path_cpu.py", "--mode", "forward", "--tokens", "32",
-        "--experts", "8", "--hidden", "32", "--iters", "5", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    result = _host_path(
+        tmp_path / "host_fwd.json", "--mode", "forward", "--tokens", "32", "--experts", "8",
+        "--hidden", "32", "--iters", "5",
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads(out.read_text())
     assert result["mode"] == "forward" and result["keep"] == 0.5, result
     stages = result["stage_us"]
     assert set(stages) >= {
@@ -279,18 +275,10 @@ def test_host_path_cpu_times_the_forward(tmp_path: Path) -> None:
 def test_host_path_cpu_times_the_eager_backward_at_ep2(tmp_path: Path) -> None:
     """benchmarks/host_path_cpu.py --ep 2 on tiny shapes: both ranks report the trimmed eager
     backward's stages (and none of the forward's or the exact path's), parts within wholes."""
-    out = tmp_path / "host_ep.json"
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path)
-    cmd = [
-        sys.executable, "benchmarks/host_path_cpu.py", "--ep", "2", "--tokens", "16",
-        "--experts", "4", "--hidden", "16", "--iters", "3", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    result = _host_path(
+        tmp_path / "host_ep.json", "--ep", "2", "--tokens", "16", "--experts", "4",
+        "--hidden", "16", "--iters", "3",
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads(out.read_text())
     assert result["ep"] == 2 and result["keep"] == 0.5, result
     assert len(result["stage_us_per_rank"]) == 2 and result["stage_us"] == (
         result["stage_us_per_rank"][0]
