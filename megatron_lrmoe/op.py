@@ -605,7 +605,7 @@ def _graphed_backward(
     if out is None:
         return None
     (scores, sel, kept_total), _ = out
-    kept = _local_plan(call, sel, quota, counts, scores.poison)
+    kept = _local_plan(call, sel, quota, scores.poison)
     if call.stats is not None:
         _record_selection(call, scores, kept, kept_total)
     ctx.h = ctx.x = None
@@ -719,7 +719,7 @@ def select_kept(
             lrmoe.selection, g, hidden, probs, token_of_pair, counts, quota, uniforms,
             kept_total=stats is not None, owned=False,
         )
-        kept = _local_plan(call, sel, quota, counts, scored.poison)
+        kept = _local_plan(call, sel, quota, scored.poison)
         if timer:
             timer.stop("selection")
     else:
@@ -809,7 +809,7 @@ def replayed_front(
             timer.cancel("front")
         return None
     scored, sel, kept_total = front.scored
-    kept = _local_plan(call, sel, quota, counts, scored.poison)
+    kept = _local_plan(call, sel, quota, scored.poison)
     if timer:
         timer.stop("front")
     if call.stats is not None:
@@ -842,12 +842,9 @@ def _local_plan(
     call: ExpertCall,
     sel: Selection,
     quota: torch.Tensor,
-    counts: torch.Tensor,
     poison: torch.Tensor,
 ) -> KeptPlan:
-    """The :class:`KeptPlan` of a scope-local selection (:func:`_local_segments`; its
-    ``counts`` is this rank's row of the plan's counts, which :func:`kept_position_shift` reads
-    with the other ranks' rows)."""
+    """The :class:`KeptPlan` of a scope-local selection (:func:`_local_segments`)."""
     plan = call.plan
     device = sel.kept_index.device
     p, nle = plan.ep_size, plan.num_local_experts
