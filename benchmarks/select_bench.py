@@ -14,7 +14,10 @@ and both policies (``topk``, ``sample``):
     ``--warmup``; includes the gaps while the GPU waits for the host), the profiler's kernel
     count and summed device time of one call (the GPU time the call costs), and the host time to
     enqueue one call; ``budget`` checks the Triton device time against 0.3 ms;
-(c) everything goes to the JSON file ``--out``.
+(c) the sort alone, on the bench's segments and on equal ones: ``_rank_sort_kernel`` at a few
+    tiles against the 64-bit ``torch.sort``, same order checked, device time of one call, and
+    which of the two the selection picks (``kernels.sort_by_rank``);
+(d) everything goes to the JSON file ``--out``.
 
 Each part runs in its own ``try``: a failure prints ``FAIL`` with the error and the script goes
 on. Every check prints one ``PASS`` / ``FAIL`` line; the exit status is 1 if any check failed.
@@ -25,6 +28,7 @@ Runs without megatron-core installed (only ``megatron_lrmoe.select`` and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -226,6 +230,56 @@ def ptx_report() -> dict[str, Any]:
     return found
 
 
+SORT_TILES = ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (32, 128, 4), (256, 32, 8))
+
+
+def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespace) -> dict:
+    """The selection's sort alone on these segments: ``_rank_sort_kernel`` at several tiles
+    against the 64-bit ``torch.sort`` (``_sort_order_reference``), same order checked, device
+    time of one call from the profiler."""
+    k = kernels._kernels()
+    n, g = int(counts.sum()), counts.numel()
+    scores = lrm_like_scores(n, args.seed + 1).to(device)
+    table = kernels._segment_table(counts, counts, None, device)
+    key = torch.empty(n, dtype=torch.int64, device=device)
+    steps = max(1, math.ceil(math.log2(g + 1)))
+    k.sort_key[(kernels._cdiv(n, kernels._BLOCK),)](
+        key, scores, table[kernels._END], n, g, STEPS=steps, BLOCK=kernels._BLOCK
+    )
+    ref_key, ref_order = kernels._sort_order_reference(key)
+    out: dict[str, Any] = {
+        "sum_sq": int((counts.double() ** 2).sum()),
+        "max": int(counts.max()),
+        "by_rank": kernels.sort_by_rank(counts),  # what the selection picks for these segments
+    }
+    print(f"sort N={n} G={g}: the selection sorts {'by rank' if out['by_rank'] else 'by cub'}")
+
+    def rank(bi: int, bj: int, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        order, sorted_key = torch.empty_like(key), torch.empty_like(key)
+        k.rank_sort[(kernels._cdiv(n, bi),)](
+            order, sorted_key, key, table, n, g, BLOCK_I=bi, BLOCK_J=bj, num_warps=warps
+        )
+        return sorted_key, order
+
+    fns = {"sort64": lambda: kernels._sort_order_reference(key)}
+    for bi, bj, w in SORT_TILES:
+        fns[f"rank_{bi}x{bj}_w{w}"] = functools.partial(rank, bi, bj, w)
+    for name, fn in fns.items():
+        got_key, got_order = fn()
+        ok = torch.equal(got_order, ref_order) and torch.equal(got_key, ref_key)
+        prof = profile_call(fn)
+        out[name] = {"same": ok, "device_us": prof["device_time_us"]}
+        print(
+            f"sort N={n} G={g} max={out['max']} sum_sq={out['sum_sq']:.3g} {name}: "
+            f"{prof['device_time_us']:.1f} us device, {prof['kernel_launches']} kernels, "
+            f"{'same' if ok else 'DIFFERENT'} order",
+            flush=True,
+        )
+        if not ok:
+            report(f"sort order {name}", False)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -303,6 +357,13 @@ def main() -> None:
                     f"{torch_t.get('median_ms', nan):.3f} ms events",
                 )
             results["runs"].append(run)
+
+    balanced = torch.full((counts.numel(),), n // counts.numel(), dtype=torch.int64)
+    balanced[: n % counts.numel()] += 1
+    results["sort"] = {
+        name: guarded(f"sort {name}", lambda: sort_part(c, device, args))
+        for name, c in (("zipf", counts), ("balanced", balanced))
+    }
 
     if not args.no_adversarial:
         quota = torch.ceil(0.25 * counts.double()).to(torch.int64).clamp_max(counts)

@@ -129,7 +129,7 @@ def _check(policy: str, case: Case, **kwargs) -> scoring.Selection:
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter subprocess")
 def test_select_kernels_in_interpreter_subprocess() -> None:
     pytest.importorskip("triton")
-    run_interpreter_tests(__file__, min_passed=8)
+    run_interpreter_tests(__file__, min_passed=16)
 
 
 def test_select_takes_the_torch_path_on_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,9 +178,15 @@ def test_select_triton_rejects_host_tensors_without_the_interpreter() -> None:
         kernels.select_triton("topk", scores, counts, quota)
 
 
+# RANK_SORT_MAX_WORK values that force each sort: cub's radix sort, or the ranks by counting.
+SORTS = {"radix": -1, "rank": 1 << 62}
+
+
 @cuda
+@pytest.mark.parametrize("sort", list(SORTS))
 @pytest.mark.parametrize("policy", ["topk", "sample"])
-def test_gpu_matches_cpu_reference(policy: str) -> None:
+def test_gpu_matches_cpu_reference(monkeypatch: pytest.MonkeyPatch, policy: str, sort: str) -> None:
+    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", SORTS[sort])
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)
     cases = [_random_case(rng, gen) for _ in range(30)] + list(_adversarial_cases().values())
     for scores, counts, quota, uniforms in cases:
@@ -226,6 +232,24 @@ def test_gpu_captured_selection_matches_reference(
     for case, _ in calls[:3]:
         _check(policy, (case[0].cuda(), *case[1:]))
     assert not kernels._GRAPHS.graphs and not kernels._GRAPHS.seen
+
+
+@cuda
+def test_gpu_captured_selection_keys_on_the_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One shape, segments that pick either sort: a graph for each, both equal the reference."""
+    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    n, g = 4096, 8
+    even = torch.full((g,), n // g)
+    skewed = torch.tensor([n - 7 * 8] + [8] * 7)
+    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", int((even**2).sum()))
+    assert kernels.sort_by_rank(even) and not kernels.sort_by_rank(skewed)
+    gen = torch.Generator().manual_seed(2)
+    for call in range(6):
+        counts = even if call % 2 else skewed
+        quota = counts // 3
+        uniforms = torch.rand(g, generator=gen, dtype=torch.float64)
+        _check("sample", (torch.rand(n, generator=gen).cuda(), counts, quota, uniforms))
+    assert len(kernels._GRAPHS.graphs) == 2
 
 
 @cuda
@@ -535,16 +559,20 @@ def _slot_plan(token: torch.Tensor, t: int, k: int) -> torch.Tensor:
 
 
 @interp
+@pytest.mark.parametrize("sort", list(SORTS))
 @pytest.mark.parametrize("policy", ["topk", "sample"])
-def test_interp_random_cases(policy: str) -> None:
+def test_interp_random_cases(monkeypatch: pytest.MonkeyPatch, policy: str, sort: str) -> None:
+    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", SORTS[sort])
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)
     for _ in range(10):
         _check(policy, _random_case(rng, gen), block=BLOCK)
 
 
 @interp
+@pytest.mark.parametrize("sort", list(SORTS))
 @pytest.mark.parametrize("policy", ["topk", "sample"])
-def test_interp_adversarial_cases(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+def test_interp_adversarial_cases(monkeypatch: pytest.MonkeyPatch, policy: str, sort: str) -> None:
+    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", SORTS[sort])
     tables = []
     segment_table = kernels._segment_table
 
@@ -599,6 +627,38 @@ def test_interp_block_sizes_and_dtypes(policy: str) -> None:
     # fp32 uniforms are widened exactly.
     for scores_dtype in (torch.bfloat16, torch.float64):
         _check(policy, (scores.to(scores_dtype), counts, quota, uniforms.float()), block=32)
+
+
+@interp
+@pytest.mark.parametrize("num_segments", [1, 3, 40])
+def test_interp_rank_sort_gives_torch_sorts_order(num_segments: int) -> None:
+    """Segments longer than a block of rows, blocks spanning several segments, empty segments,
+    ties (by row), and keys from the sanitized scores (NaN, inf and negatives are 0)."""
+    gen = torch.Generator().manual_seed(num_segments)
+    counts = torch.randint(0, 150, (num_segments,), generator=gen)
+    counts[0] = 0 if num_segments > 1 else counts[0]
+    n = int(counts.sum())
+    scores = torch.randint(0, 5, (n,), generator=gen).float()
+    scores[torch.randperm(n, generator=gen)[: n // 6]] = float("nan")
+    scores[torch.randperm(n, generator=gen)[: n // 6]] = -float("inf")
+    k = kernels._kernels()
+    table = kernels._segment_table(counts, counts, None, torch.device("cpu"))
+    key = torch.empty(n, dtype=torch.int64)
+    steps = max(1, math.ceil(math.log2(num_segments + 1)))
+    k.sort_key[(triton_kernels._cdiv(n, BLOCK),)](
+        key, scores, table[kernels._END], n, num_segments, STEPS=steps, BLOCK=BLOCK
+    )
+    sorted_key, order = kernels._sort_order(k, key, table, num_segments)
+    ref_key, ref_order = kernels._sort_order_reference(key)
+    assert torch.equal(order, ref_order)
+    assert torch.equal(sorted_key, ref_key)
+
+
+def test_sort_by_rank_up_to_the_work_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", 3**2 + 4**2)
+    assert kernels.sort_by_rank(torch.tensor([3, 4]))
+    assert not kernels.sort_by_rank(torch.tensor([3, 5]))
+    assert kernels.sort_by_rank(torch.tensor([], dtype=torch.int64))
 
 
 @interp

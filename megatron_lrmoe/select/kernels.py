@@ -15,7 +15,10 @@ One call, in launch order (``sample``; ``topk`` runs 1-3, 7 for the ranks only, 
    (starts, ends, quota, first output slot, uniforms if on the host, zeroed accumulators);
 2. ``_sort_key_kernel`` (rows): sanitized score and segment -> int64 key
    ``segment * 2**31 + (2**31 - 1 - fp32 bits)`` (``scoring._order_within_segments``);
-3. ``torch.sort(key, stable=True)`` (cub radix sort, several launches of its own);
+3. the stable sort of the keys: ``_rank_sort_kernel`` where segments are small (each row counts
+   the rows of its segment ahead of it: about ``sum(count_g**2)`` comparisons, one launch;
+   :func:`sort_by_rank` decides on the host), else ``torch.sort(key, stable=True)`` (cub's
+   radix sort: eight latency-bound passes, 70-80 us on an H200 whatever the size here);
 4. ``_weights_kernel`` (sorted rows): integer weights ``w_int`` relative to the segment maximum
    (the segment's first sorted row); their segment totals ``W``;
 5. ``_capping_kernel`` (segments): the number of capped rows ``c*``, scanning the segment's top
@@ -30,7 +33,7 @@ One call, in launch order (``sample``; ``topk`` runs 1-3, 7 for the ranks only, 
 10. ``_draw_kernel`` (rows): running sums from the block totals, the systematic draw, and the
     kept rows written straight to their output slots (no compaction).
 
-On CUDA, steps 2-10 of one shape (N rows, G segments, policy) are captured into a CUDA graph the
+On CUDA, steps 2-10 of one shape (N rows, G segments, policy, which sort) are captured into a CUDA graph the
 second time the shape is seen and replayed after that (``_GraphCache``): one launch from the host
 instead of about twenty, the same kernels on the same inputs (the scores and the table's host rows
 are copied into the graph's static buffers first; the outputs are copied out). Not inside another
@@ -228,6 +231,43 @@ def _sort_key_kernel(
         lo = tl.where(live & right, mid + 1, lo)
         hi = tl.where(live & (~right), mid, hi)
     tl.store(key_ptr + offs, (lo << 31) + (2147483647 - bits), mask=mask)
+
+
+def _rank_sort_kernel(
+    order_ptr,
+    sorted_key_ptr,
+    key_ptr,
+    table_ptr,
+    n,
+    num_segments,
+    BLOCK_I: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
+    """``torch.sort(key, stable=True)`` by counting: each row's sorted position, then a scatter.
+
+    Rows of lower segments have smaller keys and rows of higher ones larger, so a row's sorted
+    position is ``j_lo`` plus the number of rows ``j`` in ``[j_lo, j_hi)`` (the segments this
+    block of rows touches) with ``key[j] < key[i]``, or equal and ``j < i`` (the stable sort's
+    tie rule). The work is about ``sum(count_g**2)`` comparisons: fast while segments are small.
+    """
+    G = num_segments
+    i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
+    valid = i < n
+    key_i = tl.load(key_ptr + i, mask=valid, other=0)
+    seg_i = key_i >> 31
+    j_lo = tl.min(tl.load(table_ptr + 0 * G + seg_i, mask=valid, other=n), 0)
+    j_hi = tl.max(tl.load(table_ptr + 1 * G + seg_i, mask=valid, other=0), 0)
+    below = tl.zeros([BLOCK_I], dtype=tl.int32)
+    for j0 in range(j_lo, j_hi, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J).to(tl.int64)
+        key_j = tl.load(key_ptr + j, mask=j < j_hi, other=9223372036854775807)
+        less = (key_j[None, :] < key_i[:, None]) | (
+            (key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None])
+        )
+        below += tl.sum(less.to(tl.int32), 1)
+    pos = j_lo + below.to(tl.int64)
+    tl.store(order_ptr + pos, i, mask=valid)
+    tl.store(sorted_key_ptr + pos, key_i, mask=valid)
 
 
 def _weights_kernel(
@@ -563,6 +603,7 @@ def _kernels() -> SimpleNamespace:
         module[name] = triton.jit(module[name])
     kernels = SimpleNamespace(
         sort_key=triton.jit(_sort_key_kernel),
+        rank_sort=triton.jit(_rank_sort_kernel),
         weights=triton.jit(_weights_kernel),
         capping=triton.jit(_capping_kernel),
         uncapped=triton.jit(_uncapped_kernel),
@@ -698,7 +739,9 @@ def select_triton(
         # Nothing to write (and N == 0 has nothing to sort).
         return scoring.Selection(empty, empty.float(), table[_QUOTA])
     if (sample and host_uniforms is None) or not _graphs_wanted(device):
-        return _select_eager(kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block)
+        return _select_eager(
+            kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block
+        )
     return _GRAPHS.select(
         kernels, scores, counts_h, quota_h, host_uniforms, sample, block, num_kept, owned
     )
@@ -726,7 +769,7 @@ def _select_eager(
         u = uniforms.detach().to(device=device, dtype=torch.float64).contiguous()
     else:
         u = scores  # unread placeholder
-    _launch(kernels, scores, table, kept, weight, u, sample, block)
+    _launch(kernels, scores, table, kept, weight, u, sample, block, sort_by_rank(counts_h))
     return scoring.Selection(kept, weight, table[_QUOTA])
 
 
@@ -739,9 +782,11 @@ def _launch(
     u: torch.Tensor,
     sample: bool,
     block: int,
+    by_rank: bool,
 ) -> None:
     """Steps 2-10 of the module docstring on a filled segment table; writes ``kept[:K]`` and
-    ``weight[:K]`` (K = the table's quota total; the buffers may be longer)."""
+    ``weight[:K]`` (K = the table's quota total; the buffers may be longer). ``by_rank``: sort
+    with ``_rank_sort_kernel`` (:func:`sort_by_rank` of the segments), else ``torch.sort``."""
     device = scores.device
     n, g = scores.numel(), table.shape[1]
     rows = (_cdiv(n, block),)
@@ -752,7 +797,10 @@ def _launch(
         kernels.sort_key[rows](
             key, scores, table[_END], n, g, STEPS=steps, BLOCK=block, num_warps=_NUM_WARPS
         )
-        sorted_key, order = torch.sort(key, stable=True)
+        if by_rank:
+            sorted_key, order = _sort_order(kernels, key, table, g)
+        else:
+            sorted_key, order = _sort_order_reference(key)
         units = torch.empty(n, dtype=torch.int64, device=device) if sample else key
         units_canon = torch.empty(n, dtype=torch.int64, device=device)
         rank_canon = torch.empty(n, dtype=torch.int64, device=device)
@@ -773,6 +821,44 @@ def _launch(
         kernels.draw[rows](
             kept, weight, units_canon, block_sum, key, table, u, n, g, SAMPLE=sample, **common
         )
+
+
+# Rows and key columns per step of ``_rank_sort_kernel`` (the best or within 10 % of the best
+# of six tiles on an H200, docs/benchmarks.md section 20).
+_RANK_BLOCK_I = 64
+_RANK_BLOCK_J = 64
+# Most comparisons (sum of squared segment sizes) for which the rank sort is used. Measured on
+# an H200 (section 20): the rank sort takes about 1 ns per 1000 comparisons plus a few us (11 us
+# at 8.4e6, 59 at 4.4e7, 127 at 1.3e8), torch.sort of the int64 keys 70-81 us at 32768-131072
+# rows (eight latency-bound radix passes).
+RANK_SORT_MAX_WORK = 1 << 25
+
+
+def sort_by_rank(counts_h: torch.Tensor) -> bool:
+    """Whether the selection sorts by counting ranks (small segments) rather than by
+    ``torch.sort``: a host decision from the host segment sizes, part of a captured graph's
+    key (both give the same order)."""
+    counts = counts_h.numpy().astype(np.float64)
+    return float(np.dot(counts, counts)) <= RANK_SORT_MAX_WORK
+
+
+def _sort_order(
+    kernels: SimpleNamespace, key: torch.Tensor, table: torch.Tensor, num_segments: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_key, order)``: :func:`_sort_order_reference` by ``_rank_sort_kernel``."""
+    n = key.numel()
+    order = torch.empty(n, dtype=torch.int64, device=key.device)
+    sorted_key = torch.empty_like(key)
+    kernels.rank_sort[(_cdiv(n, _RANK_BLOCK_I),)](
+        order, sorted_key, key, table, n, num_segments,
+        BLOCK_I=_RANK_BLOCK_I, BLOCK_J=_RANK_BLOCK_J, num_warps=_NUM_WARPS,
+    )
+    return sorted_key, order
+
+
+def _sort_order_reference(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(key, stable=True)`` of the int64 keys: what :func:`_sort_order` computes."""
+    return torch.sort(key, stable=True)
 
 
 class ScoreInputs(NamedTuple):
@@ -982,6 +1068,7 @@ class ScoredCall(NamedTuple):
     sample: bool
     kept_total: bool
     front: FrontBuffers | None
+    by_rank: bool
 
 
 def scored_call(
@@ -1013,8 +1100,9 @@ def scored_call(
     num_kept = int(rows[_SLOT, -1] + rows[_QUOTA, -1]) if num_segments else 0
     if num_kept == 0 or (front is not None and not _front_ready(inputs, front, num_kept)):
         return None
+    by_rank = sort_by_rank(counts_h)
     key = (
-        probs.device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK,
+        probs.device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK, by_rank,
         kept_total, g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
         None if front is None else _FrontShape.of(front),
     )
@@ -1027,7 +1115,7 @@ def scored_call(
         args[tk.ARG_G_OUT] = front.g_kept.data_ptr()
         args[tk.ARG_X_OUT] = 0 if front.x_kept is None else front.x_kept.data_ptr()
         args[tk.ARG_COUNT] = num_kept
-    return ScoredCall(key, host, num_kept, inputs, sample, kept_total, front)
+    return ScoredCall(key, host, num_kept, inputs, sample, kept_total, front, by_rank)
 
 
 class _FrontShape(NamedTuple):
@@ -1087,12 +1175,13 @@ class _Captured:
         host: torch.Tensor,
         sample: bool,
         block: int,
+        by_rank: bool,
     ) -> None:
         n, g = scores.numel(), host.shape[1]
         self.scores = torch.empty_like(scores)
         self._outputs(scores.device, n, g, lead=0)
         u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
-        args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block)
+        args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block, by_rank)
         self._load(scores, host)
         self._capture(lambda: _launch(*args), scores.device)
 
@@ -1163,7 +1252,10 @@ class FrontWork(_Captured):
         self._sum_views = (self.sums[0], self.sums[1], self.sums[2], self.table[_QUOTA])
         self._kept_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
-        select_args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block)
+        select_args = (
+            kernels, self.scores, self.table, self.kept, self.weight, u, sample, block,
+            call.by_rank,
+        )
         shape, strides = (t, g.shape[1]), (g.stride(0), x.stride(0))
         dtypes = (g.dtype, x.dtype), (probs.dtype, token.dtype)
         # Held by the object: a replay reads every buffer the capture used, so none of them may
@@ -1279,7 +1371,8 @@ class _GraphCache(GraphCache[_Captured]):
         owned: bool,
     ) -> scoring.Selection:
         device = scores.device
-        key = (device.index, scores.numel(), counts_h.numel(), sample, block, scores.dtype)
+        by_rank = sort_by_rank(counts_h)
+        key = (device.index, scores.numel(), counts_h.numel(), sample, block, scores.dtype, by_rank)
         entry, capture = self.lookup(key)
         if entry is None and not capture:
             return _select_eager(
@@ -1288,7 +1381,7 @@ class _GraphCache(GraphCache[_Captured]):
         host = _host_table(counts_h, quota_h, host_uniforms, pin=True)
         with _device_ctx(scores):
             if entry is None:
-                entry = _Captured(kernels, scores, host, sample, block)
+                entry = _Captured(kernels, scores, host, sample, block, by_rank)
                 self.add(key, entry)
                 return entry.outputs(num_kept)
             return entry.run(scores, host, num_kept, owned)
