@@ -659,6 +659,12 @@ def test_sort_by_rank_up_to_the_work_limit(monkeypatch: pytest.MonkeyPatch) -> N
     assert kernels.sort_by_rank(torch.tensor([3, 4]))
     assert not kernels.sort_by_rank(torch.tensor([3, 5]))
     assert kernels.sort_by_rank(torch.tensor([], dtype=torch.int64))
+    # The packed (key, row) comparison: fewer than 2**11 segments and 2**21 rows.
+    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", 1 << 62)
+    assert kernels.sort_by_rank(torch.ones(2047, dtype=torch.int64))
+    assert not kernels.sort_by_rank(torch.ones(2048, dtype=torch.int64))
+    assert kernels.sort_by_rank(torch.tensor([(1 << 21) - 1]))
+    assert not kernels.sort_by_rank(torch.tensor([1 << 20, 1 << 20]))
 
 
 @interp

@@ -33,10 +33,11 @@ One call, in launch order (``sample``; ``topk`` runs 1-3, 7 for the ranks only, 
 10. ``_draw_kernel`` (rows): running sums from the block totals, the systematic draw, and the
     kept rows written straight to their output slots (no compaction).
 
-On CUDA, steps 2-10 of one shape (N rows, G segments, policy, which sort) are captured into a CUDA graph the
-second time the shape is seen and replayed after that (``_GraphCache``): one launch from the host
-instead of about twenty, the same kernels on the same inputs (the scores and the table's host rows
-are copied into the graph's static buffers first; the outputs are copied out). Not inside another
+On CUDA, steps 2-10 of one shape (N rows, G segments, policy, which sort) are captured into a
+CUDA graph the second time the shape is seen and replayed after that (``_GraphCache``): one
+launch from the host instead of about twenty, the same kernels on the same inputs (the scores
+and the table's host rows are copied into the graph's static buffers first; the outputs are
+copied out). Not inside another
 capture, not with device-side uniforms; ``LRMOE_SELECT_GRAPHS=0`` turns it off.
 
 Why the repairs need no scan over all rows: among a segment's active rows (uncapped, positive
@@ -257,14 +258,15 @@ def _rank_sort_kernel(
     seg_i = key_i >> 31
     j_lo = tl.min(tl.load(table_ptr + 0 * G + seg_i, mask=valid, other=n), 0)
     j_hi = tl.max(tl.load(table_ptr + 1 * G + seg_i, mask=valid, other=0), 0)
+    # One comparison per pair: (key, row) as one int64, ``key * 2**21 + row`` (the host keeps
+    # rows below 2**21 and keys below 2**42, i.e. fewer than 2**11 segments: sort_by_rank).
+    c_i = (key_i << 21) + i
     below = tl.zeros([BLOCK_I], dtype=tl.int32)
     for j0 in range(j_lo, j_hi, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J).to(tl.int64)
-        key_j = tl.load(key_ptr + j, mask=j < j_hi, other=9223372036854775807)
-        less = (key_j[None, :] < key_i[:, None]) | (
-            (key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None])
-        )
-        below += tl.sum(less.to(tl.int32), 1)
+        key_j = tl.load(key_ptr + j, mask=j < j_hi, other=0)
+        c_j = tl.where(j < j_hi, (key_j << 21) + j, 9223372036854775807)
+        below += tl.sum((c_j[None, :] < c_i[:, None]).to(tl.int32), 1)
     pos = j_lo + below.to(tl.int64)
     tl.store(order_ptr + pos, i, mask=valid)
     tl.store(sorted_key_ptr + pos, key_i, mask=valid)
@@ -837,9 +839,14 @@ RANK_SORT_MAX_WORK = 1 << 25
 def sort_by_rank(counts_h: torch.Tensor) -> bool:
     """Whether the selection sorts by counting ranks (small segments) rather than by
     ``torch.sort``: a host decision from the host segment sizes, part of a captured graph's
-    key (both give the same order)."""
+    key (both give the same order). The rank sort's packed comparison needs fewer than
+    ``2**21`` rows and ``2**11`` segments."""
     counts = counts_h.numpy().astype(np.float64)
-    return float(np.dot(counts, counts)) <= RANK_SORT_MAX_WORK
+    return (
+        counts.size < (1 << 11)
+        and counts.sum() < (1 << 21)
+        and float(np.dot(counts, counts)) <= RANK_SORT_MAX_WORK
+    )
 
 
 def _sort_order(
