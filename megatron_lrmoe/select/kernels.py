@@ -825,15 +825,15 @@ def _launch(
         )
 
 
-# Rows and key columns per step of ``_rank_sort_kernel`` (the best or within 10 % of the best
-# of six tiles on an H200, docs/benchmarks.md section 20).
-_RANK_BLOCK_I = 64
-_RANK_BLOCK_J = 64
+# Rows and key columns per step of ``_rank_sort_kernel``: the best of six tiles on an H200 at
+# every segment size where the rank sort is used (docs/benchmarks.md section 20).
+_RANK_BLOCK_I = 32
+_RANK_BLOCK_J = 128
 # Most comparisons (sum of squared segment sizes) for which the rank sort is used. Measured on
-# an H200 (section 20): the rank sort takes about 1 ns per 1000 comparisons plus a few us (11 us
-# at 8.4e6, 59 at 4.4e7, 127 at 1.3e8), torch.sort of the int64 keys 70-81 us at 32768-131072
+# an H200 (section 20): about 0.7 ns per thousand comparisons plus a few us (9.5 us at 8.4e6,
+# 49 at 6.7e7, 97 at 1.3e8) against 70-81 us for torch.sort of the int64 keys at 32768-131072
 # rows (eight latency-bound radix passes).
-RANK_SORT_MAX_WORK = 1 << 25
+RANK_SORT_MAX_WORK = 1 << 26
 
 
 def sort_by_rank(counts_h: torch.Tensor) -> bool:
