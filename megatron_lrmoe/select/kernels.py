@@ -832,8 +832,10 @@ _RANK_BLOCK_J = 128
 # Most comparisons (sum of squared segment sizes) for which the rank sort is used. Measured on
 # an H200 (section 20): about 0.7 ns per thousand comparisons plus a few us (9.5 us at 8.4e6,
 # 49 at 6.7e7, 97 at 1.3e8) against 70-81 us for torch.sort of the int64 keys at 32768-131072
-# rows (eight latency-bound radix passes).
-RANK_SORT_MAX_WORK = 1 << 26
+# rows (eight latency-bound radix passes); skewed segments cost more per comparison (79 us at
+# 8.4e7), so the limit is where those would about break even: 16 experts' nearly equal
+# segments at 4096 tokens (6.7e7 when equal) still take the rank sort.
+RANK_SORT_MAX_WORK = 75_000_000
 
 
 def sort_by_rank(counts_h: torch.Tensor) -> bool:
