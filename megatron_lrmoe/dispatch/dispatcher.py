@@ -45,7 +45,8 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
         Nothing waits here; :meth:`resolve` (or reading :attr:`global_counts`) does.
         """
-        num_local_tokens_per_expert = routing_map.sum(dim=0).long()  # [E]
+        # [E]; the int64 sum in one op (not a sum and a cast: one launch fewer on a GPU).
+        num_local_tokens_per_expert = routing_map.sum(dim=0, dtype=torch.int64)
         counts = comm.all_gather_counts(num_local_tokens_per_expert, self.ep_group)  # [P, E]
         self._device_counts = counts
         self._pending = HostCounts(counts)
