@@ -5,6 +5,8 @@ measured on the CPU (no GPU).
     python benchmarks/host_path_cpu.py --mode forward [--tokens 64] [--experts 16] [--hidden 64]
     python benchmarks/host_path_cpu.py --ep 2 [--keep 0.5] [--front eager] [--tokens 256]
         [--experts 32] [--hidden 64]
+    python benchmarks/host_path_cpu.py --mode forward --ep 2 [--keep 0.5] [--tokens 256]
+        [--experts 32] [--hidden 64]
 
 At EP 1 with the weight gradients fused into ``main_grad`` the whole trimmed backward is one
 replayed CUDA graph per layer (``experts/backward_graph.py``). What the host does around that
@@ -30,6 +32,17 @@ CPU runs the same deferred EP 1 path as a Hopper GPU there (fp32 grouped_mm on t
 and the device count copy are the GPU's only differences), with real but tiny kernels. Reported:
 ``layer_call`` (the whole ``layer(x)``, by ``perf_counter`` around it) and each stage of
 ``FORWARD_STAGES`` (the stage clock, inclusive), median us per call.
+
+``--mode forward --ep P`` (P > 1) times the forward at expert parallelism P: one gloo process
+per rank (CPU shim, fp32, one thread each), with the defaults of ``--ep``'s backward (keep
+``--keep``, fused accumulation, statistics on, scope local, ``save`` mode, no replicas, 32
+experts, 256 tokens per rank, hidden 64). Every rank's input differs (seeded by its rank), so
+the ranks send each other different counts. Besides the EP 1 stages: the all-to-alls' side of
+the op (``EP_FORWARD_TARGETS``: ``ExpertCall.to_experts`` / ``to_sources`` / ``reorder``) and
+the two collectives, ``fwd.all_gather_counts`` and ``all_to_all_rows``, which are left out of
+every stage around them (``StageClock``'s ``exclude``, as the backward's ``--ep``), and
+``forward_host``: the whole ``layer(x)`` minus them. Per-rank table; the JSON's ``stage_us`` is
+rank 0's, ``stage_us_per_rank`` has them all.
 
 ``--ep 2`` (backward mode) times the eager backward at expert parallelism > 1 instead: one gloo
 process per EP rank (CPU shim, fp32, one thread each), keep ``--keep`` (0.5: the trimmed
@@ -113,6 +126,17 @@ FORWARD_TARGETS = (
     "megatron_lrmoe.layer:LRMoELayer._call_stats",
     "megatron_lrmoe.op:expert_forward_parts",
 )
+
+# At EP > 1 also the count exchange and our stages around the forward's all-to-alls.
+EP_FORWARD_STAGES = ("fwd.all_gather_counts",)
+EP_FORWARD_TARGETS = (
+    "megatron_lrmoe.op:ExpertCall.to_experts",
+    "megatron_lrmoe.op:ExpertCall.to_sources",
+    "megatron_lrmoe.op:ExpertCall.reorder",
+    "megatron_lrmoe.dispatch.comm:all_to_all_rows",
+)
+# The collectives, where a rank waits for the others (StageClock.exclude).
+EP_FORWARD_EXCLUDED = ("fwd.all_gather_counts", "all_to_all_rows")
 
 
 def _layer(
@@ -218,9 +242,13 @@ def measure_forward(
 ) -> dict[str, Any]:
     """Median host us per forward call (gradients on, no backward) after ten warm-up calls:
     ``iters`` whole calls, then ``iters`` more with the stage clock (its wrappers cost about
-    1 us each). The same input every call: the same plan every call."""
-    layer = _layer(tokens, experts, hidden, keep, selection)
-    x = torch.randn(tokens, 1, hidden, generator=torch.Generator().manual_seed(3))
+    1 us each). The same input every call: the same plan every call.
+
+    EP ``world`` > 1: also ``EP_FORWARD_TARGETS``, the collectives (``EP_FORWARD_EXCLUDED``)
+    left out of every stage around them, and ``forward_host``: the whole call minus them (from
+    the clocked calls)."""
+    layer = _layer(tokens, experts, hidden, keep, selection, ep=world)
+    x = torch.randn(tokens, 1, hidden, generator=torch.Generator().manual_seed(3 + rank))
 
     def call() -> float:
         inp = x.clone().requires_grad_(True)
@@ -231,16 +259,23 @@ def measure_forward(
     for _ in range(10):
         call()
     whole = [call() for _ in range(iters)]
-    targets = FORWARD_TARGETS + tuple(extra)
-    labels = FORWARD_STAGES + tuple(spec.partition(":")[2] for spec in targets)
-    clock = StageClock(targets, only=labels)
+    stages, targets, excluded = FORWARD_STAGES, FORWARD_TARGETS + tuple(extra), ()
+    if world > 1:
+        stages, excluded = stages + EP_FORWARD_STAGES, EP_FORWARD_EXCLUDED
+        targets = FORWARD_TARGETS + EP_FORWARD_TARGETS + tuple(extra)
+    labels = stages + tuple(spec.partition(":")[2] for spec in targets)
+    clock = StageClock(targets, only=labels, exclude=excluded)
+    host: list[float] = []
     try:
         for _ in range(iters):
-            call()
+            us = call()
+            host.append(us - sum(clock.calls.get(k, 0.0) for k in excluded))
             clock.lap()
     finally:
         clock.restore()
     stage_us = {"layer_call": statistics.median(whole)}
+    if world > 1:
+        stage_us["forward_host"] = statistics.median(host)
     stage_us.update(
         {k: statistics.median(clock.us[k]) for k in labels if any(clock.us[k])}
     )
@@ -253,14 +288,15 @@ def main() -> None:
     )
     parser.add_argument("--mode", default="backward", choices=("backward", "forward"))
     parser.add_argument(
-        "--ep", type=int, default=1, help="EP ranks, one gloo process each (backward mode)"
+        "--ep", type=int, default=1, help="EP ranks, one gloo process each (either mode)"
     )
     parser.add_argument(
         "--front", default="eager", choices=("eager", "graph"),
         help="--ep > 1: the backward's front eager, or replayed as on CUDA",
     )
     parser.add_argument(
-        "--tokens", type=int, help="per rank; default 512 (backward), 64 (forward), 256 (--ep)"
+        "--tokens", type=int,
+        help="per rank; default 512 (backward), 64 (forward), 256 (--ep > 1, either mode)",
     )
     parser.add_argument(
         "--experts", type=int, help="default 128 (backward), 16 (forward), 32 (--ep)"
@@ -280,9 +316,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_path.json"))
     args = parser.parse_args()
     forward = args.mode == "forward"
-    if args.ep < 1 or (forward and args.ep != 1):
-        parser.error(f"--ep {args.ep}: the forward mode runs at EP 1, the backward at EP >= 1")
-    defaults = (64, 16, 64) if forward else (512, 128, 256) if args.ep == 1 else (256, 32, 64)
+    if args.ep < 1:
+        parser.error(f"--ep {args.ep}: at least one rank")
+    if args.ep > 1:
+        defaults = (256, 32, 64)
+    else:
+        defaults = (64, 16, 64) if forward else (512, 128, 256)
     for name, value in zip(("tokens", "experts", "hidden"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -293,19 +332,21 @@ def main() -> None:
 
     shape = (args.tokens, args.experts, args.hidden, args.iters, args.selection)
     if forward:
-        result = run_distributed(
-            measure_forward, 1, *shape, args.keep, tuple(args.time), timeout=1800
-        )[0]
-        what = f"forward, keep {args.keep}"
+        ranks = run_distributed(
+            measure_forward, args.ep, *shape, args.keep, tuple(args.time), timeout=1800
+        )
+        what = f"forward, EP {args.ep}, keep {args.keep}"
     elif args.ep == 1:
-        result = run_distributed(measure, 1, *shape, tuple(args.time), timeout=1800)[0]
-        what = f"keep 0.5, {result['layer_graphs']} layer graph(s)"
+        ranks = run_distributed(measure, 1, *shape, tuple(args.time), timeout=1800)
+        what = f"keep 0.5, {ranks[0]['layer_graphs']} layer graph(s)"
     else:
         ranks = run_distributed(
             measure, args.ep, *shape, tuple(args.time), args.keep, args.front, timeout=1800
         )
-        result = dict(ranks[0], stage_us_per_rank=[r["stage_us"] for r in ranks])
         what = f"EP {args.ep}, keep {args.keep}, front {args.front}"
+    result = ranks[0]
+    if args.ep > 1:
+        result = dict(result, stage_us_per_rank=[r["stage_us"] for r in ranks])
     result.update(vars(args))
     print(f"{what}, {args.selection}, {args.tokens} tokens, {args.experts} experts, hidden "
           f"{args.hidden}: host us per call (median of {args.iters})")

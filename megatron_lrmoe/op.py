@@ -169,10 +169,11 @@ class ExpertCall:
         """
         if counts.shape[0] == 1 or counts.shape[1] == 1:
             return rows
-        key = _grid_key(counts)
+        grid = counts.numpy()  # the keys in numpy (the transpose's too: no torch op)
+        key = _grid_key(grid)
         index = self._indices.get(key)
         if index is None:
-            there = self._indices.get(_grid_key(counts.t()))
+            there = self._indices.get(_grid_key(grid.T))
             if there is None:
                 index = chunk_transpose_index(counts, rows.device)
             else:
@@ -302,9 +303,10 @@ class ExpertCall:
         return fold_replica_grads(own1, own2, dw1[1], dw2[1], self.layout, self.group)
 
 
-def _grid_key(counts: torch.Tensor) -> tuple:
-    """What a chunk grid's reorder index depends on: its shape and its counts."""
-    return tuple(counts.shape), counts.numpy().tobytes()
+def _grid_key(grid: np.ndarray) -> tuple:
+    """What a chunk grid's reorder index depends on: its shape and its counts (the host
+    grid's bytes in C order, so a transposed view keys as its transpose's copy)."""
+    return grid.shape, grid.tobytes()
 
 
 def lrmoe_experts(

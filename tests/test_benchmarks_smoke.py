@@ -272,6 +272,37 @@ def test_host_path_cpu_times_the_forward(tmp_path: Path) -> None:
     assert stages["fwd.routed_experts_compute"] <= stages["MoELayer.forward"], stages
 
 
+def test_host_path_cpu_times_the_forward_at_ep2(tmp_path: Path) -> None:
+    """benchmarks/host_path_cpu.py --mode forward --ep 2 on tiny shapes: both ranks report the
+    forward's stages with the all-to-alls' side of the op, the collectives left out of the
+    stages around them (so the host time is below the whole call's), parts within wholes."""
+    result = _host_path(
+        tmp_path / "host_ep_fwd.json", "--mode", "forward", "--ep", "2", "--tokens", "16",
+        "--experts", "4", "--hidden", "16", "--iters", "3",
+    )
+    assert result["ep"] == 2 and result["mode"] == "forward" and result["keep"] == 0.5, result
+    assert len(result["stage_us_per_rank"]) == 2 and result["stage_us"] == (
+        result["stage_us_per_rank"][0]
+    )
+    for stages in result["stage_us_per_rank"]:
+        assert set(stages) >= {
+            "layer_call", "forward_host", "fwd.router", "fwd.all_gather_counts",
+            "fwd.CallPlan.build", "fwd.op", "TrimmedMoEFunction.forward", "LRMoELayer._plan",
+            "LRMoELayer._call_stats", "expert_forward_parts", "ExpertCall.to_experts",
+            "ExpertCall.to_sources", "ExpertCall.reorder", "all_to_all_rows",
+        }, stages
+        # Keep 0.5 runs the trimmed op; EP 2 never defers the forward (no device offsets).
+        assert not {"ExactMoEFunction.forward", "LRMoELayer._gemms_take_device_offsets"} & (
+            set(stages)
+        ), stages
+        assert all(us > 0 for us in stages.values()), stages
+        assert stages["forward_host"] <= stages["layer_call"], stages
+        assert stages["fwd.CallPlan.build"] <= stages["LRMoELayer._plan"], stages
+        for part in ("expert_forward_parts", "ExpertCall.to_experts", "ExpertCall.to_sources"):
+            assert stages[part] <= stages["TrimmedMoEFunction.forward"], (part, stages)
+        assert stages["fwd.op"] <= stages["fwd.routed_experts_compute"], stages
+
+
 def test_host_path_cpu_times_the_eager_backward_at_ep2(tmp_path: Path) -> None:
     """benchmarks/host_path_cpu.py --ep 2 on tiny shapes: both ranks report the trimmed eager
     backward's stages (and none of the forward's or the exact path's), parts within wholes."""

@@ -104,3 +104,19 @@ def test_reorder_derives_the_way_back_per_grid() -> None:
     assert torch.equal(fresh.reorder(rows, counts.t()), expected)
     assert torch.equal(fresh.reorder(rows, counts), rows[chunk_transpose_index(counts, "cpu")])
     assert len(fresh._indices) == 2
+
+
+def test_reorder_keys_on_the_grids_shape_and_values() -> None:
+    """Grids with the same bytes and other shapes (a [2, 3] grid and its [3, 2] reshape) or the
+    same shape and other values each get their own index; int32 counts give the int64 grid's
+    index."""
+    call = ExpertCall(None, LRMoEConfig(), None, None, None, None)
+    flat = torch.tensor([1, 0, 2, 3, 1, 2])
+    for counts in (flat.view(2, 3), flat.view(3, 2), flat.flip(0).view(3, 2)):
+        rows = torch.randn(int(counts.sum()), 2)
+        reference = rows[chunk_transpose_index(counts, "cpu")]
+        assert torch.equal(call.reorder(rows, counts), reference)
+        assert torch.equal(call.reorder(rows, counts.to(torch.int32)), reference)
+        assert torch.equal(chunk_transpose_index(counts.to(torch.int32), "cpu"), (
+            chunk_transpose_index(counts, "cpu")
+        ))

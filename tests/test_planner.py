@@ -146,6 +146,32 @@ def test_split_np_one_source_equals_the_reference() -> None:
         assert quota.tolist() == want[0].tolist()
 
 
+def test_call_plan_count_views_match_torch() -> None:
+    """CallPlan's send / receive counts, split sizes and rows per local expert (numpy views)
+    equal the torch expressions over the counts, for every rank, with zero rows and columns;
+    send_counts shares the counts' memory (a view), recv_counts is its own copy."""
+    from megatron_lrmoe.config import LRMoEConfig
+    from megatron_lrmoe.control.plan import CallPlan
+
+    rng = np.random.default_rng(2)
+    for p, nle in ((1, 4), (2, 16), (3, 2), (4, 5)):
+        counts = torch.from_numpy(rng.integers(0, 9, (p, p * nle)))
+        counts[:, 0] = 0
+        counts[-1] = 0
+        for rank in range(p):
+            plan = CallPlan.build(counts, rank, nle, LRMoEConfig(keep_ratio=0.5), 1, ())
+            local = slice(rank * nle, (rank + 1) * nle)
+            send = counts[rank].reshape(p, nle)
+            recv = counts[:, local].contiguous()
+            assert plan.send_counts.dtype == plan.recv_counts.dtype == torch.int64
+            assert torch.equal(plan.send_counts, send) and torch.equal(plan.recv_counts, recv)
+            assert plan.send_splits == send.sum(1).tolist()
+            assert plan.recv_splits == recv.sum(1).tolist()
+            assert torch.equal(plan.tokens_per_local_expert, recv.sum(0))
+            assert plan.recv_counts.is_contiguous()
+            assert plan.send_counts.data_ptr() == plan.global_counts[rank].data_ptr()
+
+
 # --------------------------------------------------------------------------------------------- #
 # Replica balancing
 # --------------------------------------------------------------------------------------------- #

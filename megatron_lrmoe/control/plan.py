@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
@@ -84,7 +85,8 @@ class CallPlan:
         # numpy on the host: this runs between the forward's one sync and its first expert
         # kernel, where every microsecond of Python is GPU idle time (torch CPU ops cost ~10 us
         # each; the numpy versions are the same integers, tested against them).
-        global_counts = global_counts.to(torch.int64).cpu()
+        if global_counts.dtype != torch.int64 or global_counts.device.type != "cpu":
+            global_counts = global_counts.to(torch.int64).cpu()  # the dispatcher's already are
         counts_np = global_counts.numpy()
         quota_np = quotas_np(counts_np.sum(0), float(lrmoe.keep_ratio))
         quota = torch.from_numpy(quota_np)
@@ -111,28 +113,44 @@ class CallPlan:
         lo = self.ep_rank * self.num_local_experts
         return slice(lo, lo + self.num_local_experts)
 
+    # The count views below come from numpy: every forward at EP > 1 reads them (the split
+    # sizes of the all-to-alls, the reorder grid, the grouped GEMMs' groups), and a torch CPU
+    # op costs several times a numpy one on these few integers (tests/test_planner.py compares
+    # them with the torch expressions).
+
+    @cached_property
+    def _send_np(self) -> np.ndarray:
+        """``[P, L]`` int64 view of this rank's row of the counts."""
+        counts = self.global_counts.numpy()
+        return counts[self.ep_rank].reshape(self.ep_size, self.num_local_experts)
+
+    @cached_property
+    def _recv_np(self) -> np.ndarray:
+        """``[P, L]`` int64 (C-contiguous copy) of this rank's experts' columns."""
+        return np.ascontiguousarray(self.global_counts.numpy()[:, self.local_experts])
+
     @cached_property
     def send_counts(self) -> torch.Tensor:
         """``[P, L]`` pairs this rank sends to (destination rank, its local expert)."""
-        return self.global_counts[self.ep_rank].reshape(self.ep_size, self.num_local_experts)
+        return torch.from_numpy(self._send_np)
 
     @cached_property
     def recv_counts(self) -> torch.Tensor:
         """``[P, L]`` pairs this rank's experts receive from each source rank."""
-        return self.global_counts[:, self.local_experts].contiguous()
+        return torch.from_numpy(self._recv_np)
 
     @cached_property
     def send_splits(self) -> list[int]:
-        return self.send_counts.sum(1).tolist()
+        return self._send_np.sum(1).tolist()
 
     @cached_property
     def recv_splits(self) -> list[int]:
-        return self.recv_counts.sum(1).tolist()
+        return self._recv_np.sum(1).tolist()
 
     @cached_property
     def tokens_per_local_expert(self) -> torch.Tensor:
         """``[L]`` rows each local expert computes in forward."""
-        return self.recv_counts.sum(0)
+        return torch.from_numpy(self._recv_np.sum(0))
 
     @cached_property
     def quota_by_source(self) -> torch.Tensor:

@@ -71,16 +71,18 @@ def chunk_transpose_index(counts: torch.Tensor, device: torch.device | str) -> t
     total = int(c.sum())
     if total == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
+    # One [2, A * B] host table (row 0 the shift, row 1 the size of each chunk in b-major
+    # order), written in place: one copy to the device, one unbind.
+    table = np.empty((2, c.size), dtype=np.int64)
+    counts_t = table[1]
+    counts_t.reshape(c.shape[::-1])[...] = c.T  # b-major chunk sizes
     src_start = exclusive_cumsum_np(c.reshape(-1)).reshape(c.shape)  # a-major offsets
-    counts_t = c.T.reshape(-1)  # b-major chunk sizes
     # Per chunk in b-major order: shift = where its rows live in the a-major layout minus where
     # they land; one repeat_interleave turns it into a per-row index.
-    shift = src_start.T.reshape(-1) - exclusive_cumsum_np(counts_t)
-    shift_and_count = host_to_device(torch.from_numpy(np.stack([shift, counts_t])), device)
-    per_row_shift = torch.repeat_interleave(
-        shift_and_count[0], shift_and_count[1], output_size=total
-    )
-    return torch.arange(total, device=device) + per_row_shift
+    np.subtract(src_start.T.reshape(-1), exclusive_cumsum_np(counts_t), out=table[0])
+    shift, count = host_to_device(torch.from_numpy(table), device).unbind(0)
+    per_row_shift = torch.repeat_interleave(shift, count, output_size=total)
+    return per_row_shift.add_(torch.arange(total, device=device))
 
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,8 @@ def exclusive_cumsum_np(counts: np.ndarray) -> np.ndarray:
 
 def _host_int64(counts: torch.Tensor) -> np.ndarray:
     """The values of host ``counts`` as int64 numpy (a view where they are int64 already)."""
-    counts = counts.to(torch.int64)
+    if counts.dtype != torch.int64:
+        counts = counts.to(torch.int64)
     # NOTE: device-to-host sync if counts are on a device; callers pass host plans.
     return (counts if counts.device.type == "cpu" else counts.cpu()).numpy()
 
