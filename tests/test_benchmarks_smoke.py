@@ -275,7 +275,8 @@ def test_host_path_cpu_times_the_forward(tmp_path: Path) -> None:
 def test_host_path_cpu_times_the_forward_at_ep2(tmp_path: Path) -> None:
     """benchmarks/host_path_cpu.py --mode forward --ep 2 on tiny shapes: both ranks report the
     forward's stages with the all-to-alls' side of the op, the collectives left out of the
-    stages around them (so the host time is below the whole call's), parts within wholes."""
+    stages around them, parts within wholes (stages nested in one clocked call; the unclocked
+    ``layer_call`` is not compared with the clocked ``forward_host``: separate calls)."""
     result = _host_path(
         tmp_path / "host_ep_fwd.json", "--mode", "forward", "--ep", "2", "--tokens", "16",
         "--experts", "4", "--hidden", "16", "--iters", "3",
@@ -296,7 +297,6 @@ def test_host_path_cpu_times_the_forward_at_ep2(tmp_path: Path) -> None:
             set(stages)
         ), stages
         assert all(us > 0 for us in stages.values()), stages
-        assert stages["forward_host"] <= stages["layer_call"], stages
         assert stages["fwd.CallPlan.build"] <= stages["LRMoELayer._plan"], stages
         for part in ("expert_forward_parts", "ExpertCall.to_experts", "ExpertCall.to_sources"):
             assert stages[part] <= stages["TrimmedMoEFunction.forward"], (part, stages)
