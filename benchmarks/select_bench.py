@@ -241,11 +241,7 @@ def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespa
     n, g = int(counts.sum()), counts.numel()
     scores = lrm_like_scores(n, args.seed + 1).to(device)
     table = kernels._segment_table(counts, counts, None, device)
-    key = torch.empty(n, dtype=torch.int64, device=device)
-    steps = max(1, math.ceil(math.log2(g + 1)))
-    k.sort_key[(kernels._cdiv(n, kernels._BLOCK),)](
-        key, scores, table[kernels._END], n, g, STEPS=steps, BLOCK=kernels._BLOCK
-    )
+    key = kernels._sort_keys(k, scores, table, kernels._BLOCK)
     ref_key, ref_order = kernels._sort_order_reference(key)
     out: dict[str, Any] = {
         "sum_sq": int((counts.double() ** 2).sum()),
@@ -254,16 +250,11 @@ def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespa
     }
     print(f"sort N={n} G={g}: the selection sorts {'by rank' if out['by_rank'] else 'by cub'}")
 
-    def rank(bi: int, bj: int, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        order, sorted_key = torch.empty_like(key), torch.empty_like(key)
-        k.rank_sort[(kernels._cdiv(n, bi),)](
-            order, sorted_key, key, table, n, g, BLOCK_I=bi, BLOCK_J=bj, num_warps=warps
-        )
-        return sorted_key, order
-
     fns = {"sort64": lambda: kernels._sort_order_reference(key)}
     for bi, bj, w in SORT_TILES:
-        fns[f"rank_{bi}x{bj}_w{w}"] = functools.partial(rank, bi, bj, w)
+        fns[f"rank_{bi}x{bj}_w{w}"] = functools.partial(
+            kernels._sort_order, k, key, table, (bi, bj, w)
+        )
     for name, fn in fns.items():
         got_key, got_order = fn()
         ok = torch.equal(got_order, ref_order) and torch.equal(got_key, ref_key)

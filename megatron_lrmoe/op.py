@@ -55,6 +55,7 @@ from megatron_lrmoe.dispatch.compaction import (
     host_to_device,
     inverse_permutation,
     kept_position_shift,
+    repeat_per_row,
     row_chunk_ids,
 )
 from megatron_lrmoe.dispatch.permutation import PairPermutation
@@ -869,9 +870,8 @@ def _local_plan(
         shift = kept_position_shift(
             np.asarray(plan.global_counts.numpy(), dtype=np.int64), plan.ep_rank, nle
         )
-        shift_and_quota = host_to_device(torch.from_numpy(np.stack([shift, quota_np])), device)
-        positions = sel.kept_index + torch.repeat_interleave(
-            shift_and_quota[0], shift_and_quota[1], output_size=sel.kept_index.numel()
+        positions = sel.kept_index + repeat_per_row(
+            shift, quota_np, sel.kept_index.numel(), device
         )
         positions = comm.all_to_all_rows(
             positions,

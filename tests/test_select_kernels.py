@@ -643,12 +643,8 @@ def test_interp_rank_sort_gives_torch_sorts_order(num_segments: int) -> None:
     scores[torch.randperm(n, generator=gen)[: n // 6]] = -float("inf")
     k = kernels._kernels()
     table = kernels._segment_table(counts, counts, None, torch.device("cpu"))
-    key = torch.empty(n, dtype=torch.int64)
-    steps = max(1, math.ceil(math.log2(num_segments + 1)))
-    k.sort_key[(triton_kernels._cdiv(n, BLOCK),)](
-        key, scores, table[kernels._END], n, num_segments, STEPS=steps, BLOCK=BLOCK
-    )
-    sorted_key, order = kernels._sort_order(k, key, table, num_segments)
+    key = kernels._sort_keys(k, scores, table, BLOCK)
+    sorted_key, order = kernels._sort_order(k, key, table)
     ref_key, ref_order = kernels._sort_order_reference(key)
     assert torch.equal(order, ref_order)
     assert torch.equal(sorted_key, ref_key)

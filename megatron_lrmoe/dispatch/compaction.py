@@ -71,18 +71,22 @@ def chunk_transpose_index(counts: torch.Tensor, device: torch.device | str) -> t
     total = int(c.sum())
     if total == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
-    # One [2, A * B] host table (row 0 the shift, row 1 the size of each chunk in b-major
-    # order), written in place: one copy to the device, one unbind.
-    table = np.empty((2, c.size), dtype=np.int64)
-    counts_t = table[1]
-    counts_t.reshape(c.shape[::-1])[...] = c.T  # b-major chunk sizes
+    counts_t = np.ascontiguousarray(c.T).reshape(-1)  # b-major chunk sizes
     src_start = exclusive_cumsum_np(c.reshape(-1)).reshape(c.shape)  # a-major offsets
     # Per chunk in b-major order: shift = where its rows live in the a-major layout minus where
-    # they land; one repeat_interleave turns it into a per-row index.
-    np.subtract(src_start.T.reshape(-1), exclusive_cumsum_np(counts_t), out=table[0])
-    shift, count = host_to_device(torch.from_numpy(table), device).unbind(0)
-    per_row_shift = torch.repeat_interleave(shift, count, output_size=total)
+    # they land; repeated per row it turns the row numbers into the index.
+    shift = src_start.T.reshape(-1) - exclusive_cumsum_np(counts_t)
+    per_row_shift = repeat_per_row(shift, counts_t, total, device)
     return per_row_shift.add_(torch.arange(total, device=device))
+
+
+def repeat_per_row(
+    values: np.ndarray, counts: np.ndarray, total: int, device: torch.device | str
+) -> torch.Tensor:
+    """``[total]`` int64 on ``device``: host ``values[k]`` repeated ``counts[k]`` times
+    (``total = counts.sum()``): one host-to-device copy of both, one ``repeat_interleave``."""
+    value, count = host_to_device(torch.from_numpy(np.stack([values, counts])), device).unbind(0)
+    return torch.repeat_interleave(value, count, output_size=total)
 
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ On CUDA, steps 2-10 of one shape (N rows, G segments, policy, which sort) are ca
 CUDA graph the second time the shape is seen and replayed after that (``_GraphCache``): one
 launch from the host instead of about twenty, the same kernels on the same inputs (the scores
 and the table's host rows are copied into the graph's static buffers first; the outputs are
-copied out). Not inside another
-capture, not with device-side uniforms; ``LRMOE_SELECT_GRAPHS=0`` turns it off.
+copied out). Not inside another capture, not with device-side uniforms;
+``LRMOE_SELECT_GRAPHS=0`` turns it off.
 
 Why the repairs need no scan over all rows: among a segment's active rows (uncapped, positive
 weight, quota left), which are the consecutive ranks ``[c*, c* + n_active)``, the floored units
@@ -742,7 +742,8 @@ def select_triton(
         return scoring.Selection(empty, empty.float(), table[_QUOTA])
     if (sample and host_uniforms is None) or not _graphs_wanted(device):
         return _select_eager(
-            kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block
+            kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block,
+            sort_by_rank(counts_h),
         )
     return _GRAPHS.select(
         kernels, scores, counts_h, quota_h, host_uniforms, sample, block, num_kept, owned
@@ -758,8 +759,9 @@ def _select_eager(
     uniforms: torch.Tensor | None,
     sample: bool,
     block: int,
+    by_rank: bool,
 ) -> scoring.Selection:
-    """One selection, every kernel launched from Python."""
+    """One selection, every kernel launched from Python (``by_rank``: :func:`sort_by_rank`)."""
     device = scores.device
     table = _segment_table(counts_h, quota_h, host_uniforms, device)
     num_kept = int(quota_h.sum())
@@ -771,7 +773,7 @@ def _select_eager(
         u = uniforms.detach().to(device=device, dtype=torch.float64).contiguous()
     else:
         u = scores  # unread placeholder
-    _launch(kernels, scores, table, kept, weight, u, sample, block, sort_by_rank(counts_h))
+    _launch(kernels, scores, table, kept, weight, u, sample, block, by_rank)
     return scoring.Selection(kept, weight, table[_QUOTA])
 
 
@@ -794,13 +796,9 @@ def _launch(
     rows = (_cdiv(n, block),)
     segments = (g,)
     with _device_ctx(scores):
-        key = torch.empty(n, dtype=torch.int64, device=device)
-        steps = max(1, math.ceil(math.log2(g + 1)))
-        kernels.sort_key[rows](
-            key, scores, table[_END], n, g, STEPS=steps, BLOCK=block, num_warps=_NUM_WARPS
-        )
+        key = _sort_keys(kernels, scores, table, block)
         if by_rank:
-            sorted_key, order = _sort_order(kernels, key, table, g)
+            sorted_key, order = _sort_order(kernels, key, table)
         else:
             sorted_key, order = _sort_order_reference(key)
         units = torch.empty(n, dtype=torch.int64, device=device) if sample else key
@@ -843,24 +841,42 @@ def sort_by_rank(counts_h: torch.Tensor) -> bool:
     ``torch.sort``: a host decision from the host segment sizes, part of a captured graph's
     key (both give the same order). The rank sort's packed comparison needs fewer than
     ``2**21`` rows and ``2**11`` segments."""
-    counts = counts_h.numpy().astype(np.float64)
+    counts = counts_h.numpy()
+    # In this order: with fewer than 2**21 rows the int64 sum of squares cannot overflow.
     return (
         counts.size < (1 << 11)
-        and counts.sum() < (1 << 21)
-        and float(np.dot(counts, counts)) <= RANK_SORT_MAX_WORK
+        and int(counts.sum()) < (1 << 21)
+        and int(np.dot(counts, counts)) <= RANK_SORT_MAX_WORK
     )
 
 
+def _sort_keys(
+    kernels: SimpleNamespace, scores: torch.Tensor, table: torch.Tensor, block: int
+) -> torch.Tensor:
+    """``[N]`` int64 sort keys of ``scores`` over the table's segments (``_sort_key_kernel``)."""
+    n, g = scores.numel(), table.shape[1]
+    key = torch.empty(n, dtype=torch.int64, device=scores.device)
+    steps = max(1, math.ceil(math.log2(g + 1)))
+    kernels.sort_key[(_cdiv(n, block),)](
+        key, scores, table[_END], n, g, STEPS=steps, BLOCK=block, num_warps=_NUM_WARPS
+    )
+    return key
+
+
 def _sort_order(
-    kernels: SimpleNamespace, key: torch.Tensor, table: torch.Tensor, num_segments: int
+    kernels: SimpleNamespace,
+    key: torch.Tensor,
+    table: torch.Tensor,
+    tile: tuple[int, int, int] = (_RANK_BLOCK_I, _RANK_BLOCK_J, _NUM_WARPS),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sorted_key, order)``: :func:`_sort_order_reference` by ``_rank_sort_kernel``."""
-    n = key.numel()
+    """``(sorted_key, order)``: :func:`_sort_order_reference` by ``_rank_sort_kernel``;
+    ``tile`` (rows, key columns, warps) for benchmarks."""
+    n, (block_i, block_j, warps) = key.numel(), tile
     order = torch.empty(n, dtype=torch.int64, device=key.device)
     sorted_key = torch.empty_like(key)
-    kernels.rank_sort[(_cdiv(n, _RANK_BLOCK_I),)](
-        order, sorted_key, key, table, n, num_segments,
-        BLOCK_I=_RANK_BLOCK_I, BLOCK_J=_RANK_BLOCK_J, num_warps=_NUM_WARPS,
+    kernels.rank_sort[(_cdiv(n, block_i),)](
+        order, sorted_key, key, table, n, table.shape[1],
+        BLOCK_I=block_i, BLOCK_J=block_j, num_warps=warps,
     )
     return sorted_key, order
 
@@ -1385,7 +1401,7 @@ class _GraphCache(GraphCache[_Captured]):
         entry, capture = self.lookup(key)
         if entry is None and not capture:
             return _select_eager(
-                kernels, scores, counts_h, quota_h, host_uniforms, None, sample, block
+                kernels, scores, counts_h, quota_h, host_uniforms, None, sample, block, by_rank
             )
         host = _host_table(counts_h, quota_h, host_uniforms, pin=True)
         with _device_ctx(scores):
