@@ -14,9 +14,11 @@ and both policies (``topk``, ``sample``):
     ``--warmup``; includes the gaps while the GPU waits for the host), the profiler's kernel
     count and summed device time of one call (the GPU time the call costs), and the host time to
     enqueue one call; ``budget`` checks the Triton device time against 0.3 ms;
-(c) the sort alone, on the bench's segments and on equal ones: ``_rank_sort_kernel`` at a few
-    tiles against the 64-bit ``torch.sort``, same order checked, device time of one call, and
-    which of the two the selection picks (``kernels.sort_by_rank``);
+(c) the sort alone, on the bench's segments and on equal ones: the rank sort
+    (``_rank_sort_kernel``) and the merge sort (``_tile_sort_kernel`` + ``_merge_rank_kernel``)
+    at a few tiles against the 64-bit ``torch.sort``, same order checked, device time of one
+    call, and which of the three the selection picks (``kernels.sort_method``); ``--sort-only``
+    runs this part alone;
 (d) everything goes to the JSON file ``--out``.
 
 Each part runs in its own ``try``: a failure prints ``FAIL`` with the error and the script goes
@@ -230,11 +232,16 @@ def ptx_report() -> dict[str, Any]:
     return found
 
 
-SORT_TILES = ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (32, 128, 4), (256, 32, 8))
+# (rows, key columns, warps) of the rank sort; (rows per program, rows per sorted tile, warps)
+# of the merge sort.
+RANK_TILES = ((32, 128, 4), (256, 32, 8))
+MERGE_TILES = (
+    (128, 256, 4), (256, 256, 4), (64, 256, 2), (128, 128, 4), (128, 512, 4), (128, 1024, 8)
+)
 
 
 def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespace) -> dict:
-    """The selection's sort alone on these segments: ``_rank_sort_kernel`` at several tiles
+    """The selection's sort alone on these segments: the rank and merge sorts at several tiles
     against the 64-bit ``torch.sort`` (``_sort_order_reference``), same order checked, device
     time of one call from the profiler."""
     k = kernels._kernels()
@@ -246,14 +253,19 @@ def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespa
     out: dict[str, Any] = {
         "sum_sq": int((counts.double() ** 2).sum()),
         "max": int(counts.max()),
-        "by_rank": kernels.sort_by_rank(counts),  # what the selection picks for these segments
+        "merge_work": kernels.merge_work(counts.numpy()),
+        "method": kernels.sort_method(counts),  # what the selection picks for these segments
     }
-    print(f"sort N={n} G={g}: the selection sorts {'by rank' if out['by_rank'] else 'by cub'}")
+    print(f"sort N={n} G={g}: the selection sorts by {out['method']}")
 
     fns = {"sort64": lambda: kernels._sort_order_reference(key)}
-    for bi, bj, w in SORT_TILES:
+    for bi, bj, w in RANK_TILES:
         fns[f"rank_{bi}x{bj}_w{w}"] = functools.partial(
-            kernels._sort_order, k, key, table, (bi, bj, w)
+            kernels._sort_order_rank, k, key, table, (bi, bj, w)
+        )
+    for bi, size, w in MERGE_TILES:
+        fns[f"merge_{bi}_t{size}_w{w}"] = functools.partial(
+            kernels._sort_order_merge, k, key, table, (bi, size, w)
         )
     for name, fn in fns.items():
         got_key, got_order = fn()
@@ -261,7 +273,8 @@ def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespa
         prof = profile_call(fn)
         out[name] = {"same": ok, "device_us": prof["device_time_us"]}
         print(
-            f"sort N={n} G={g} max={out['max']} sum_sq={out['sum_sq']:.3g} {name}: "
+            f"sort N={n} G={g} max={out['max']} sum_sq={out['sum_sq']:.3g} "
+            f"merge_work={out['merge_work']:.3g} {name}: "
             f"{prof['device_time_us']:.1f} us device, {prof['kernel_launches']} kernels, "
             f"{'same' if ok else 'DIFFERENT'} order",
             flush=True,
@@ -285,6 +298,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-adversarial", action="store_true")
+    parser.add_argument("--sort-only", action="store_true", help="run part (c) alone")
     args = parser.parse_args()
     results: dict[str, Any] = {"args": vars(args), "runs": [], "adversarial": []}
     if not torch.cuda.is_available():
@@ -313,7 +327,7 @@ def main() -> None:
     scores = lrm_like_scores(n, args.seed).to(device)
     uniforms = scoring.draw_uniforms(args.seed, (1,), counts.numel(), device)
 
-    for keep in (float(k) for k in args.keeps.split(",")):
+    for keep in () if args.sort_only else (float(k) for k in args.keeps.split(",")):
         quota = torch.ceil(keep * counts.double()).to(torch.int64).clamp_max(counts)
         for policy in ("topk", "sample"):
             run: dict[str, Any] = {"keep": keep, "policy": policy, "k": int(quota.sum())}
@@ -356,7 +370,7 @@ def main() -> None:
         for name, c in (("zipf", counts), ("balanced", balanced))
     }
 
-    if not args.no_adversarial:
+    if not (args.no_adversarial or args.sort_only):
         quota = torch.ceil(0.25 * counts.double()).to(torch.int64).clamp_max(counts)
         kinds = (
             "ties",

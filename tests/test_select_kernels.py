@@ -21,6 +21,7 @@ import os
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -178,15 +179,22 @@ def test_select_triton_rejects_host_tensors_without_the_interpreter() -> None:
         kernels.select_triton("topk", scores, counts, quota)
 
 
-# RANK_SORT_MAX_WORK values that force each sort: cub's radix sort, or the ranks by counting.
-SORTS = {"radix": -1, "rank": 1 << 62}
+# (RANK_SORT_MAX_WORK, MERGE_SORT_MAX_WORK) that force each sort: cub's radix sort, the ranks
+# by counting, or the ranks from sorted tiles.
+SORTS = {"radix": (-1, -1), "rank": (1 << 62, -1), "merge": (-1, 1 << 62)}
+
+
+def _force_sort(monkeypatch: pytest.MonkeyPatch, sort: str) -> None:
+    rank_limit, merge_limit = SORTS[sort]
+    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", rank_limit)
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", merge_limit)
 
 
 @cuda
 @pytest.mark.parametrize("sort", list(SORTS))
 @pytest.mark.parametrize("policy", ["topk", "sample"])
 def test_gpu_matches_cpu_reference(monkeypatch: pytest.MonkeyPatch, policy: str, sort: str) -> None:
-    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", SORTS[sort])
+    _force_sort(monkeypatch, sort)
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)
     cases = [_random_case(rng, gen) for _ in range(30)] + list(_adversarial_cases().values())
     for scores, counts, quota, uniforms in cases:
@@ -236,20 +244,23 @@ def test_gpu_captured_selection_matches_reference(
 
 @cuda
 def test_gpu_captured_selection_keys_on_the_sort(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One shape, segments that pick either sort: a graph for each, both equal the reference."""
+    """One shape, segments that pick each sort: a graph for each, all equal the reference."""
     monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
     n, g = 4096, 8
     even = torch.full((g,), n // g)
+    halves = torch.tensor([n // 2 - 6 * 8, n // 2] + [8] * 6)
     skewed = torch.tensor([n - 7 * 8] + [8] * 7)
     monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", int((even**2).sum()))
-    assert kernels.sort_by_rank(even) and not kernels.sort_by_rank(skewed)
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", kernels.merge_work(halves.numpy()))
+    methods = [kernels.sort_method(c) for c in (even, halves, skewed)]
+    assert methods == [kernels.SORT_RANK, kernels.SORT_MERGE, kernels.SORT_TORCH]
     gen = torch.Generator().manual_seed(2)
-    for call in range(6):
-        counts = even if call % 2 else skewed
+    for call in range(9):
+        counts = (even, halves, skewed)[call % 3]
         quota = counts // 3
         uniforms = torch.rand(g, generator=gen, dtype=torch.float64)
         _check("sample", (torch.rand(n, generator=gen).cuda(), counts, quota, uniforms))
-    assert len(kernels._GRAPHS.graphs) == 2
+    assert len(kernels._GRAPHS.graphs) == 3
 
 
 @cuda
@@ -562,7 +573,7 @@ def _slot_plan(token: torch.Tensor, t: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("sort", list(SORTS))
 @pytest.mark.parametrize("policy", ["topk", "sample"])
 def test_interp_random_cases(monkeypatch: pytest.MonkeyPatch, policy: str, sort: str) -> None:
-    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", SORTS[sort])
+    _force_sort(monkeypatch, sort)
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)
     for _ in range(10):
         _check(policy, _random_case(rng, gen), block=BLOCK)
@@ -572,7 +583,7 @@ def test_interp_random_cases(monkeypatch: pytest.MonkeyPatch, policy: str, sort:
 @pytest.mark.parametrize("sort", list(SORTS))
 @pytest.mark.parametrize("policy", ["topk", "sample"])
 def test_interp_adversarial_cases(monkeypatch: pytest.MonkeyPatch, policy: str, sort: str) -> None:
-    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", SORTS[sort])
+    _force_sort(monkeypatch, sort)
     tables = []
     segment_table = kernels._segment_table
 
@@ -629,38 +640,78 @@ def test_interp_block_sizes_and_dtypes(policy: str) -> None:
         _check(policy, (scores.to(scores_dtype), counts, quota, uniforms.float()), block=32)
 
 
-@interp
-@pytest.mark.parametrize("num_segments", [1, 3, 40])
-def test_interp_rank_sort_gives_torch_sorts_order(num_segments: int) -> None:
-    """Segments longer than a block of rows, blocks spanning several segments, empty segments,
-    ties (by row), and keys from the sanitized scores (NaN, inf and negatives are 0)."""
+def _sort_case(num_segments: int, max_count: int = 150) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys of tied and sanitized scores (NaN, inf and negatives are 0) over random segments
+    (the first one empty), and their segment table."""
     gen = torch.Generator().manual_seed(num_segments)
-    counts = torch.randint(0, 150, (num_segments,), generator=gen)
+    counts = torch.randint(0, max_count, (num_segments,), generator=gen)
     counts[0] = 0 if num_segments > 1 else counts[0]
     n = int(counts.sum())
     scores = torch.randint(0, 5, (n,), generator=gen).float()
     scores[torch.randperm(n, generator=gen)[: n // 6]] = float("nan")
     scores[torch.randperm(n, generator=gen)[: n // 6]] = -float("inf")
-    k = kernels._kernels()
     table = kernels._segment_table(counts, counts, None, torch.device("cpu"))
-    key = kernels._sort_keys(k, scores, table, BLOCK)
-    sorted_key, order = kernels._sort_order(k, key, table)
+    return kernels._sort_keys(kernels._kernels(), scores, table, BLOCK), table
+
+
+@interp
+@pytest.mark.parametrize("num_segments", [1, 3, 40])
+def test_interp_rank_sort_gives_torch_sorts_order(num_segments: int) -> None:
+    """Segments longer than a block of rows, blocks spanning several segments, empty segments,
+    ties (by row)."""
+    key, table = _sort_case(num_segments)
+    sorted_key, order = kernels._sort_order_rank(kernels._kernels(), key, table)
     ref_key, ref_order = kernels._sort_order_reference(key)
     assert torch.equal(order, ref_order)
     assert torch.equal(sorted_key, ref_key)
 
 
-def test_sort_by_rank_up_to_the_work_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+@interp
+@pytest.mark.parametrize("num_segments", [1, 3, 40])
+@pytest.mark.parametrize("tile", [(16, 4, 1), (8, 16, 1), (32, 8, 2), (16, 64, 1)])
+def test_interp_merge_sort_gives_torch_sorts_order(
+    num_segments: int, tile: tuple[int, int, int]
+) -> None:
+    """As above, through sorted tiles smaller, larger and much larger than a program's rows:
+    segments spanning many tiles, tiles spanning several segments, a padded last tile."""
+    key, table = _sort_case(num_segments)
+    sorted_key, order = kernels._sort_order_merge(kernels._kernels(), key, table, tile)
+    ref_key, ref_order = kernels._sort_order_reference(key)
+    assert torch.equal(order, ref_order)
+    assert torch.equal(sorted_key, ref_key)
+
+
+def test_sort_method_by_size_and_work_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", 3**2 + 4**2)
-    assert kernels.sort_by_rank(torch.tensor([3, 4]))
-    assert not kernels.sort_by_rank(torch.tensor([3, 5]))
-    assert kernels.sort_by_rank(torch.tensor([], dtype=torch.int64))
-    # The packed (key, row) comparison: fewer than 2**11 segments and 2**21 rows.
-    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", 1 << 62)
-    assert kernels.sort_by_rank(torch.ones(2047, dtype=torch.int64))
-    assert not kernels.sort_by_rank(torch.ones(2048, dtype=torch.int64))
-    assert kernels.sort_by_rank(torch.tensor([(1 << 21) - 1]))
-    assert not kernels.sort_by_rank(torch.tensor([1 << 20, 1 << 20]))
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", -1)
+    method = kernels.sort_method
+    assert method(torch.tensor([3, 4])) == kernels.SORT_RANK
+    assert method(torch.tensor([3, 5])) == kernels.SORT_TORCH
+    assert method(torch.tensor([], dtype=torch.int64)) == kernels.SORT_RANK
+    # Past the rank sort's limit, the merge sort up to its own.
+    work = kernels.merge_work(np.array([3, 5]))
+    assert work == (3 * 2 + 5 * 2) * 9  # tiles of 256: two tiles touched, 9 loads each
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", work)
+    assert method(torch.tensor([3, 5])) == kernels.SORT_MERGE
+    assert method(torch.tensor([3, 6])) == kernels.SORT_TORCH
+    assert kernels.merge_work(np.array([600]), tile=256) == 600 * 4 * 9
+    # The packed (key, row) comparison: fewer than 2**11 segments and 2**21 rows, else torch.
+    for limit in ("RANK_SORT_MAX_WORK", "MERGE_SORT_MAX_WORK"):
+        monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", -1)
+        monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", -1)
+        monkeypatch.setattr(kernels, limit, 1 << 62)
+        allowed = method(torch.ones(1, dtype=torch.int64))
+        assert allowed != kernels.SORT_TORCH
+        assert method(torch.ones(2047, dtype=torch.int64)) == allowed
+        assert method(torch.ones(2048, dtype=torch.int64)) == kernels.SORT_TORCH
+        assert method(torch.tensor([(1 << 21) - 1])) == allowed
+        assert method(torch.tensor([1 << 20, 1 << 20])) == kernels.SORT_TORCH
+
+
+def test_sort_order_rejects_an_unknown_method() -> None:
+    key = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="unknown sort method 'bitonic'"):
+        kernels._sort_order(None, key, torch.zeros((kernels._ROWS, 1)), "bitonic")
 
 
 @interp

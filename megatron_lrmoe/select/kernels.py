@@ -15,10 +15,14 @@ One call, in launch order (``sample``; ``topk`` runs 1-3, 7 for the ranks only, 
    (starts, ends, quota, first output slot, uniforms if on the host, zeroed accumulators);
 2. ``_sort_key_kernel`` (rows): sanitized score and segment -> int64 key
    ``segment * 2**31 + (2**31 - 1 - fp32 bits)`` (``scoring._order_within_segments``);
-3. the stable sort of the keys: ``_rank_sort_kernel`` where segments are small (each row counts
-   the rows of its segment ahead of it: about ``sum(count_g**2)`` comparisons, one launch;
-   :func:`sort_by_rank` decides on the host), else ``torch.sort(key, stable=True)`` (cub's
-   radix sort: eight latency-bound passes, 70-80 us on an H200 whatever the size here);
+3. the stable sort of the keys, by one of three methods that give the same order
+   (:func:`sort_method` picks on the host from the segment sizes): ``_rank_sort_kernel`` where
+   segments are small (each row counts the rows of its segment ahead of it: about
+   ``sum(count_g**2)`` comparisons, one launch); ``_tile_sort_kernel`` then
+   ``_merge_rank_kernel`` where they are larger (tiles of rows sorted in registers, then each
+   row's position from binary searches in the sorted tiles its segment touches); else
+   ``torch.sort(key, stable=True)`` (cub's radix sort: eight latency-bound passes, 70-80 us on
+   an H200 whatever the size here);
 4. ``_weights_kernel`` (sorted rows): integer weights ``w_int`` relative to the segment maximum
    (the segment's first sorted row); their segment totals ``W``;
 5. ``_capping_kernel`` (segments): the number of capped rows ``c*``, scanning the segment's top
@@ -259,7 +263,7 @@ def _rank_sort_kernel(
     j_lo = tl.min(tl.load(table_ptr + 0 * G + seg_i, mask=valid, other=n), 0)
     j_hi = tl.max(tl.load(table_ptr + 1 * G + seg_i, mask=valid, other=0), 0)
     # One comparison per pair: (key, row) as one int64, ``key * 2**21 + row`` (the host keeps
-    # rows below 2**21 and keys below 2**42, i.e. fewer than 2**11 segments: sort_by_rank).
+    # rows below 2**21 and keys below 2**42, i.e. fewer than 2**11 segments: sort_method).
     c_i = (key_i << 21) + i
     below = tl.zeros([BLOCK_I], dtype=tl.int32)
     for j0 in range(j_lo, j_hi, BLOCK_J):
@@ -268,6 +272,64 @@ def _rank_sort_kernel(
         c_j = tl.where(j < j_hi, (key_j << 21) + j, 9223372036854775807)
         below += tl.sum((c_j[None, :] < c_i[:, None]).to(tl.int32), 1)
     pos = j_lo + below.to(tl.int64)
+    tl.store(order_ptr + pos, i, mask=valid)
+    tl.store(sorted_key_ptr + pos, key_i, mask=valid)
+
+
+def _tile_sort_kernel(tiles_ptr, key_ptr, n, TILE: tl.constexpr):
+    """``tiles[t * TILE:(t + 1) * TILE]``: rows ``[t * TILE, (t + 1) * TILE)`` as packed
+    ``key * 2**21 + row``, sorted (``tl.sort``); rows past ``n`` pad with the int64 maximum."""
+    rows = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE).to(tl.int64)
+    valid = rows < n
+    key = tl.load(key_ptr + rows, mask=valid, other=0)
+    packed = tl.where(valid, (key << 21) + rows, 9223372036854775807)
+    tl.store(tiles_ptr + rows, tl.sort(packed))
+
+
+def _merge_rank_kernel(
+    order_ptr,
+    sorted_key_ptr,
+    key_ptr,
+    tiles_ptr,
+    table_ptr,
+    n,
+    num_segments,
+    BLOCK_I: tl.constexpr,
+    TILE: tl.constexpr,
+    LOG_TILE: tl.constexpr,
+):
+    """``torch.sort(key, stable=True)`` by ranks from sorted tiles (``_tile_sort_kernel``).
+
+    A row's sorted position is the number of packed keys ``key * 2**21 + row`` below its own (the
+    stable sort's order: keys, then rows). Tiles before the first tile of its segment hold only
+    lower segments' rows and tiles after the last one only higher segments', so the position is
+    ``first_tile * TILE`` plus, for each tile its segment touches, the count of that sorted
+    tile's entries below the row's: a branch-free binary search (``LOG_TILE + 1`` loads). About
+    ``sum(count_g * (count_g / TILE + 1)) * (LOG_TILE + 1)`` loads in all, against
+    ``sum(count_g**2)`` comparisons for ``_rank_sort_kernel``.
+    """
+    G = num_segments
+    i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
+    valid = i < n
+    key_i = tl.load(key_ptr + i, mask=valid, other=0)
+    seg_i = key_i >> 31
+    t_first = tl.load(table_ptr + 0 * G + seg_i, mask=valid, other=0) // TILE
+    t_last = (tl.load(table_ptr + 1 * G + seg_i, mask=valid, other=1) - 1) // TILE
+    t_lo = tl.min(tl.where(valid, t_first, 9223372036854775807), 0)
+    t_hi = tl.max(tl.where(valid, t_last, -1), 0)
+    c_i = (key_i << 21) + i
+    pos = t_first * TILE
+    for t in range(t_lo, t_hi + 1):
+        active = valid & (t >= t_first) & (t <= t_last)
+        base = tiles_ptr + t * TILE
+        below = tl.zeros([BLOCK_I], dtype=tl.int64)
+        for step in tl.static_range(LOG_TILE):
+            half = TILE >> (step + 1)
+            probe = tl.load(base + below + (half - 1), mask=active, other=0)
+            below = tl.where(probe < c_i, below + half, below)
+        last = tl.load(base + below, mask=active, other=0)
+        below = tl.where(last < c_i, below + 1, below)
+        pos += tl.where(active, below, 0)
     tl.store(order_ptr + pos, i, mask=valid)
     tl.store(sorted_key_ptr + pos, key_i, mask=valid)
 
@@ -606,6 +668,8 @@ def _kernels() -> SimpleNamespace:
     kernels = SimpleNamespace(
         sort_key=triton.jit(_sort_key_kernel),
         rank_sort=triton.jit(_rank_sort_kernel),
+        tile_sort=triton.jit(_tile_sort_kernel),
+        merge_rank=triton.jit(_merge_rank_kernel),
         weights=triton.jit(_weights_kernel),
         capping=triton.jit(_capping_kernel),
         uncapped=triton.jit(_uncapped_kernel),
@@ -743,7 +807,7 @@ def select_triton(
     if (sample and host_uniforms is None) or not _graphs_wanted(device):
         return _select_eager(
             kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block,
-            sort_by_rank(counts_h),
+            sort_method(counts_h),
         )
     return _GRAPHS.select(
         kernels, scores, counts_h, quota_h, host_uniforms, sample, block, num_kept, owned
@@ -759,9 +823,9 @@ def _select_eager(
     uniforms: torch.Tensor | None,
     sample: bool,
     block: int,
-    by_rank: bool,
+    sort: str,
 ) -> scoring.Selection:
-    """One selection, every kernel launched from Python (``by_rank``: :func:`sort_by_rank`)."""
+    """One selection, every kernel launched from Python (``sort``: :func:`sort_method`)."""
     device = scores.device
     table = _segment_table(counts_h, quota_h, host_uniforms, device)
     num_kept = int(quota_h.sum())
@@ -773,7 +837,7 @@ def _select_eager(
         u = uniforms.detach().to(device=device, dtype=torch.float64).contiguous()
     else:
         u = scores  # unread placeholder
-    _launch(kernels, scores, table, kept, weight, u, sample, block, by_rank)
+    _launch(kernels, scores, table, kept, weight, u, sample, block, sort)
     return scoring.Selection(kept, weight, table[_QUOTA])
 
 
@@ -786,21 +850,18 @@ def _launch(
     u: torch.Tensor,
     sample: bool,
     block: int,
-    by_rank: bool,
+    sort: str,
 ) -> None:
     """Steps 2-10 of the module docstring on a filled segment table; writes ``kept[:K]`` and
-    ``weight[:K]`` (K = the table's quota total; the buffers may be longer). ``by_rank``: sort
-    with ``_rank_sort_kernel`` (:func:`sort_by_rank` of the segments), else ``torch.sort``."""
+    ``weight[:K]`` (K = the table's quota total; the buffers may be longer). ``sort``: how
+    step 3 sorts (:func:`sort_method` of the segments)."""
     device = scores.device
     n, g = scores.numel(), table.shape[1]
     rows = (_cdiv(n, block),)
     segments = (g,)
     with _device_ctx(scores):
         key = _sort_keys(kernels, scores, table, block)
-        if by_rank:
-            sorted_key, order = _sort_order(kernels, key, table)
-        else:
-            sorted_key, order = _sort_order_reference(key)
+        sorted_key, order = _sort_order(kernels, key, table, sort)
         units = torch.empty(n, dtype=torch.int64, device=device) if sample else key
         units_canon = torch.empty(n, dtype=torch.int64, device=device)
         rank_canon = torch.empty(n, dtype=torch.int64, device=device)
@@ -830,24 +891,42 @@ _RANK_BLOCK_J = 128
 # Most comparisons (sum of squared segment sizes) for which the rank sort is used. Measured on
 # an H200 (section 20): about 0.7 ns per thousand comparisons plus a few us (9.5 us at 8.4e6,
 # 49 at 6.7e7, 97 at 1.3e8) against 70-81 us for torch.sort of the int64 keys at 32768-131072
-# rows (eight latency-bound radix passes); skewed segments cost more per comparison (79 us at
-# 8.4e7), so the limit is where those would about break even: 16 experts' nearly equal
-# segments at 4096 tokens (6.7e7 when equal) still take the rank sort.
+# rows (eight latency-bound radix passes).
 RANK_SORT_MAX_WORK = 75_000_000
+# Rows per program of ``_merge_rank_kernel`` and rows per sorted tile (a power of two).
+_MERGE_BLOCK_I = 128
+_MERGE_TILE = 256
+_MERGE_WARPS = 4
+# Most loads (``merge_work``) for which the merge sort is used.
+MERGE_SORT_MAX_WORK = 50_000_000
+
+# The selection's sorts, all giving ``torch.sort(key, stable=True)``'s order: :func:`sort_method`
+# picks one on the host; the choice is part of every captured graph's key.
+SORT_TORCH, SORT_RANK, SORT_MERGE = "torch", "rank", "merge"
 
 
-def sort_by_rank(counts_h: torch.Tensor) -> bool:
-    """Whether the selection sorts by counting ranks (small segments) rather than by
-    ``torch.sort``: a host decision from the host segment sizes, part of a captured graph's
-    key (both give the same order). The rank sort's packed comparison needs fewer than
-    ``2**21`` rows and ``2**11`` segments."""
+def merge_work(counts: np.ndarray, tile: int = _MERGE_TILE) -> int:
+    """Loads of ``_merge_rank_kernel`` for these segment sizes: each row searches every tile its
+    segment touches (at most ``count // tile + 2``), ``log2(tile) + 1`` loads each."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return int(np.dot(counts, counts // tile + 2)) * (tile.bit_length())
+
+
+def sort_method(counts_h: torch.Tensor) -> str:
+    """How the selection sorts the keys of segments of these (host) sizes: by counting ranks
+    (``SORT_RANK``, small segments), by ranks in sorted tiles (``SORT_MERGE``), else
+    ``torch.sort`` (``SORT_TORCH``: cub's radix sort, whatever the sizes). The packed
+    ``(key, row)`` comparison of the first two needs fewer than ``2**21`` rows and ``2**11``
+    segments."""
     counts = counts_h.numpy()
-    # In this order: with fewer than 2**21 rows the int64 sum of squares cannot overflow.
-    return (
-        counts.size < (1 << 11)
-        and int(counts.sum()) < (1 << 21)
-        and int(np.dot(counts, counts)) <= RANK_SORT_MAX_WORK
-    )
+    # In this order: with fewer than 2**21 rows the int64 sums below cannot overflow.
+    if counts.size >= (1 << 11) or int(counts.sum()) >= (1 << 21):
+        return SORT_TORCH
+    if int(np.dot(counts, counts)) <= RANK_SORT_MAX_WORK:
+        return SORT_RANK
+    if merge_work(counts) <= MERGE_SORT_MAX_WORK:
+        return SORT_MERGE
+    return SORT_TORCH
 
 
 def _sort_keys(
@@ -864,13 +943,27 @@ def _sort_keys(
 
 
 def _sort_order(
+    kernels: SimpleNamespace, key: torch.Tensor, table: torch.Tensor, method: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_key, order)`` of ``torch.sort(key, stable=True)`` by ``method``
+    (:func:`sort_method`)."""
+    if method == SORT_RANK:
+        return _sort_order_rank(kernels, key, table)
+    if method == SORT_MERGE:
+        return _sort_order_merge(kernels, key, table)
+    if method == SORT_TORCH:
+        return _sort_order_reference(key)
+    raise ValueError(f"unknown sort method {method!r}; expected one of torch, rank, merge")
+
+
+def _sort_order_rank(
     kernels: SimpleNamespace,
     key: torch.Tensor,
     table: torch.Tensor,
     tile: tuple[int, int, int] = (_RANK_BLOCK_I, _RANK_BLOCK_J, _NUM_WARPS),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sorted_key, order)``: :func:`_sort_order_reference` by ``_rank_sort_kernel``;
-    ``tile`` (rows, key columns, warps) for benchmarks."""
+    """:func:`_sort_order_reference` by ``_rank_sort_kernel``; ``tile`` (rows, key columns,
+    warps) for benchmarks."""
     n, (block_i, block_j, warps) = key.numel(), tile
     order = torch.empty(n, dtype=torch.int64, device=key.device)
     sorted_key = torch.empty_like(key)
@@ -881,8 +974,29 @@ def _sort_order(
     return sorted_key, order
 
 
+def _sort_order_merge(
+    kernels: SimpleNamespace,
+    key: torch.Tensor,
+    table: torch.Tensor,
+    tile: tuple[int, int, int] = (_MERGE_BLOCK_I, _MERGE_TILE, _MERGE_WARPS),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sort_order_reference` by ``_tile_sort_kernel`` and ``_merge_rank_kernel``;
+    ``tile`` (rows per program, rows per sorted tile, warps) for benchmarks."""
+    n, (block_i, size, warps) = key.numel(), tile
+    order = torch.empty(n, dtype=torch.int64, device=key.device)
+    sorted_key = torch.empty_like(key)
+    num_tiles = _cdiv(n, size)
+    tiles = torch.empty(num_tiles * size, dtype=torch.int64, device=key.device)
+    kernels.tile_sort[(num_tiles,)](tiles, key, n, TILE=size, num_warps=warps)
+    kernels.merge_rank[(_cdiv(n, block_i),)](
+        order, sorted_key, key, tiles, table, n, table.shape[1],
+        BLOCK_I=block_i, TILE=size, LOG_TILE=size.bit_length() - 1, num_warps=warps,
+    )
+    return sorted_key, order
+
+
 def _sort_order_reference(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.sort(key, stable=True)`` of the int64 keys: what :func:`_sort_order` computes."""
+    """``torch.sort(key, stable=True)`` of the int64 keys: what every sort method computes."""
     return torch.sort(key, stable=True)
 
 
@@ -1093,7 +1207,7 @@ class ScoredCall(NamedTuple):
     sample: bool
     kept_total: bool
     front: FrontBuffers | None
-    by_rank: bool
+    sort: str
 
 
 def scored_call(
@@ -1125,9 +1239,9 @@ def scored_call(
     num_kept = int(rows[_SLOT, -1] + rows[_QUOTA, -1]) if num_segments else 0
     if num_kept == 0 or (front is not None and not _front_ready(inputs, front, num_kept)):
         return None
-    by_rank = sort_by_rank(counts_h)
+    sort = sort_method(counts_h)
     key = (
-        probs.device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK, by_rank,
+        probs.device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK, sort,
         kept_total, g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
         None if front is None else _FrontShape.of(front),
     )
@@ -1140,7 +1254,7 @@ def scored_call(
         args[tk.ARG_G_OUT] = front.g_kept.data_ptr()
         args[tk.ARG_X_OUT] = 0 if front.x_kept is None else front.x_kept.data_ptr()
         args[tk.ARG_COUNT] = num_kept
-    return ScoredCall(key, host, num_kept, inputs, sample, kept_total, front, by_rank)
+    return ScoredCall(key, host, num_kept, inputs, sample, kept_total, front, sort)
 
 
 class _FrontShape(NamedTuple):
@@ -1200,13 +1314,13 @@ class _Captured:
         host: torch.Tensor,
         sample: bool,
         block: int,
-        by_rank: bool,
+        sort: str,
     ) -> None:
         n, g = scores.numel(), host.shape[1]
         self.scores = torch.empty_like(scores)
         self._outputs(scores.device, n, g, lead=0)
         u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
-        args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block, by_rank)
+        args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block, sort)
         self._load(scores, host)
         self._capture(lambda: _launch(*args), scores.device)
 
@@ -1279,7 +1393,7 @@ class FrontWork(_Captured):
         u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
         select_args = (
             kernels, self.scores, self.table, self.kept, self.weight, u, sample, block,
-            call.by_rank,
+            call.sort,
         )
         shape, strides = (t, g.shape[1]), (g.stride(0), x.stride(0))
         dtypes = (g.dtype, x.dtype), (probs.dtype, token.dtype)
@@ -1396,17 +1510,17 @@ class _GraphCache(GraphCache[_Captured]):
         owned: bool,
     ) -> scoring.Selection:
         device = scores.device
-        by_rank = sort_by_rank(counts_h)
-        key = (device.index, scores.numel(), counts_h.numel(), sample, block, scores.dtype, by_rank)
+        sort = sort_method(counts_h)
+        key = (device.index, scores.numel(), counts_h.numel(), sample, block, scores.dtype, sort)
         entry, capture = self.lookup(key)
         if entry is None and not capture:
             return _select_eager(
-                kernels, scores, counts_h, quota_h, host_uniforms, None, sample, block, by_rank
+                kernels, scores, counts_h, quota_h, host_uniforms, None, sample, block, sort
             )
         host = _host_table(counts_h, quota_h, host_uniforms, pin=True)
         with _device_ctx(scores):
             if entry is None:
-                entry = _Captured(kernels, scores, host, sample, block, by_rank)
+                entry = _Captured(kernels, scores, host, sample, block, sort)
                 self.add(key, entry)
                 return entry.outputs(num_kept)
             return entry.run(scores, host, num_kept, owned)
