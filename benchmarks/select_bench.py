@@ -14,11 +14,10 @@ and both policies (``topk``, ``sample``):
     ``--warmup``; includes the gaps while the GPU waits for the host), the profiler's kernel
     count and summed device time of one call (the GPU time the call costs), and the host time to
     enqueue one call; ``budget`` checks the Triton device time against 0.3 ms;
-(c) the sort alone, on the bench's segments and on equal ones: the rank sort
-    (``_rank_sort_kernel``) and the merge sort (``_tile_sort_kernel`` + ``_merge_rank_kernel``)
-    at a few tiles against the 64-bit ``torch.sort``, same order checked, device time of one
-    call, and which of the three the selection picks (``kernels.sort_method``); ``--sort-only``
-    runs this part alone;
+(c) the sort alone, on the bench's segments and on equal ones: the merge sort
+    (``_tile_sort_kernel`` + ``_merge_rank_kernel``) at a few tiles against the 64-bit
+    ``torch.sort``, same order checked, device time of one call, and which of the two the
+    selection picks (``kernels.sort_method``); ``--sort-only`` runs this part alone;
 (d) everything goes to the JSON file ``--out``.
 
 Each part runs in its own ``try``: a failure prints ``FAIL`` with the error and the script goes
@@ -232,16 +231,15 @@ def ptx_report() -> dict[str, Any]:
     return found
 
 
-# (rows, key columns, warps) of the rank sort; (rows per program, rows per sorted tile, warps)
-# of the merge sort.
-RANK_TILES = ((32, 128, 4), (256, 32, 8))
+# (rows per program, rows per sorted tile, tiles searched at once, warps) of the merge sort.
 MERGE_TILES = (
-    (128, 256, 4), (256, 256, 4), (64, 256, 2), (128, 128, 4), (128, 512, 4), (128, 1024, 8)
+    (128, 256, 1, 4), (128, 256, 4, 4), (128, 512, 1, 4), (128, 512, 2, 4), (128, 512, 4, 4),
+    (128, 512, 8, 8), (64, 512, 4, 4), (128, 1024, 4, 8),
 )
 
 
 def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespace) -> dict:
-    """The selection's sort alone on these segments: the rank and merge sorts at several tiles
+    """The selection's sort alone on these segments: the merge sort at several tiles
     against the 64-bit ``torch.sort`` (``_sort_order_reference``), same order checked, device
     time of one call from the profiler."""
     k = kernels._kernels()
@@ -253,19 +251,14 @@ def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespa
     out: dict[str, Any] = {
         "sum_sq": int((counts.double() ** 2).sum()),
         "max": int(counts.max()),
-        "merge_work": kernels.merge_work(counts.numpy()),
         "method": kernels.sort_method(counts),  # what the selection picks for these segments
     }
     print(f"sort N={n} G={g}: the selection sorts by {out['method']}")
 
     fns = {"sort64": lambda: kernels._sort_order_reference(key)}
-    for bi, bj, w in RANK_TILES:
-        fns[f"rank_{bi}x{bj}_w{w}"] = functools.partial(
-            kernels._sort_order_rank, k, key, table, (bi, bj, w)
-        )
-    for bi, size, w in MERGE_TILES:
-        fns[f"merge_{bi}_t{size}_w{w}"] = functools.partial(
-            kernels._sort_order_merge, k, key, table, (bi, size, w)
+    for bi, size, unroll, w in MERGE_TILES:
+        fns[f"merge_{bi}_t{size}_u{unroll}_w{w}"] = functools.partial(
+            kernels._sort_order_merge, k, key, table, (bi, size, unroll, w)
         )
     for name, fn in fns.items():
         got_key, got_order = fn()
@@ -273,8 +266,7 @@ def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespa
         prof = profile_call(fn)
         out[name] = {"same": ok, "device_us": prof["device_time_us"]}
         print(
-            f"sort N={n} G={g} max={out['max']} sum_sq={out['sum_sq']:.3g} "
-            f"merge_work={out['merge_work']:.3g} {name}: "
+            f"sort N={n} G={g} max={out['max']} sum_sq={out['sum_sq']:.3g} {name}: "
             f"{prof['device_time_us']:.1f} us device, {prof['kernel_launches']} kernels, "
             f"{'same' if ok else 'DIFFERENT'} order",
             flush=True,
@@ -408,7 +400,8 @@ def main() -> None:
             )
             results["adversarial"].append({"kind": "single_segment", "policy": policy, "ok": ok})
 
-    results["ptx"] = guarded("ptx report", ptx_report)
+    # The float64 steps are compiled only when the selection ran (not with --sort-only).
+    results["ptx"] = None if args.sort_only else guarded("ptx report", ptx_report)
     if results["ptx"]:
         ptx = results["ptx"]
         report(

@@ -179,15 +179,15 @@ def test_select_triton_rejects_host_tensors_without_the_interpreter() -> None:
         kernels.select_triton("topk", scores, counts, quota)
 
 
-# (RANK_SORT_MAX_WORK, MERGE_SORT_MAX_WORK) that force each sort: cub's radix sort, the ranks
-# by counting, or the ranks from sorted tiles.
-SORTS = {"radix": (-1, -1), "rank": (1 << 62, -1), "merge": (-1, 1 << 62)}
+# MERGE_SORT_MAX_TILES that force each sort: cub's radix sort, or the ranks from sorted tiles
+# (at 4 rows per tile, so that the random cases' segments span many tiles).
+SORTS = {"radix": -1, "merge": 1 << 40}
 
 
 def _force_sort(monkeypatch: pytest.MonkeyPatch, sort: str) -> None:
-    rank_limit, merge_limit = SORTS[sort]
-    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", rank_limit)
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", merge_limit)
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_TILES", SORTS[sort])
+    monkeypatch.setattr(kernels, "_MERGE_TILE", 4)
+    monkeypatch.setattr(kernels, "_MERGE_BLOCK_I", 8)
 
 
 @cuda
@@ -244,23 +244,21 @@ def test_gpu_captured_selection_matches_reference(
 
 @cuda
 def test_gpu_captured_selection_keys_on_the_sort(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One shape, segments that pick each sort: a graph for each, all equal the reference."""
+    """One shape, segments that pick either sort: a graph for each, both equal the reference."""
     monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
     n, g = 4096, 8
     even = torch.full((g,), n // g)
-    halves = torch.tensor([n // 2 - 6 * 8, n // 2] + [8] * 6)
     skewed = torch.tensor([n - 7 * 8] + [8] * 7)
-    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", int((even**2).sum()))
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", kernels.merge_work(halves.numpy()))
-    methods = [kernels.sort_method(c) for c in (even, halves, skewed)]
-    assert methods == [kernels.SORT_RANK, kernels.SORT_MERGE, kernels.SORT_TORCH]
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_TILES", -(-n // g // kernels._MERGE_TILE))
+    methods = [kernels.sort_method(c) for c in (even, skewed)]
+    assert methods == [kernels.SORT_MERGE, kernels.SORT_TORCH]
     gen = torch.Generator().manual_seed(2)
-    for call in range(9):
-        counts = (even, halves, skewed)[call % 3]
+    for call in range(6):
+        counts = even if call % 2 else skewed
         quota = counts // 3
         uniforms = torch.rand(g, generator=gen, dtype=torch.float64)
         _check("sample", (torch.rand(n, generator=gen).cuda(), counts, quota, uniforms))
-    assert len(kernels._GRAPHS.graphs) == 3
+    assert len(kernels._GRAPHS.graphs) == 2
 
 
 @cuda
@@ -656,24 +654,13 @@ def _sort_case(num_segments: int, max_count: int = 150) -> tuple[torch.Tensor, t
 
 @interp
 @pytest.mark.parametrize("num_segments", [1, 3, 40])
-def test_interp_rank_sort_gives_torch_sorts_order(num_segments: int) -> None:
-    """Segments longer than a block of rows, blocks spanning several segments, empty segments,
-    ties (by row)."""
-    key, table = _sort_case(num_segments)
-    sorted_key, order = kernels._sort_order_rank(kernels._kernels(), key, table)
-    ref_key, ref_order = kernels._sort_order_reference(key)
-    assert torch.equal(order, ref_order)
-    assert torch.equal(sorted_key, ref_key)
-
-
-@interp
-@pytest.mark.parametrize("num_segments", [1, 3, 40])
-@pytest.mark.parametrize("tile", [(16, 4, 1), (8, 16, 1), (32, 8, 2), (16, 64, 1)])
+@pytest.mark.parametrize("tile", [(16, 4, 1, 1), (8, 16, 4, 1), (32, 8, 2, 2), (16, 64, 1, 1)])
 def test_interp_merge_sort_gives_torch_sorts_order(
-    num_segments: int, tile: tuple[int, int, int]
+    num_segments: int, tile: tuple[int, int, int, int]
 ) -> None:
-    """As above, through sorted tiles smaller, larger and much larger than a program's rows:
-    segments spanning many tiles, tiles spanning several segments, a padded last tile."""
+    """Through sorted tiles smaller, larger and much larger than a program's rows, one or
+    several tiles searched at once: segments spanning many tiles, tiles and blocks of rows
+    spanning several segments, empty segments, a padded last tile, ties (by row)."""
     key, table = _sort_case(num_segments)
     sorted_key, order = kernels._sort_order_merge(kernels._kernels(), key, table, tile)
     ref_key, ref_order = kernels._sort_order_reference(key)
@@ -681,37 +668,25 @@ def test_interp_merge_sort_gives_torch_sorts_order(
     assert torch.equal(sorted_key, ref_key)
 
 
-def test_sort_method_by_size_and_work_limits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", 3**2 + 4**2)
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", -1)
+def test_sort_method_by_largest_segment_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_MERGE_TILE", 4)
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_TILES", 2)
     method = kernels.sort_method
-    assert method(torch.tensor([3, 4])) == kernels.SORT_RANK
-    assert method(torch.tensor([3, 5])) == kernels.SORT_TORCH
-    assert method(torch.tensor([], dtype=torch.int64)) == kernels.SORT_RANK
-    # Past the rank sort's limit, the merge sort up to its own.
-    work = kernels.merge_work(np.array([3, 5]))
-    assert work == (3 * 2 + 5 * 2) * 9  # tiles of 256: two tiles touched, 9 loads each
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", work)
-    assert method(torch.tensor([3, 5])) == kernels.SORT_MERGE
-    assert method(torch.tensor([3, 6])) == kernels.SORT_TORCH
-    assert kernels.merge_work(np.array([600]), tile=256) == 600 * 4 * 9
+    assert method(torch.tensor([3, 8, 0])) == kernels.SORT_MERGE
+    assert method(torch.tensor([3, 9])) == kernels.SORT_TORCH  # 9 rows span 3 tiles of 4
+    assert method(torch.tensor([], dtype=torch.int64)) == kernels.SORT_MERGE
     # The packed (key, row) comparison: fewer than 2**11 segments and 2**21 rows, else torch.
-    for limit in ("RANK_SORT_MAX_WORK", "MERGE_SORT_MAX_WORK"):
-        monkeypatch.setattr(kernels, "RANK_SORT_MAX_WORK", -1)
-        monkeypatch.setattr(kernels, "MERGE_SORT_MAX_WORK", -1)
-        monkeypatch.setattr(kernels, limit, 1 << 62)
-        allowed = method(torch.ones(1, dtype=torch.int64))
-        assert allowed != kernels.SORT_TORCH
-        assert method(torch.ones(2047, dtype=torch.int64)) == allowed
-        assert method(torch.ones(2048, dtype=torch.int64)) == kernels.SORT_TORCH
-        assert method(torch.tensor([(1 << 21) - 1])) == allowed
-        assert method(torch.tensor([1 << 20, 1 << 20])) == kernels.SORT_TORCH
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_TILES", 1 << 40)
+    assert method(torch.ones(2047, dtype=torch.int64)) == kernels.SORT_MERGE
+    assert method(torch.ones(2048, dtype=torch.int64)) == kernels.SORT_TORCH
+    assert method(torch.tensor([(1 << 21) - 1])) == kernels.SORT_MERGE
+    assert method(torch.tensor([1 << 20, 1 << 20])) == kernels.SORT_TORCH
 
 
 def test_sort_order_rejects_an_unknown_method() -> None:
     key = torch.zeros(3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="unknown sort method 'bitonic'"):
-        kernels._sort_order(None, key, torch.zeros((kernels._ROWS, 1)), "bitonic")
+    with pytest.raises(ValueError, match="unknown sort method 'rank'"):
+        kernels._sort_order(None, key, torch.zeros((kernels._ROWS, 1)), "rank")
 
 
 @interp

@@ -15,14 +15,12 @@ One call, in launch order (``sample``; ``topk`` runs 1-3, 7 for the ranks only, 
    (starts, ends, quota, first output slot, uniforms if on the host, zeroed accumulators);
 2. ``_sort_key_kernel`` (rows): sanitized score and segment -> int64 key
    ``segment * 2**31 + (2**31 - 1 - fp32 bits)`` (``scoring._order_within_segments``);
-3. the stable sort of the keys, by one of three methods that give the same order
-   (:func:`sort_method` picks on the host from the segment sizes): ``_rank_sort_kernel`` where
-   segments are small (each row counts the rows of its segment ahead of it: about
-   ``sum(count_g**2)`` comparisons, one launch); ``_tile_sort_kernel`` then
-   ``_merge_rank_kernel`` where they are larger (tiles of rows sorted in registers, then each
-   row's position from binary searches in the sorted tiles its segment touches); else
-   ``torch.sort(key, stable=True)`` (cub's radix sort: eight latency-bound passes, 70-80 us on
-   an H200 whatever the size here);
+3. the stable sort of the keys, by one of two methods that give the same order
+   (:func:`sort_method` picks on the host from the segment sizes): ``_tile_sort_kernel`` (tiles
+   of rows sorted in registers) then ``_merge_rank_kernel`` (each row's sorted position from
+   binary searches in the sorted tiles its segment touches), unless one segment is very large;
+   else ``torch.sort(key, stable=True)`` (cub's radix sort: eight latency-bound passes, 70-82
+   us on an H200 whatever the size here);
 4. ``_weights_kernel`` (sorted rows): integer weights ``w_int`` relative to the segment maximum
    (the segment's first sorted row); their segment totals ``W``;
 5. ``_capping_kernel`` (segments): the number of capped rows ``c*``, scanning the segment's top
@@ -238,44 +236,6 @@ def _sort_key_kernel(
     tl.store(key_ptr + offs, (lo << 31) + (2147483647 - bits), mask=mask)
 
 
-def _rank_sort_kernel(
-    order_ptr,
-    sorted_key_ptr,
-    key_ptr,
-    table_ptr,
-    n,
-    num_segments,
-    BLOCK_I: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-):
-    """``torch.sort(key, stable=True)`` by counting: each row's sorted position, then a scatter.
-
-    Rows of lower segments have smaller keys and rows of higher ones larger, so a row's sorted
-    position is ``j_lo`` plus the number of rows ``j`` in ``[j_lo, j_hi)`` (the segments this
-    block of rows touches) with ``key[j] < key[i]``, or equal and ``j < i`` (the stable sort's
-    tie rule). The work is about ``sum(count_g**2)`` comparisons: fast while segments are small.
-    """
-    G = num_segments
-    i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
-    valid = i < n
-    key_i = tl.load(key_ptr + i, mask=valid, other=0)
-    seg_i = key_i >> 31
-    j_lo = tl.min(tl.load(table_ptr + 0 * G + seg_i, mask=valid, other=n), 0)
-    j_hi = tl.max(tl.load(table_ptr + 1 * G + seg_i, mask=valid, other=0), 0)
-    # One comparison per pair: (key, row) as one int64, ``key * 2**21 + row`` (the host keeps
-    # rows below 2**21 and keys below 2**42, i.e. fewer than 2**11 segments: sort_method).
-    c_i = (key_i << 21) + i
-    below = tl.zeros([BLOCK_I], dtype=tl.int32)
-    for j0 in range(j_lo, j_hi, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J).to(tl.int64)
-        key_j = tl.load(key_ptr + j, mask=j < j_hi, other=0)
-        c_j = tl.where(j < j_hi, (key_j << 21) + j, 9223372036854775807)
-        below += tl.sum((c_j[None, :] < c_i[:, None]).to(tl.int32), 1)
-    pos = j_lo + below.to(tl.int64)
-    tl.store(order_ptr + pos, i, mask=valid)
-    tl.store(sorted_key_ptr + pos, key_i, mask=valid)
-
-
 def _tile_sort_kernel(tiles_ptr, key_ptr, n, TILE: tl.constexpr):
     """``tiles[t * TILE:(t + 1) * TILE]``: rows ``[t * TILE, (t + 1) * TILE)`` as packed
     ``key * 2**21 + row``, sorted (``tl.sort``); rows past ``n`` pad with the int64 maximum."""
@@ -297,16 +257,18 @@ def _merge_rank_kernel(
     BLOCK_I: tl.constexpr,
     TILE: tl.constexpr,
     LOG_TILE: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """``torch.sort(key, stable=True)`` by ranks from sorted tiles (``_tile_sort_kernel``).
 
     A row's sorted position is the number of packed keys ``key * 2**21 + row`` below its own (the
-    stable sort's order: keys, then rows). Tiles before the first tile of its segment hold only
-    lower segments' rows and tiles after the last one only higher segments', so the position is
-    ``first_tile * TILE`` plus, for each tile its segment touches, the count of that sorted
-    tile's entries below the row's: a branch-free binary search (``LOG_TILE + 1`` loads). About
-    ``sum(count_g * (count_g / TILE + 1)) * (LOG_TILE + 1)`` loads in all, against
-    ``sum(count_g**2)`` comparisons for ``_rank_sort_kernel``.
+    stable sort's order: keys, then rows; the host keeps rows below 2**21 and keys below 2**42,
+    i.e. fewer than 2**11 segments: :func:`sort_method`). Tiles before the first tile of its
+    segment hold only lower segments' rows and tiles after the last one only higher segments',
+    so the position is ``first_tile * TILE`` plus, for each tile its segment touches, the count
+    of that sorted tile's entries below the row's: a branch-free binary search of
+    ``LOG_TILE + 1`` dependent loads, over ``UNROLL`` tiles at once (independent loads in
+    flight together: the searches are latency-bound).
     """
     G = num_segments
     i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
@@ -317,19 +279,21 @@ def _merge_rank_kernel(
     t_last = (tl.load(table_ptr + 1 * G + seg_i, mask=valid, other=1) - 1) // TILE
     t_lo = tl.min(tl.where(valid, t_first, 9223372036854775807), 0)
     t_hi = tl.max(tl.where(valid, t_last, -1), 0)
-    c_i = (key_i << 21) + i
-    pos = t_first * TILE
-    for t in range(t_lo, t_hi + 1):
-        active = valid & (t >= t_first) & (t <= t_last)
+    c_i = ((key_i << 21) + i)[:, None]
+    below = tl.zeros([BLOCK_I, UNROLL], dtype=tl.int64)
+    for t0 in range(t_lo, t_hi + 1, UNROLL):
+        t = t0 + tl.arange(0, UNROLL).to(tl.int64)[None, :]
+        active = valid[:, None] & (t >= t_first[:, None]) & (t <= t_last[:, None])
         base = tiles_ptr + t * TILE
-        below = tl.zeros([BLOCK_I], dtype=tl.int64)
+        count = tl.zeros([BLOCK_I, UNROLL], dtype=tl.int64)
         for step in tl.static_range(LOG_TILE):
             half = TILE >> (step + 1)
-            probe = tl.load(base + below + (half - 1), mask=active, other=0)
-            below = tl.where(probe < c_i, below + half, below)
-        last = tl.load(base + below, mask=active, other=0)
-        below = tl.where(last < c_i, below + 1, below)
-        pos += tl.where(active, below, 0)
+            probe = tl.load(base + count + (half - 1), mask=active, other=0)
+            count = tl.where(probe < c_i, count + half, count)
+        last = tl.load(base + count, mask=active, other=0)
+        count = tl.where(last < c_i, count + 1, count)
+        below += tl.where(active, count, 0)
+    pos = t_first * TILE + tl.sum(below, 1)
     tl.store(order_ptr + pos, i, mask=valid)
     tl.store(sorted_key_ptr + pos, key_i, mask=valid)
 
@@ -667,7 +631,6 @@ def _kernels() -> SimpleNamespace:
         module[name] = triton.jit(module[name])
     kernels = SimpleNamespace(
         sort_key=triton.jit(_sort_key_kernel),
-        rank_sort=triton.jit(_rank_sort_kernel),
         tile_sort=triton.jit(_tile_sort_kernel),
         merge_rank=triton.jit(_merge_rank_kernel),
         weights=triton.jit(_weights_kernel),
@@ -884,49 +847,31 @@ def _launch(
         )
 
 
-# Rows and key columns per step of ``_rank_sort_kernel``: the best of six tiles on an H200 at
-# every segment size where the rank sort is used (docs/benchmarks.md section 20).
-_RANK_BLOCK_I = 32
-_RANK_BLOCK_J = 128
-# Most comparisons (sum of squared segment sizes) for which the rank sort is used. Measured on
-# an H200 (section 20): about 0.7 ns per thousand comparisons plus a few us (9.5 us at 8.4e6,
-# 49 at 6.7e7, 97 at 1.3e8) against 70-81 us for torch.sort of the int64 keys at 32768-131072
-# rows (eight latency-bound radix passes).
-RANK_SORT_MAX_WORK = 75_000_000
-# Rows per program of ``_merge_rank_kernel`` and rows per sorted tile (a power of two).
+# Rows per program of ``_merge_rank_kernel``, rows per sorted tile (a power of two), tiles
+# searched at once, warps: measured on an H200 (docs/benchmarks.md section 21).
 _MERGE_BLOCK_I = 128
-_MERGE_TILE = 256
+_MERGE_TILE = 512
+_MERGE_UNROLL = 4
 _MERGE_WARPS = 4
-# Most loads (``merge_work``) for which the merge sort is used.
-MERGE_SORT_MAX_WORK = 50_000_000
+# Most tiles one segment may touch for the merge sort to be used (its time grows with the
+# largest segment: each row searches every tile of its segment).
+MERGE_SORT_MAX_TILES = 64
 
-# The selection's sorts, all giving ``torch.sort(key, stable=True)``'s order: :func:`sort_method`
+# The selection's sorts, both giving ``torch.sort(key, stable=True)``'s order: :func:`sort_method`
 # picks one on the host; the choice is part of every captured graph's key.
-SORT_TORCH, SORT_RANK, SORT_MERGE = "torch", "rank", "merge"
-
-
-def merge_work(counts: np.ndarray, tile: int = _MERGE_TILE) -> int:
-    """Loads of ``_merge_rank_kernel`` for these segment sizes: each row searches every tile its
-    segment touches (at most ``count // tile + 2``), ``log2(tile) + 1`` loads each."""
-    counts = np.asarray(counts, dtype=np.int64)
-    return int(np.dot(counts, counts // tile + 2)) * (tile.bit_length())
+SORT_TORCH, SORT_MERGE = "torch", "merge"
 
 
 def sort_method(counts_h: torch.Tensor) -> str:
-    """How the selection sorts the keys of segments of these (host) sizes: by counting ranks
-    (``SORT_RANK``, small segments), by ranks in sorted tiles (``SORT_MERGE``), else
-    ``torch.sort`` (``SORT_TORCH``: cub's radix sort, whatever the sizes). The packed
-    ``(key, row)`` comparison of the first two needs fewer than ``2**21`` rows and ``2**11``
-    segments."""
+    """How the selection sorts the keys of segments of these (host) sizes: by ranks in sorted
+    tiles (``SORT_MERGE``), unless a segment spans more than ``MERGE_SORT_MAX_TILES`` tiles,
+    or there are ``2**21`` rows or ``2**11`` segments or more (its packed ``(key, row)``
+    comparison), else ``torch.sort`` (``SORT_TORCH``: cub's radix sort, whatever the sizes)."""
     counts = counts_h.numpy()
-    # In this order: with fewer than 2**21 rows the int64 sums below cannot overflow.
     if counts.size >= (1 << 11) or int(counts.sum()) >= (1 << 21):
         return SORT_TORCH
-    if int(np.dot(counts, counts)) <= RANK_SORT_MAX_WORK:
-        return SORT_RANK
-    if merge_work(counts) <= MERGE_SORT_MAX_WORK:
-        return SORT_MERGE
-    return SORT_TORCH
+    largest = int(counts.max()) if counts.size else 0
+    return SORT_MERGE if -(-largest // _MERGE_TILE) <= MERGE_SORT_MAX_TILES else SORT_TORCH
 
 
 def _sort_keys(
@@ -947,42 +892,24 @@ def _sort_order(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sorted_key, order)`` of ``torch.sort(key, stable=True)`` by ``method``
     (:func:`sort_method`)."""
-    if method == SORT_RANK:
-        return _sort_order_rank(kernels, key, table)
     if method == SORT_MERGE:
         return _sort_order_merge(kernels, key, table)
     if method == SORT_TORCH:
         return _sort_order_reference(key)
-    raise ValueError(f"unknown sort method {method!r}; expected one of torch, rank, merge")
-
-
-def _sort_order_rank(
-    kernels: SimpleNamespace,
-    key: torch.Tensor,
-    table: torch.Tensor,
-    tile: tuple[int, int, int] = (_RANK_BLOCK_I, _RANK_BLOCK_J, _NUM_WARPS),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_sort_order_reference` by ``_rank_sort_kernel``; ``tile`` (rows, key columns,
-    warps) for benchmarks."""
-    n, (block_i, block_j, warps) = key.numel(), tile
-    order = torch.empty(n, dtype=torch.int64, device=key.device)
-    sorted_key = torch.empty_like(key)
-    kernels.rank_sort[(_cdiv(n, block_i),)](
-        order, sorted_key, key, table, n, table.shape[1],
-        BLOCK_I=block_i, BLOCK_J=block_j, num_warps=warps,
-    )
-    return sorted_key, order
+    raise ValueError(f"unknown sort method {method!r}; expected {SORT_TORCH!r} or {SORT_MERGE!r}")
 
 
 def _sort_order_merge(
     kernels: SimpleNamespace,
     key: torch.Tensor,
     table: torch.Tensor,
-    tile: tuple[int, int, int] = (_MERGE_BLOCK_I, _MERGE_TILE, _MERGE_WARPS),
+    tile: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_sort_order_reference` by ``_tile_sort_kernel`` and ``_merge_rank_kernel``;
-    ``tile`` (rows per program, rows per sorted tile, warps) for benchmarks."""
-    n, (block_i, size, warps) = key.numel(), tile
+    ``tile`` (rows per program, rows per sorted tile, tiles searched at once, warps; the
+    module's ``_MERGE_*`` by default) for benchmarks and tests."""
+    tile = tile or (_MERGE_BLOCK_I, _MERGE_TILE, _MERGE_UNROLL, _MERGE_WARPS)
+    n, (block_i, size, unroll, warps) = key.numel(), tile
     order = torch.empty(n, dtype=torch.int64, device=key.device)
     sorted_key = torch.empty_like(key)
     num_tiles = _cdiv(n, size)
@@ -990,7 +917,8 @@ def _sort_order_merge(
     kernels.tile_sort[(num_tiles,)](tiles, key, n, TILE=size, num_warps=warps)
     kernels.merge_rank[(_cdiv(n, block_i),)](
         order, sorted_key, key, tiles, table, n, table.shape[1],
-        BLOCK_I=block_i, TILE=size, LOG_TILE=size.bit_length() - 1, num_warps=warps,
+        BLOCK_I=block_i, TILE=size, LOG_TILE=size.bit_length() - 1, UNROLL=unroll,
+        num_warps=warps,
     )
     return sorted_key, order
 
