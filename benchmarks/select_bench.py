@@ -17,7 +17,7 @@ and both policies (``topk``, ``sample``):
 (c) the sort alone, on the bench's segments and on equal ones: the merge sort
     (``_tile_sort_kernel`` + ``_merge_rank_kernel``) at a few tiles against the 64-bit
     ``torch.sort``, same order checked, device time of one call, and which of the two the
-    selection picks (``kernels.sort_method``); ``--sort-only`` runs this part alone;
+    selection picks (``kernels.merge_tile``); ``--sort-only`` runs this part alone;
 (d) everything goes to the JSON file ``--out``.
 
 Each part runs in its own ``try``: a failure prints ``FAIL`` with the error and the script goes
@@ -251,14 +251,15 @@ def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespa
     out: dict[str, Any] = {
         "sum_sq": int((counts.double() ** 2).sum()),
         "max": int(counts.max()),
-        "method": kernels.sort_method(counts),  # what the selection picks for these segments
+        # What the selection picks for these segments.
+        "merge_tile": (tile := kernels.merge_tile(counts)) and tile._asdict(),
     }
-    print(f"sort N={n} G={g}: the selection sorts by {out['method']}")
+    print(f"sort N={n} G={g}: the selection sorts by {tile or 'torch.sort'}")
 
     fns = {"sort64": lambda: kernels._sort_order_reference(key)}
     for bi, size, unroll, w in MERGE_TILES:
         fns[f"merge_{bi}_t{size}_u{unroll}_w{w}"] = functools.partial(
-            kernels._sort_order_merge, k, key, table, (bi, size, unroll, w)
+            kernels._sort_order, k, key, table, kernels.MergeTile(bi, size, unroll, w)
         )
     for name, fn in fns.items():
         got_key, got_order = fn()

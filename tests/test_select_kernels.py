@@ -179,15 +179,13 @@ def test_select_triton_rejects_host_tensors_without_the_interpreter() -> None:
         kernels.select_triton("topk", scores, counts, quota)
 
 
-# MERGE_SORT_MAX_TILES that force each sort: cub's radix sort, or the ranks from sorted tiles
-# (at 4 rows per tile, so that the random cases' segments span many tiles).
-SORTS = {"radix": -1, "merge": 1 << 40}
+# MERGE_TILES that force each sort: cub's radix sort, or the merge sort (at 4 rows per tile, so
+# that the random cases' segments span many tiles).
+SORTS = {"radix": (), "merge": ((1 << 40, kernels.MergeTile(8, 4, 4, 1)),)}
 
 
 def _force_sort(monkeypatch: pytest.MonkeyPatch, sort: str) -> None:
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_TILES", SORTS[sort])
-    monkeypatch.setattr(kernels, "_MERGE_TILE", 4)
-    monkeypatch.setattr(kernels, "_MERGE_BLOCK_I", 8)
+    monkeypatch.setattr(kernels, "MERGE_TILES", SORTS[sort])
 
 
 @cuda
@@ -249,9 +247,9 @@ def test_gpu_captured_selection_keys_on_the_sort(monkeypatch: pytest.MonkeyPatch
     n, g = 4096, 8
     even = torch.full((g,), n // g)
     skewed = torch.tensor([n - 7 * 8] + [8] * 7)
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_TILES", -(-n // g // kernels._MERGE_TILE))
-    methods = [kernels.sort_method(c) for c in (even, skewed)]
-    assert methods == [kernels.SORT_MERGE, kernels.SORT_TORCH]
+    tile = kernels.MergeTile(128, 256, 4, 4)
+    monkeypatch.setattr(kernels, "MERGE_TILES", ((n // g, tile),))
+    assert [kernels.merge_tile(c) for c in (even, skewed)] == [tile, None]
     gen = torch.Generator().manual_seed(2)
     for call in range(6):
         counts = even if call % 2 else skewed
@@ -662,31 +660,39 @@ def test_interp_merge_sort_gives_torch_sorts_order(
     several tiles searched at once: segments spanning many tiles, tiles and blocks of rows
     spanning several segments, empty segments, a padded last tile, ties (by row)."""
     key, table = _sort_case(num_segments)
-    sorted_key, order = kernels._sort_order_merge(kernels._kernels(), key, table, tile)
+    tile = kernels.MergeTile(*tile)
+    sorted_key, order = kernels._sort_order(kernels._kernels(), key, table, tile)
     ref_key, ref_order = kernels._sort_order_reference(key)
     assert torch.equal(order, ref_order)
     assert torch.equal(sorted_key, ref_key)
 
 
-def test_sort_method_by_largest_segment_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "_MERGE_TILE", 4)
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_TILES", 2)
-    method = kernels.sort_method
-    assert method(torch.tensor([3, 8, 0])) == kernels.SORT_MERGE
-    assert method(torch.tensor([3, 9])) == kernels.SORT_TORCH  # 9 rows span 3 tiles of 4
-    assert method(torch.tensor([], dtype=torch.int64)) == kernels.SORT_MERGE
+def test_merge_tile_by_largest_segment_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    small, large = kernels.MergeTile(8, 4, 1, 1), kernels.MergeTile(8, 16, 2, 1)
+    monkeypatch.setattr(kernels, "MERGE_TILES", ((4, small), (9, large)))
+    merge_tile = kernels.merge_tile
+    assert merge_tile(torch.tensor([3, 4, 0])) == small
+    assert merge_tile(torch.tensor([3, 5])) == large
+    assert merge_tile(torch.tensor([9, 9])) == large
+    assert merge_tile(torch.tensor([3, 10])) is None  # torch.sort
+    assert merge_tile(torch.tensor([], dtype=torch.int64)) == small
     # The packed (key, row) comparison: fewer than 2**11 segments and 2**21 rows, else torch.
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_TILES", 1 << 40)
-    assert method(torch.ones(2047, dtype=torch.int64)) == kernels.SORT_MERGE
-    assert method(torch.ones(2048, dtype=torch.int64)) == kernels.SORT_TORCH
-    assert method(torch.tensor([(1 << 21) - 1])) == kernels.SORT_MERGE
-    assert method(torch.tensor([1 << 20, 1 << 20])) == kernels.SORT_TORCH
+    monkeypatch.setattr(kernels, "MERGE_TILES", ((1 << 40, large),))
+    assert merge_tile(torch.ones(2047, dtype=torch.int64)) == large
+    assert merge_tile(torch.ones(2048, dtype=torch.int64)) is None
+    assert merge_tile(torch.tensor([(1 << 21) - 1])) == large
+    assert merge_tile(torch.tensor([1 << 20, 1 << 20])) is None
 
 
-def test_sort_order_rejects_an_unknown_method() -> None:
-    key = torch.zeros(3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="unknown sort method 'rank'"):
-        kernels._sort_order(None, key, torch.zeros((kernels._ROWS, 1)), "rank")
+def test_merge_tiles_cover_growing_segments() -> None:
+    """The product table: bounds increase, tiles are powers of two, the first bound covers
+    one row, and the torch fallback starts past the last bound."""
+    bounds = [bound for bound, _ in kernels.MERGE_TILES]
+    assert bounds == sorted(set(bounds)) and bounds[0] >= 1
+    for _, tile in kernels.MERGE_TILES:
+        assert tile.tile & (tile.tile - 1) == 0 and tile.block_i & (tile.block_i - 1) == 0
+    assert kernels.merge_tile(torch.tensor([bounds[-1]])) is not None
+    assert kernels.merge_tile(torch.tensor([bounds[-1] + 1])) is None
 
 
 @interp

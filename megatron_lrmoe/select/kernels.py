@@ -16,7 +16,7 @@ One call, in launch order (``sample``; ``topk`` runs 1-3, 7 for the ranks only, 
 2. ``_sort_key_kernel`` (rows): sanitized score and segment -> int64 key
    ``segment * 2**31 + (2**31 - 1 - fp32 bits)`` (``scoring._order_within_segments``);
 3. the stable sort of the keys, by one of two methods that give the same order
-   (:func:`sort_method` picks on the host from the segment sizes): ``_tile_sort_kernel`` (tiles
+   (:func:`merge_tile` picks on the host from the segment sizes): ``_tile_sort_kernel`` (tiles
    of rows sorted in registers) then ``_merge_rank_kernel`` (each row's sorted position from
    binary searches in the sorted tiles its segment touches), unless one segment is very large;
    else ``torch.sort(key, stable=True)`` (cub's radix sort: eight latency-bound passes, 70-82
@@ -263,7 +263,7 @@ def _merge_rank_kernel(
 
     A row's sorted position is the number of packed keys ``key * 2**21 + row`` below its own (the
     stable sort's order: keys, then rows; the host keeps rows below 2**21 and keys below 2**42,
-    i.e. fewer than 2**11 segments: :func:`sort_method`). Tiles before the first tile of its
+    i.e. fewer than 2**11 segments: :func:`merge_tile`). Tiles before the first tile of its
     segment hold only lower segments' rows and tiles after the last one only higher segments',
     so the position is ``first_tile * TILE`` plus, for each tile its segment touches, the count
     of that sorted tile's entries below the row's: a branch-free binary search of
@@ -770,7 +770,7 @@ def select_triton(
     if (sample and host_uniforms is None) or not _graphs_wanted(device):
         return _select_eager(
             kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block,
-            sort_method(counts_h),
+            merge_tile(counts_h),
         )
     return _GRAPHS.select(
         kernels, scores, counts_h, quota_h, host_uniforms, sample, block, num_kept, owned
@@ -786,9 +786,9 @@ def _select_eager(
     uniforms: torch.Tensor | None,
     sample: bool,
     block: int,
-    sort: str,
+    sort: MergeTile | None,
 ) -> scoring.Selection:
-    """One selection, every kernel launched from Python (``sort``: :func:`sort_method`)."""
+    """One selection, every kernel launched from Python (``sort``: :func:`merge_tile`)."""
     device = scores.device
     table = _segment_table(counts_h, quota_h, host_uniforms, device)
     num_kept = int(quota_h.sum())
@@ -813,11 +813,11 @@ def _launch(
     u: torch.Tensor,
     sample: bool,
     block: int,
-    sort: str,
+    sort: MergeTile | None,
 ) -> None:
     """Steps 2-10 of the module docstring on a filled segment table; writes ``kept[:K]`` and
     ``weight[:K]`` (K = the table's quota total; the buffers may be longer). ``sort``: how
-    step 3 sorts (:func:`sort_method` of the segments)."""
+    step 3 sorts (:func:`merge_tile` of the segments)."""
     device = scores.device
     n, g = scores.numel(), table.shape[1]
     rows = (_cdiv(n, block),)
@@ -847,31 +847,38 @@ def _launch(
         )
 
 
-# Rows per program of ``_merge_rank_kernel``, rows per sorted tile (a power of two), tiles
-# searched at once, warps: measured on an H200 (docs/benchmarks.md section 21).
-_MERGE_BLOCK_I = 128
-_MERGE_TILE = 512
-_MERGE_UNROLL = 4
-_MERGE_WARPS = 4
-# Most tiles one segment may touch for the merge sort to be used (its time grows with the
-# largest segment: each row searches every tile of its segment).
-MERGE_SORT_MAX_TILES = 64
+class MergeTile(NamedTuple):
+    """A launch of the merge sort (``_tile_sort_kernel`` + ``_merge_rank_kernel``)."""
 
-# The selection's sorts, both giving ``torch.sort(key, stable=True)``'s order: :func:`sort_method`
-# picks one on the host; the choice is part of every captured graph's key.
-SORT_TORCH, SORT_MERGE = "torch", "merge"
+    block_i: int  # rows per program of _merge_rank_kernel
+    tile: int  # rows per sorted tile (a power of two)
+    unroll: int  # tiles searched at once
+    warps: int
 
 
-def sort_method(counts_h: torch.Tensor) -> str:
-    """How the selection sorts the keys of segments of these (host) sizes: by ranks in sorted
-    tiles (``SORT_MERGE``), unless a segment spans more than ``MERGE_SORT_MAX_TILES`` tiles,
-    or there are ``2**21`` rows or ``2**11`` segments or more (its packed ``(key, row)``
-    comparison), else ``torch.sort`` (``SORT_TORCH``: cub's radix sort, whatever the sizes)."""
+# The merge sort's launch by the largest segment's rows, up to the last bound; larger segments
+# take torch.sort. Each row searches every tile of its segment, so the time grows with the
+# largest segment; larger tiles shorten the searches there. Measured on an H200 at 32768-262144
+# rows, 8-128 segments (docs/benchmarks.md section 21): 6-18 us where cub's radix sort takes
+# 69-82, 35-48 us at 8192-16384 rows in one segment, 189 us against cub's 92 at 32768.
+MERGE_TILES: tuple[tuple[int, MergeTile], ...] = (
+    (512, MergeTile(128, 256, 4, 4)),
+    (4096, MergeTile(128, 512, 4, 4)),
+    (16384, MergeTile(128, 1024, 4, 8)),
+)
+
+
+def merge_tile(counts_h: torch.Tensor) -> MergeTile | None:
+    """How the selection sorts the keys of segments of these (host) sizes: the merge sort's
+    launch (:data:`MERGE_TILES` by the largest segment), or ``None`` for ``torch.sort`` (cub's
+    radix sort, whatever the sizes): past the table's last bound, and from ``2**21`` rows or
+    ``2**11`` segments on (the merge sort's packed ``(key, row)`` comparison). Both give the
+    same order; the choice is part of every captured graph's key."""
     counts = counts_h.numpy()
     if counts.size >= (1 << 11) or int(counts.sum()) >= (1 << 21):
-        return SORT_TORCH
+        return None
     largest = int(counts.max()) if counts.size else 0
-    return SORT_MERGE if -(-largest // _MERGE_TILE) <= MERGE_SORT_MAX_TILES else SORT_TORCH
+    return next((tile for bound, tile in MERGE_TILES if largest <= bound), None)
 
 
 def _sort_keys(
@@ -888,43 +895,28 @@ def _sort_keys(
 
 
 def _sort_order(
-    kernels: SimpleNamespace, key: torch.Tensor, table: torch.Tensor, method: str
+    kernels: SimpleNamespace, key: torch.Tensor, table: torch.Tensor, tile: MergeTile | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sorted_key, order)`` of ``torch.sort(key, stable=True)`` by ``method``
-    (:func:`sort_method`)."""
-    if method == SORT_MERGE:
-        return _sort_order_merge(kernels, key, table)
-    if method == SORT_TORCH:
+    """``(sorted_key, order)`` of ``torch.sort(key, stable=True)``: by the merge sort with
+    ``tile`` (:func:`merge_tile`), or ``torch.sort`` where it is ``None``."""
+    if tile is None:
         return _sort_order_reference(key)
-    raise ValueError(f"unknown sort method {method!r}; expected {SORT_TORCH!r} or {SORT_MERGE!r}")
-
-
-def _sort_order_merge(
-    kernels: SimpleNamespace,
-    key: torch.Tensor,
-    table: torch.Tensor,
-    tile: tuple[int, int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_sort_order_reference` by ``_tile_sort_kernel`` and ``_merge_rank_kernel``;
-    ``tile`` (rows per program, rows per sorted tile, tiles searched at once, warps; the
-    module's ``_MERGE_*`` by default) for benchmarks and tests."""
-    tile = tile or (_MERGE_BLOCK_I, _MERGE_TILE, _MERGE_UNROLL, _MERGE_WARPS)
-    n, (block_i, size, unroll, warps) = key.numel(), tile
+    n = key.numel()
     order = torch.empty(n, dtype=torch.int64, device=key.device)
     sorted_key = torch.empty_like(key)
-    num_tiles = _cdiv(n, size)
-    tiles = torch.empty(num_tiles * size, dtype=torch.int64, device=key.device)
-    kernels.tile_sort[(num_tiles,)](tiles, key, n, TILE=size, num_warps=warps)
-    kernels.merge_rank[(_cdiv(n, block_i),)](
+    num_tiles = _cdiv(n, tile.tile)
+    tiles = torch.empty(num_tiles * tile.tile, dtype=torch.int64, device=key.device)
+    kernels.tile_sort[(num_tiles,)](tiles, key, n, TILE=tile.tile, num_warps=tile.warps)
+    kernels.merge_rank[(_cdiv(n, tile.block_i),)](
         order, sorted_key, key, tiles, table, n, table.shape[1],
-        BLOCK_I=block_i, TILE=size, LOG_TILE=size.bit_length() - 1, UNROLL=unroll,
-        num_warps=warps,
+        BLOCK_I=tile.block_i, TILE=tile.tile, LOG_TILE=tile.tile.bit_length() - 1,
+        UNROLL=tile.unroll, num_warps=tile.warps,
     )
     return sorted_key, order
 
 
 def _sort_order_reference(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.sort(key, stable=True)`` of the int64 keys: what every sort method computes."""
+    """``torch.sort(key, stable=True)`` of the int64 keys: what the merge sort computes."""
     return torch.sort(key, stable=True)
 
 
@@ -1135,7 +1127,7 @@ class ScoredCall(NamedTuple):
     sample: bool
     kept_total: bool
     front: FrontBuffers | None
-    sort: str
+    sort: MergeTile | None
 
 
 def scored_call(
@@ -1167,7 +1159,7 @@ def scored_call(
     num_kept = int(rows[_SLOT, -1] + rows[_QUOTA, -1]) if num_segments else 0
     if num_kept == 0 or (front is not None and not _front_ready(inputs, front, num_kept)):
         return None
-    sort = sort_method(counts_h)
+    sort = merge_tile(counts_h)
     key = (
         probs.device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK, sort,
         kept_total, g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
@@ -1242,7 +1234,7 @@ class _Captured:
         host: torch.Tensor,
         sample: bool,
         block: int,
-        sort: str,
+        sort: MergeTile | None,
     ) -> None:
         n, g = scores.numel(), host.shape[1]
         self.scores = torch.empty_like(scores)
@@ -1438,7 +1430,7 @@ class _GraphCache(GraphCache[_Captured]):
         owned: bool,
     ) -> scoring.Selection:
         device = scores.device
-        sort = sort_method(counts_h)
+        sort = merge_tile(counts_h)
         key = (device.index, scores.numel(), counts_h.numel(), sample, block, scores.dtype, sort)
         entry, capture = self.lookup(key)
         if entry is None and not capture:
