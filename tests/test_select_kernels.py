@@ -676,6 +676,13 @@ def test_merge_tile_by_largest_segment_and_size(monkeypatch: pytest.MonkeyPatch)
     assert merge_tile(torch.tensor([9, 9])) == large
     assert merge_tile(torch.tensor([3, 10])) is None  # torch.sort
     assert merge_tile(torch.tensor([], dtype=torch.int64)) == small
+    # Up to MERGE_SORT_MAX_SEARCHES: 3 rows search 2 tiles of 16 at most, 9 rows 2 as well.
+    assert kernels.merge_searches(np.array([3, 9]), 16) == 3 * 2 + 9 * 2
+    assert kernels.merge_searches(np.array([40]), 16) == 40 * 4
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_SEARCHES", 24)
+    assert merge_tile(torch.tensor([3, 9])) == large
+    assert merge_tile(torch.tensor([4, 9])) is None
+    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_SEARCHES", 1 << 62)
     # The packed (key, row) comparison: fewer than 2**11 segments and 2**21 rows, else torch.
     monkeypatch.setattr(kernels, "MERGE_TILES", ((1 << 40, large),))
     assert merge_tile(torch.ones(2047, dtype=torch.int64)) == large
@@ -686,13 +693,18 @@ def test_merge_tile_by_largest_segment_and_size(monkeypatch: pytest.MonkeyPatch)
 
 def test_merge_tiles_cover_growing_segments() -> None:
     """The product table: bounds increase, tiles are powers of two, the first bound covers
-    one row, and the torch fallback starts past the last bound."""
+    one row, and the torch fallback starts past the last bound and the search limit (a very
+    large layer call: 64 experts of 16384 pairs each)."""
     bounds = [bound for bound, _ in kernels.MERGE_TILES]
     assert bounds == sorted(set(bounds)) and bounds[0] >= 1
     for _, tile in kernels.MERGE_TILES:
         assert tile.tile & (tile.tile - 1) == 0 and tile.block_i & (tile.block_i - 1) == 0
     assert kernels.merge_tile(torch.tensor([bounds[-1]])) is not None
     assert kernels.merge_tile(torch.tensor([bounds[-1] + 1])) is None
+    assert kernels.merge_tile(torch.full((64,), bounds[-1])) is None
+    # The shapes the issue names take the merge sort (equal segments).
+    for experts, tokens in ((128, 4096), (128, 16384), (16, 4096), (16, 8192), (16, 16384)):
+        assert kernels.merge_tile(torch.full((experts,), tokens * 8 // experts)) is not None
 
 
 @interp

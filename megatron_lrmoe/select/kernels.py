@@ -866,19 +866,36 @@ MERGE_TILES: tuple[tuple[int, MergeTile], ...] = (
     (4096, MergeTile(128, 512, 4, 4)),
     (16384, MergeTile(128, 1024, 4, 8)),
 )
+# Most tile searches (``merge_searches``) for the merge sort; more take torch.sort. Past the
+# longest searches, the time grows with their number: about 10 us plus 20 us per million on an
+# H200 (35-37 us at 0.9-1.3 million, 189 us at 8.9 million, where cub's sort took 92; section
+# 21), so this limit (about 70 us) keeps many large segments (a very large layer call) on cub.
+MERGE_SORT_MAX_SEARCHES = 3_000_000
+
+
+def merge_searches(counts: np.ndarray, tile: int) -> int:
+    """Binary searches of ``_merge_rank_kernel`` over segments of these sizes, at most: each
+    row searches every tile its segment touches (``count // tile + 2`` at most)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return int(np.dot(counts, counts // tile + 2))
 
 
 def merge_tile(counts_h: torch.Tensor) -> MergeTile | None:
     """How the selection sorts the keys of segments of these (host) sizes: the merge sort's
     launch (:data:`MERGE_TILES` by the largest segment), or ``None`` for ``torch.sort`` (cub's
-    radix sort, whatever the sizes): past the table's last bound, and from ``2**21`` rows or
-    ``2**11`` segments on (the merge sort's packed ``(key, row)`` comparison). Both give the
-    same order; the choice is part of every captured graph's key."""
+    radix sort, whatever the sizes): past the table's last bound or
+    ``MERGE_SORT_MAX_SEARCHES``, and from ``2**21`` rows or ``2**11`` segments on (the merge
+    sort's packed ``(key, row)`` comparison). Both give the same order; the choice is part of
+    every captured graph's key."""
     counts = counts_h.numpy()
+    # In this order: with fewer than 2**21 rows the int64 sums below cannot overflow.
     if counts.size >= (1 << 11) or int(counts.sum()) >= (1 << 21):
         return None
     largest = int(counts.max()) if counts.size else 0
-    return next((tile for bound, tile in MERGE_TILES if largest <= bound), None)
+    tile = next((tile for bound, tile in MERGE_TILES if largest <= bound), None)
+    if tile is None or merge_searches(counts, tile.tile) > MERGE_SORT_MAX_SEARCHES:
+        return None
+    return tile
 
 
 def _sort_keys(
