@@ -667,6 +667,26 @@ def test_interp_merge_sort_gives_torch_sorts_order(
     assert torch.equal(sorted_key, ref_key)
 
 
+@interp
+def test_interp_select_bench_sort_part_checks_every_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``benchmarks/select_bench.py``'s sort part (``--sort-only`` on a GPU) on host tensors:
+    every merge launch it sweeps gives torch.sort's order, and it records the selection's pick."""
+    import argparse
+
+    from benchmarks import select_bench
+
+    monkeypatch.setattr(select_bench, "FAILURES", [])
+    monkeypatch.setattr(
+        select_bench, "profile_call", lambda fn: {"device_time_us": 0.0, "kernel_launches": 0}
+    )
+    counts = select_bench.zipf_counts(96, 8, 4, 1.2, 0)
+    out = select_bench.sort_part(counts, torch.device("cpu"), argparse.Namespace(seed=0))
+    launches = {name: got for name, got in out.items() if isinstance(got, dict) and "same" in got}
+    assert len(launches) == len(select_bench.MERGE_TILES) + 1
+    assert all(got["same"] for got in launches.values()) and not select_bench.FAILURES
+    assert out["merge_tile"] == kernels.merge_tile(counts)._asdict()
+
+
 def test_merge_tile_by_largest_segment_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
     small, large = kernels.MergeTile(8, 4, 1, 1), kernels.MergeTile(8, 16, 2, 1)
     monkeypatch.setattr(kernels, "MERGE_TILES", ((4, small), (9, large)))
