@@ -241,6 +241,27 @@ def test_gpu_captured_selection_matches_reference(
 
 
 @cuda
+def test_gpu_merge_sort_product_launches_give_torch_sorts_order() -> None:
+    """Every launch of the product table (MERGE_TILES), on segments that pick it: tied and
+    sanitized scores, a largest segment at the launch's bound among smaller ones."""
+    gen = torch.Generator().manual_seed(7)
+    k = kernels._kernels()
+    for bound, tile in kernels.MERGE_TILES:
+        smaller = torch.randint(1, bound // 4, (24,), generator=gen)
+        counts = torch.cat([smaller[:12], torch.tensor([bound, 0]), smaller[12:]])
+        assert kernels.merge_tile(counts) == tile
+        n = int(counts.sum())
+        scores = torch.randint(0, 50, (n,), generator=gen).float()
+        scores[torch.randperm(n, generator=gen)[: n // 8]] = float("nan")
+        table = kernels._segment_table(counts, counts, None, torch.device("cuda"))
+        key = kernels._sort_keys(k, scores.cuda(), table, kernels._BLOCK)
+        sorted_key, order = kernels._sort_order(k, key, table, tile)
+        ref_key, ref_order = kernels._sort_order_reference(key)
+        assert torch.equal(order, ref_order), tile
+        assert torch.equal(sorted_key, ref_key), tile
+
+
+@cuda
 def test_gpu_captured_selection_keys_on_the_sort(monkeypatch: pytest.MonkeyPatch) -> None:
     """One shape, segments that pick either sort: a graph for each, both equal the reference."""
     monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
