@@ -76,7 +76,9 @@ class LRMoEConfig:
             gradient and DDP adds it. ``"auto"`` (default): follow the Megatron config's
             ``gradient_accumulation_fusion``, so the experts accumulate as stock's do. With
             replicas the holders' gradients are added into the owner's ``main_grad`` too.
-            Parameters without ``main_grad`` and fp64 weights always take the unfused path.
+            Megatron-FSDP's parameters get their buffer from ``get_main_grad()``, written over
+            where they set ``overwrite_main_grad``, as TE's layers do. Parameters without
+            ``main_grad`` and fp64 weights always take the unfused path.
     """
 
     keep_ratio: float = 1.0

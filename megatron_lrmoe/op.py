@@ -70,6 +70,7 @@ from megatron_lrmoe.experts.backward_graph import (
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes
 from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
 from megatron_lrmoe.experts.replica_weights import fold_replica_grads
+from megatron_lrmoe.experts.wgrad_triton import MainGrads
 from megatron_lrmoe.observe.stats import CallStats, ExchangeStats, SpanTimer
 from megatron_lrmoe.select.kernels import (
     FrontBuffers,
@@ -290,7 +291,7 @@ class ExpertCall:
         self,
         dw1: list[Optional[torch.Tensor]],
         dw2: list[Optional[torch.Tensor]],
-        into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        into: Optional[MainGrads] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The parameters' gradients: own, plus (with replicas) every replica's, from its
         holder, added in a fixed order before autograd sees them.
@@ -298,7 +299,7 @@ class ExpertCall:
         With ``into`` (the weights' ``main_grad``, which already holds the own gradient: fused
         accumulation) the replicas' gradients are added there instead, and ``into`` returned.
         """
-        own1, own2 = (dw1[0], dw2[0]) if into is None else into
+        own1, own2 = (dw1[0], dw2[0]) if into is None else (into.fc1, into.fc2)
         if self.layout is None:
             return own1, own2
         return fold_replica_grads(own1, own2, dw1[1], dw2[1], self.layout, self.group)
@@ -571,7 +572,7 @@ def _graphed_backward(
     probs: torch.Tensor,
     z: torch.Tensor,
     key: tuple[int, ...],
-    into: tuple[torch.Tensor, torch.Tensor],
+    into: MainGrads,
 ) -> Optional[tuple[torch.Tensor, KeptPlan, Optional[torch.Tensor]]]:
     """The trimmed backward at EP 1 as one replayed graph per layer
     (``experts/backward_graph.py``): the router gradient, scoring, selection and packing of
@@ -622,7 +623,7 @@ def _trimmed_grads(
     kept: KeptPlan,
     d_probs: torch.Tensor,
     d_hidden: Optional[torch.Tensor],
-    into: Optional[tuple[torch.Tensor, torch.Tensor]],
+    into: Optional[MainGrads],
     timer: Optional[SpanTimer],
     weight_grads: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
 ) -> tuple:
@@ -645,23 +646,37 @@ def _trimmed_grads(
 
 def _main_grad_targets(
     call: ExpertCall, w1: torch.Tensor, w2: torch.Tensor
-) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """The weights' ``main_grad`` (Megatron's DDP) when this call adds the expert weight
-    gradients into them in its GEMMs (``LRMoEConfig.grad_accumulation_fusion``), else ``None``.
+) -> Optional[MainGrads]:
+    """The weights' ``main_grad`` when this call writes the expert weight gradients there in
+    its GEMMs (``LRMoEConfig.grad_accumulation_fusion``), else ``None``.
 
-    Replica gradients are then folded into them (``ExpertCall.fold_grads``). Weights without a
-    ``main_grad`` of their own shape, and fp64 ones, return gradients as usual. ``w1``, ``w2``
+    Megatron's protocol for fused layers: Megatron-FSDP's parameters (``__fsdp_param__``) get
+    their buffer from ``get_main_grad()`` here, in the backward, as its linear layers and TE's
+    fetch it; a weight with ``overwrite_main_grad`` (Megatron-FSDP sets it) has its buffer
+    written over, any other added to (DDP). Replica gradients are then folded in
+    (``ExpertCall.fold_grads``). Weights without a ``main_grad`` of their own shape, fp64 ones,
+    and two weights that ask for different protocols return gradients as usual. ``w1``, ``w2``
     must be the parameter objects the forward got (``ctx.params``), not ``ctx.saved_tensors``:
     under saved-tensor hooks (activation offloading, non-reentrant checkpointing) those come
     back as new tensor objects without DDP's ``main_grad`` attribute.
     """
     if not call.fuse_grad_accumulation:
         return None
-    targets = (getattr(w1, "main_grad", None), getattr(w2, "main_grad", None))
-    for w, acc in zip((w1, w2), targets):
+    weights = (w1, w2)
+    overwrite = [bool(getattr(w, "overwrite_main_grad", False)) for w in weights]
+    fsdp = [hasattr(w, "__fsdp_param__") and hasattr(w, "get_main_grad") for w in weights]
+    if overwrite[0] != overwrite[1] or fsdp[0] != fsdp[1]:
+        return None
+    targets = []
+    for w, lazy in zip(weights, fsdp):
+        if lazy:  # Megatron-FSDP makes the buffer per backward
+            w.main_grad = w.get_main_grad()
+        acc = getattr(w, "main_grad", None)
         if acc is None or acc.shape != w.shape or w.dtype == torch.float64:
             return None
-    return targets
+        targets.append(acc)
+    # An FSDP buffer may sit elsewhere at every call: no captured graph writes it.
+    return MainGrads(*targets, accumulate=not overwrite[0], fixed=not fsdp[0])
 
 
 def _fused_weight_grads(w1: torch.Tensor, w2: torch.Tensor) -> list[Optional[torch.Tensor]]:

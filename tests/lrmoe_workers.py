@@ -629,19 +629,22 @@ def interp_graphed_backward_matches_stages(
     return {**_same_kept_and_diffs(runs["graph"], runs["stages"]), "graphs": graphs}
 
 
+# The fused accumulation's cases: keep 1.0, keep 0.5 in either activation mode.
+_FUSED_CASES = (
+    {},
+    {"keep_ratio": 0.5, "activation_mode": "save"},
+    {"keep_ratio": 0.5, "activation_mode": "recompute"},
+)
+
+
 def fused_accumulation_under_saved_tensor_hooks(rank: int, world: int) -> list[dict[str, Any]]:
     """``grad_accumulation_fusion="on"`` with saved-tensor hooks in force (what activation
     offloading and non-reentrant checkpointing install): the layer must still find the weights'
     ``main_grad`` (``ctx.saved_tensors`` gives back new tensor objects under hooks) and add into
     it. Per keep ratio and mode, against the unfused layer with the same weights and inputs."""
     pg = init_megatron_parallel(ep=world)
-    cases = [
-        {},
-        {"keep_ratio": 0.5, "activation_mode": "save"},
-        {"keep_ratio": 0.5, "activation_mode": "recompute"},
-    ]
     out = []
-    for keep in cases:
+    for keep in _FUSED_CASES:
         cfg = _config(world)
         x, upstream = _inputs(rank, cfg.hidden_size)
         runs = {}
@@ -680,6 +683,80 @@ def fused_accumulation_under_saved_tensor_hooks(rank: int, world: int) -> list[d
                 for a, g in zip(on["added"], off["grads"])
             ],
         })
+    return out
+
+
+def _attach_main_grad(weights, protocol: str, gen: torch.Generator) -> list[Any]:
+    """Give ``weights`` what a data-parallel wrapper gives them, per ``protocol``: ``ddp``
+    (``main_grad`` N(0, 1), added to), ``overwrite`` (``main_grad`` NaN with
+    ``overwrite_main_grad``: written over, never read), ``fsdp`` (Megatron-FSDP: no
+    ``main_grad`` until ``get_main_grad()`` hands out a NaN buffer, ``overwrite_main_grad``),
+    ``fsdp_add`` (``get_main_grad()`` hands out an N(0, 1) buffer, no overwrite) or ``mixed``
+    (one weight asks for overwrite, the other not). Returns each weight's starting buffer."""
+    starts = []
+    for i, p in enumerate(weights):
+        nan = protocol in ("overwrite", "fsdp") or (protocol == "mixed" and i == 0)
+        start = torch.randn(p.shape, generator=gen)
+        start = torch.full_like(start, float("nan")) if nan else start
+        starts.append(start)
+        p.grad_added_to_main_grad = False
+        if protocol.startswith("fsdp"):
+            p.__fsdp_param__ = True
+            p.get_main_grad = lambda start=start: start.clone()
+        else:
+            p.main_grad = start.clone()
+        p.overwrite_main_grad = nan
+    return starts
+
+
+def fused_accumulation_protocols(rank: int, world: int) -> list[dict[str, Any]]:
+    """``grad_accumulation_fusion="on"`` under the data-parallel wrappers' protocols
+    (:func:`_attach_main_grad`), per keep ratio and mode, against the unfused layer with the
+    same weights and inputs: what each weight's gradient buffer holds after the backward (the
+    start plus the gradient, or the gradient alone where it is written over) and what autograd
+    got."""
+    pg = init_megatron_parallel(ep=world)
+    out = []
+    for keep in _FUSED_CASES:
+        cfg = _config(world)
+        x, upstream = _inputs(rank, cfg.hidden_size)
+        torch.manual_seed(11)
+        ref_layer = get_lrmoe_moe_spec(LRMoEConfig(grad_accumulation_fusion="off", **keep))(
+            config=cfg, pg_collection=pg, layer_number=1
+        )
+        ref = _run(ref_layer, x, upstream)
+        ref_grads = [p.grad for p in ref_layer.experts.weights()]
+        for protocol in ("ddp", "overwrite", "fsdp", "fsdp_add", "mixed"):
+            torch.manual_seed(11)
+            layer = get_lrmoe_moe_spec(LRMoEConfig(grad_accumulation_fusion="on", **keep))(
+                config=cfg, pg_collection=pg, layer_number=1
+            )
+            weights = layer.experts.weights()
+            starts = _attach_main_grad(weights, protocol, torch.Generator().manual_seed(5))
+            r = _run(layer, x, upstream)
+            written = protocol in ("overwrite", "fsdp")
+            buffers = [getattr(p, "main_grad", None) for p in weights]
+            untouched = True
+            if protocol == "mixed":  # unfused: autograd gets the gradients, buffers untouched
+                got = [p.grad for p in weights]
+                untouched = all(
+                    torch.equal(b, s) if not s.isnan().any() else bool(b.isnan().all())
+                    for b, s in zip(buffers, starts)
+                )
+            else:  # autograd gets Megatron's placeholders (grad_added_to_main_grad)
+                got = [b if written else b - s for b, s in zip(buffers, starts)]
+            out.append({
+                "case": keep,
+                "protocol": protocol,
+                "same_outputs": torch.equal(ref["out"], r["out"]) and torch.equal(ref["dx"], r["dx"]),
+                "flags": [p.grad_added_to_main_grad for p in weights],
+                "unfused_left_buffers": untouched,
+                # main_grad starts at N(0, 1) where added to: adding rounds at ~6e-8 of it.
+                "grad_matches": [
+                    g is not None and bool(torch.allclose(g, e, rtol=1e-5, atol=1e-6))
+                    for g, e in zip(got, ref_grads)
+                ],
+            })
     return out
 
 

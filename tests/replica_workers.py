@@ -126,13 +126,17 @@ def on_off_case(pg, ep: int, kwargs: dict) -> dict[str, Any]:
 def fused_case(pg, ep: int, kwargs: dict) -> dict[str, Any]:
     """The same call with replicas, the expert gradients returned (DDP would add them) and
     added into ``main_grad`` by the layer (``grad_accumulation_fusion="on"``): the fused
-    ``main_grad`` gains exactly the returned gradient, replicas' contributions included."""
+    ``main_grad`` gains exactly the returned gradient, replicas' contributions included; with
+    ``overwrite_main_grad`` (Megatron-FSDP's protocol) a NaN ``main_grad`` ends up holding
+    exactly that gradient (the owner's part written over it, the replicas' added after)."""
     cfg = w._config(ep, moe_aux_loss_coeff=0.0, moe_router_topk=4)
     x, up = w._inputs(torch.distributed.get_rank(), cfg.hidden_size)
     state, runs = None, {}
-    for fusion in ("off", "on"):
+    for fusion in ("off", "on", "overwrite"):
         lrmoe = LRMoEConfig(
-            max_replicas_per_rank=REPLICAS, grad_accumulation_fusion=fusion, **kwargs
+            max_replicas_per_rank=REPLICAS,
+            grad_accumulation_fusion="off" if fusion == "off" else "on",
+            **kwargs,
         )
         layer = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
         if state is None:
@@ -140,24 +144,28 @@ def fused_case(pg, ep: int, kwargs: dict) -> dict[str, Any]:
         else:
             layer.load_state_dict(state)
         weights = layer.experts.weights()
-        prior = [torch.full_like(p, 0.25, dtype=torch.float32) for p in weights]
+        fill = float("nan") if fusion == "overwrite" else 0.25
+        prior = [torch.full_like(p, fill, dtype=torch.float32) for p in weights]
         for p, acc in zip(weights, prior):  # what Megatron's DDP attaches to a parameter
             p.main_grad = acc.clone()
             p.grad_added_to_main_grad = False
+            p.overwrite_main_grad = fusion == "overwrite"
         w._run(layer, x, up)
         runs[fusion] = {
-            "grads": [p.grad if fusion == "off" else p.main_grad - acc
+            "grads": [p.grad if fusion == "off" else
+                      p.main_grad if fusion == "overwrite" else p.main_grad - acc
                       for p, acc in zip(weights, prior)],
             "flags": [p.grad_added_to_main_grad for p in weights],
             "placed": layer.last_call_stats.replicas_placed,
         }  # fmt: skip
-    off, on = runs["off"], runs["on"]
+    off, on, over = runs["off"], runs["on"], runs["overwrite"]
     return {
         "case": kwargs,
         "placed": on["placed"],
-        "flags": on["flags"] + off["flags"],
-        "diffs": [(a.float() - b).abs().max().item() for a, b in zip(off["grads"], on["grads"])],
-        "scales": [a.abs().max().item() for a in off["grads"]],
+        "flags": on["flags"] + off["flags"] + over["flags"],
+        "diffs": [(a.float() - b).abs().max().item()
+                  for run in (on, over) for a, b in zip(off["grads"], run["grads"])],
+        "scales": [a.abs().max().item() for a in off["grads"]] * 2,
     }
 
 

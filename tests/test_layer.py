@@ -344,6 +344,22 @@ def test_sample_is_unbiased_and_topk_is_not(scope: str) -> None:
         assert float((topk_err / (5 * d["w1_sample_std"] / n**0.5 + 1e-7)).max()) > 1.0
 
 
+def test_fused_accumulation_follows_megatron_ddp_and_fsdp_protocols() -> None:
+    """Megatron's protocol for layers that write their weight gradients themselves, as its own
+    and TE's linear layers follow it: DDP's ``main_grad`` is added to; a weight with
+    ``overwrite_main_grad`` has it written over (a NaN start must never be read);
+    Megatron-FSDP's buffer comes from ``get_main_grad()`` in the backward; two weights asking
+    for different protocols get the unfused path. Every keep ratio and mode, EP 1 and 2."""
+    for ep in (1, 2):
+        results = run_distributed(w.fused_accumulation_protocols, ep, timeout=300)
+        for res in results[0]:
+            case = (ep, res["case"], res["protocol"])
+            assert res["same_outputs"] and res["unfused_left_buffers"], case
+            assert all(res["grad_matches"]) and len(res["grad_matches"]) == 2, case
+            fused = res["protocol"] != "mixed"
+            assert res["flags"] == [fused, fused], case
+
+
 def test_fused_accumulation_under_saved_tensor_hooks() -> None:
     """Saved-tensor hooks (activation offloading, non-reentrant checkpointing) must not turn
     the fused accumulation into main_grad off: the weights' ``main_grad`` gains the unfused

@@ -403,13 +403,14 @@ def test_recompute_selects_the_same_pairs_with_and_without_replicas(ep2) -> None
 
 def test_fused_accumulation_adds_replica_gradients_into_main_grad(ep2) -> None:
     """``grad_accumulation_fusion="on"`` with replicas: each weight's ``main_grad`` gains what
-    the unfused layer returns (own gradient plus every replica's, folded in), and the layer marks
-    it ``grad_added_to_main_grad`` (the unfused one does not)."""
+    the unfused layer returns (own gradient plus every replica's, folded in), or holds exactly
+    that where the weight has ``overwrite_main_grad`` (a NaN start never read), and the layer
+    marks it ``grad_added_to_main_grad`` (the unfused one does not)."""
     for rank, result in enumerate(ep2):
         for d in result["fused"]:
             where = f"rank {rank} {d['case']}"
             assert d["placed"] > 0, f"{where}: no replica placed"
-            assert d["flags"] == [True, True, False, False], where
+            assert d["flags"] == [True, True, False, False, True, True], where
             for diff, scale in zip(d["diffs"], d["scales"]):
                 assert _close(diff, scale), f"{where}: {diff:.2e} (scale {scale:.2e})"
 

@@ -691,10 +691,12 @@ def test_interp_act_backward_from_arg_block(
 
 @interp
 @pytest.mark.parametrize(
-    ("save", "policy"), [(True, "sample"), (False, "topk")], ids=["save-sample", "recompute-topk"]
+    ("save", "policy", "accumulate"),
+    [(True, "sample", True), (False, "topk", False)],
+    ids=["save-sample", "recompute-topk-overwrite"],
 )
 def test_interp_layer_graph_body_matches_front_and_eager_stages(
-    monkeypatch: pytest.MonkeyPatch, save: bool, policy: str
+    monkeypatch: pytest.MonkeyPatch, save: bool, policy: str, accumulate: bool
 ) -> None:
     """What the layer graph records (``backward_graph.run_layer_graph``: the front's kernels,
     then the expert half on the front's buffers, in the interpreter; the CUDA graph replaced by
@@ -705,12 +707,14 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
     first sighting (nothing runs), the capture's eager run and two replays. On the host the
     graph makes room for exactly the kept rows (host group sizes must add up to them); the GPU
     test ``test_cuda_expert_graph_matches_eager_layer`` covers room for more rows and the real
-    capture."""
+    capture. With ``accumulate`` off (Megatron-FSDP's ``overwrite_main_grad``) ``main_grad``
+    starts as NaN, which must never be read."""
     from types import SimpleNamespace
 
     from megatron_lrmoe.dispatch.rows import gather_sum, pack_pairs, row_dot
     from megatron_lrmoe.experts import backward_graph as bg
     from megatron_lrmoe.experts.mlp import expert_backward
+    from megatron_lrmoe.experts.wgrad_triton import MainGrads
     from megatron_lrmoe.select import kernels
 
     host_block = kernels._host_block
@@ -736,6 +740,8 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
     w1 = torch.randn(experts, 2 * ffn, width, generator=gen) / 4
     w2 = torch.randn(experts, width, ffn, generator=gen) / 4
     starts = [torch.randn(w.shape, generator=gen) for w in (w1, w2)]
+    if not accumulate:
+        starts = [torch.full_like(s, float("nan")) for s in starts]
     h = torch.randn(pairs, 2 * ffn, generator=gen) if save else None
     shape = bg._Shape(torch.device("cpu"), tokens, slots, pairs, width, experts, w1.dtype, True)
     rows = bg.ExpertRows(shape, kept)
@@ -756,7 +762,8 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
             kept_total=True,
         )
         assert scored is not None
-        out = bg.run_layer_graph(rows, scored, h, slot_plan, d_hidden, (w1, w2), acc, spec)
+        into = MainGrads(acc[0], acc[1], accumulate)
+        out = bg.run_layer_graph(rows, scored, h, slot_plan, d_hidden, (w1, w2), into, spec)
         if call == 0:  # the layer's first sighting: nothing ran
             assert out is None and bool((d_hidden == 7).all()) and bool((d_probs == 7).all())
             continue
@@ -774,12 +781,13 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
         )
         dx, _, _, _ = expert_backward(
             g_rows, x_rows, h, w1, w2, quota, spec,
-            h_rows=ref_sel.kept_index if save else None, wgrad_into=(ref_acc[0], ref_acc[1]),
+            h_rows=ref_sel.kept_index if save else None,
+            wgrad_into=MainGrads(ref_acc[0], ref_acc[1], accumulate),
         )
         ref_hidden = gather_sum(dx, slot_plan, row_of=row_of)
         torch.testing.assert_close(d_hidden, ref_hidden, rtol=1e-5, atol=1e-5)
         for got, ref, start in zip(acc, ref_acc, starts):
-            assert not torch.equal(got, start)
+            assert not torch.equal(got, start) and bool(got.isfinite().all())
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     # What the graph keeps from call to call (besides the recorded launches: the stand-in
     # here re-runs them) does not hold the weights or main_grad: a deleted layer is freed.

@@ -64,7 +64,12 @@ from megatron_lrmoe.experts.grouped_gemm import (
     grouped_mm_nn,
     grouped_mm_nt,
 )
-from megatron_lrmoe.experts.wgrad_triton import WgradConfig, config_for, grouped_wgrad_triton
+from megatron_lrmoe.experts.wgrad_triton import (
+    MainGrads,
+    WgradConfig,
+    config_for,
+    grouped_wgrad_triton,
+)
 from megatron_lrmoe.select.kernels import (
     Front,
     FrontBuffers,
@@ -166,6 +171,7 @@ class _Weights(NamedTuple):
     w2: torch.Tensor  # [G, H, F]
     acc1: torch.Tensor  # w1's main_grad
     acc2: torch.Tensor  # w2's main_grad
+    accumulate: bool  # add to them (else write over them)
 
 
 class _LayerGraph:
@@ -187,7 +193,7 @@ class _LayerGraph:
         # caller holds at that call. So it keeps no reference to them (``launch`` goes once
         # captured), and a layer that is deleted takes its graphs with it (_track).
         self.rows, self.front = rows, front
-        w1, w2, acc1, acc2 = weights
+        w1, w2, acc1, acc2, accumulate = weights
         h_meta = None if h is None else (h.stride(0), h.dtype)
         args, shape = front.args, rows.shape
         tk = triton_kernels
@@ -222,9 +228,9 @@ class _LayerGraph:
             # one may reuse its memory: dx takes g's (docs/benchmarks.md section 17); da, dh
             # and act stay segments of their own (section 14).
             del da
-            grouped_wgrad_triton(g, act, offs, acc2, config=config)
+            grouped_wgrad_triton(g, act, offs, acc2, accumulate=accumulate, config=config)
             del act, g
-            grouped_wgrad_triton(dh, x, offs, acc1, config=config)
+            grouped_wgrad_triton(dh, x, offs, acc1, accumulate=accumulate, config=config)
             del x
             if need_dx:
                 dx = grouped_mm_nn(dh, w1, groups)
@@ -273,16 +279,18 @@ def _enabled() -> bool:
 def expert_graph_wanted(
     g: torch.Tensor,
     weights: tuple[torch.Tensor, torch.Tensor],
-    into: tuple[torch.Tensor, torch.Tensor] | None,
+    into: MainGrads | None,
     h: torch.Tensor | None,
 ) -> bool:
     """Whether :func:`run_layer_graph` can take this backward (the caller has checked EP 1
     and no replicas): CUDA outside another capture, this switch and the front graphs' on
-    (``front_graphs_wanted``), the weight gradients going into ``main_grad``, and tensors the
-    captured kernels can use."""
-    if not (_enabled() and into is not None and g.is_cuda):
+    (``front_graphs_wanted``), the weight gradients going into ``main_grad`` buffers that stay
+    where they are (``MainGrads.fixed``: DDP's, not Megatron-FSDP's), and tensors the captured
+    kernels can use."""
+    if not (_enabled() and into is not None and into.fixed and g.is_cuda):
         return False
-    if not (all(a.is_contiguous() for a in into) and front_graphs_wanted(g.device)):
+    contiguous = into.fc1.is_contiguous() and into.fc2.is_contiguous()
+    if not (contiguous and front_graphs_wanted(g.device)):
         return False
     if h is not None and not (h.dtype == g.dtype and triton_kernels.args_ready(h)):
         return False
@@ -376,7 +384,7 @@ def run_layer_graph(
     slot_plan: torch.Tensor,
     d_hidden: torch.Tensor | None,
     weights: tuple[torch.Tensor, torch.Tensor],
-    into: tuple[torch.Tensor, torch.Tensor],
+    into: MainGrads,
     spec: GluSpec,
 ) -> Front | None:
     """The layer's trimmed backward at EP 1 from one replayed graph: the front of ``call``
@@ -394,7 +402,8 @@ def run_layer_graph(
             the front's row-dot reads the same one).
         d_hidden: ``[T, H]`` written: the input gradient, or ``None`` when it is not needed.
         weights: ``(w1 [G, F1, H], w2 [G, H, F])``.
-        into: Their ``main_grad``, into which the weight gradients are added.
+        into: Their ``main_grad``, which the weight gradients are added to (written over:
+            ``into.accumulate`` false).
         spec: The activation.
     """
     num_kept = call.num_kept
@@ -408,8 +417,8 @@ def run_layer_graph(
     work = rows.front_work(call)
     config = config_for(num_kept, rows.shape.experts)
     key = (
-        id(work), w1.data_ptr(), w2.data_ptr(), into[0].data_ptr(), into[1].data_ptr(),
-        tuple(w1.shape), tuple(w2.shape),
+        id(work), w1.data_ptr(), w2.data_ptr(), into.fc1.data_ptr(), into.fc2.data_ptr(),
+        into.accumulate, tuple(w1.shape), tuple(w2.shape),
         None if h is None else (tuple(h.shape), h.stride(0), h.dtype),
         need_dx, config, spec.gated, spec.kind,
     )
@@ -422,7 +431,8 @@ def run_layer_graph(
         args[tk.ARG_ROW_OF], args[tk.ARG_OUT] = work.row_of_pair.data_ptr(), d_hidden.data_ptr()
     work.load_host(call.host)
     if entry is None:
-        entry = _LayerGraph(rows, work, _Weights(w1, w2, *into), h, spec, need_dx, config)
+        weights_and_grads = _Weights(w1, w2, into.fc1, into.fc2, into.accumulate)
+        entry = _LayerGraph(rows, work, weights_and_grads, h, spec, need_dx, config)
         entry.capture()
         _track(key, entry, w1)
     else:

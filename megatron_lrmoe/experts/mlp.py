@@ -42,6 +42,7 @@ against.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -53,7 +54,7 @@ from megatron_lrmoe.experts.grouped_gemm import (
     grouped_mm_nt,
     grouped_mm_tn,
 )
-from megatron_lrmoe.experts.wgrad_triton import accumulate_grouped_wgrad
+from megatron_lrmoe.experts.wgrad_triton import MainGrads, accumulate_grouped_wgrad
 
 __all__ = [
     "expert_backward",
@@ -121,7 +122,7 @@ def expert_backward(
     probs: torch.Tensor | None = None,
     need_dx: bool = True,
     h_rows: torch.Tensor | None = None,
-    wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    wgrad_into: MainGrads | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`expert_forward` given the gradient of ``z``.
 
@@ -142,9 +143,10 @@ def expert_backward(
         h_rows: Optional ``[N]`` int64: ``h`` is a larger saved ``[R, F1]`` and row ``i`` of
             the rows at hand is its row ``h_rows[i]`` (read in place by the activation
             backward, never gathered).
-        wgrad_into: Optional ``(acc1 [G, F1, H], acc2 [G, H, F])`` accumulators (the weights'
-            ``main_grad``): the weight gradients are added into them in fp32, in the GEMMs
-            (:func:`accumulate_grouped_wgrad`), and ``dw1``, ``dw2`` come back ``None``.
+        wgrad_into: Optional :class:`MainGrads` (the weights' ``main_grad``): the weight
+            gradients are added into them (or written over them, ``accumulate=False``) in
+            fp32, in the GEMMs (:func:`accumulate_grouped_wgrad`), and ``dw1``, ``dw2`` come
+            back ``None``.
 
     Returns:
         ``(dx [N, H] or None, dw1 [G, F1, H], dw2 [G, H, F], dprobs [N] fp32 or None)``;
@@ -162,9 +164,9 @@ def expert_backward(
     da = grouped_mm_nn(dz, w2, groups)
     dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True, h_rows=h_rows)
     del da
-    dw2 = _wgrad(dz, a, groups, w2.dtype, None if wgrad_into is None else wgrad_into[1])
+    dw2 = _wgrad(dz, a, groups, w2.dtype, wgrad_into, "fc2")
     del a
-    dw1 = _wgrad(dh, x, groups, w1.dtype, None if wgrad_into is None else wgrad_into[0])
+    dw1 = _wgrad(dh, x, groups, w1.dtype, wgrad_into, "fc1")
     dx = grouped_mm_nn(dh, w1, groups) if need_dx else None
     return dx, dw1, dw2, dprobs
 
@@ -200,23 +202,25 @@ def _parts_wgrad(
     weights: list[torch.Tensor],
     groups: list[GroupSizes],
     spans: list[tuple[int, int]],
-    into: torch.Tensor | None,
+    into: MainGrads | None,
+    proj: Literal["fc1", "fc2"],
 ) -> list[torch.Tensor | None]:
-    """Weight gradient of every stack; the first one's added into ``into`` when given."""
+    """Weight gradient of every stack; the first one's into ``into``'s ``proj`` when given."""
     return [
-        _wgrad(a[lo:hi], b[lo:hi], g, w.dtype, into if i == 0 else None)
+        _wgrad(a[lo:hi], b[lo:hi], g, w.dtype, into if i == 0 else None, proj)
         for i, (w, g, (lo, hi)) in enumerate(zip(weights, groups, spans))
     ]
 
 
 def _wgrad(
     a: torch.Tensor, b: torch.Tensor, groups: GroupSizes, dtype: torch.dtype,
-    into: torch.Tensor | None,
+    into: MainGrads | None, proj: Literal["fc1", "fc2"],
 ) -> torch.Tensor | None:
-    """Per-group ``a_g^T b_g`` in ``dtype``, or (``into`` given) added into ``into``: None."""
+    """Per-group ``a_g^T b_g`` in ``dtype``, or (``into`` given) added into (written over)
+    ``into``'s buffer of projection ``proj``: None."""
     if into is None:
         return grouped_mm_tn(a, b, groups, out_dtype=dtype)
-    accumulate_grouped_wgrad(a, b, groups, into)
+    accumulate_grouped_wgrad(a, b, groups, getattr(into, proj), into.accumulate)
     return None
 
 
@@ -262,7 +266,7 @@ def expert_backward_parts(
     probs: torch.Tensor | None = None,
     need_dx: bool = True,
     h_rows: torch.Tensor | None = None,
-    wgrad_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    wgrad_into: MainGrads | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
     """:func:`expert_backward` over rows whose groups use several weight stacks.
 
@@ -294,8 +298,8 @@ def expert_backward_parts(
     da = _parts_mm(grouped_mm_nn, dz, w2s, groups, spans, w2s[0].shape[2])
     dh, a, dprobs = act_backward(da, h, spec, probs, store_act=True, h_rows=h_rows)
     del da
-    dw2 = _parts_wgrad(dz, a, w2s, groups, spans, None if wgrad_into is None else wgrad_into[1])
+    dw2 = _parts_wgrad(dz, a, w2s, groups, spans, wgrad_into, "fc2")
     del a
-    dw1 = _parts_wgrad(dh, x, w1s, groups, spans, None if wgrad_into is None else wgrad_into[0])
+    dw1 = _parts_wgrad(dh, x, w1s, groups, spans, wgrad_into, "fc1")
     dx = _parts_mm(grouped_mm_nn, dh, w1s, groups, spans, x.shape[1]) if need_dx else None
     return dx, dw1, dw2, dprobs

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,6 +33,7 @@ from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available, 
 tl: Any = None  # bound to triton.language on first use (see triton_kernels.py)
 
 __all__ = [
+    "MainGrads",
     "WgradConfig",
     "accumulate_grouped_wgrad",
     "config_for",
@@ -293,10 +294,26 @@ def grouped_wgrad_triton(
 _TRITON_DTYPES = (torch.bfloat16, torch.float16)
 
 
+class MainGrads(NamedTuple):
+    """Where the expert weight gradients go when the GEMMs write them (fused accumulation).
+
+    Megatron's protocol for fused layers, as its own and TE's linear layers follow it: the
+    gradient is added to the weight's ``main_grad`` (DDP's grad buffer), or written over it
+    where the weight has ``overwrite_main_grad`` set (Megatron-FSDP, whose buffer is fetched
+    per backward through ``get_main_grad`` and holds whatever was there before).
+    """
+
+    fc1: torch.Tensor  # [G, F1, H]: the fc1 weight's main_grad
+    fc2: torch.Tensor  # [G, H, F]: the fc2 weight's
+    accumulate: bool = True  # add to what is there; False: overwrite it
+    fixed: bool = True  # the same buffers every call, so a captured graph may write them
+
+
 def accumulate_grouped_wgrad(
-    a: torch.Tensor, b: torch.Tensor, counts: Counts, out: torch.Tensor
+    a: torch.Tensor, b: torch.Tensor, counts: Counts, out: torch.Tensor, accumulate: bool = True
 ) -> torch.Tensor:
-    """``out[g] += a_g^T @ b_g`` for rows grouped by ``counts``, accumulated in fp32.
+    """``out[g] += a_g^T @ b_g`` (``accumulate``, else ``out[g] = ...``) for rows grouped by
+    ``counts``, summed in fp32.
 
     The Triton kernel on CUDA for bf16/fp16 operands (``LRMOE_TRITON`` not ``"0"``); otherwise
     :func:`grouped_wgrad_reference` (fp32 operands included: the kernel's fp32 dot would run in
@@ -307,6 +324,8 @@ def accumulate_grouped_wgrad(
         b: ``[R, N]`` rows grouped the same way (e.g. the fc1 input).
         counts: Rows per group, ``G`` entries summing to ``R``.
         out: ``[G, M, N]`` contiguous accumulator, typically a parameter's ``main_grad``.
+        accumulate: Add to ``out``; ``False`` overwrites it (never reads it: groups without
+            rows get zeros).
 
     Returns:
         ``out``.
@@ -315,8 +334,9 @@ def accumulate_grouped_wgrad(
     _check(a, b, groups.num_groups, out)
     if use_triton(a, b, out) and a.dtype in _TRITON_DTYPES and out.is_contiguous():
         config = config_for(a.shape[0], groups.num_groups)
-        return grouped_wgrad_triton(a, b, groups.offsets(a.device), out, config=config)
-    return grouped_wgrad_reference(a, b, groups.host_sizes(), out)
+        offs = groups.offsets(a.device)
+        return grouped_wgrad_triton(a, b, offs, out, accumulate=accumulate, config=config)
+    return grouped_wgrad_reference(a, b, groups.host_sizes(), out, accumulate=accumulate)
 
 
 def grouped_wgrad_reference(

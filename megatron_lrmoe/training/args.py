@@ -117,7 +117,8 @@ _HELP: dict[str, str] = {
     "grad_accumulation_fusion": (
         "Expert weight gradients under Megatron's DDP. 'on': the weight-gradient GEMMs add into "
         "the fp32 main_grad themselves (no bf16 gradient, no separate main_grad += grad), like "
-        "TE's linear layers with --gradient-accumulation-fusion; works without TE and apex. "
+        "TE's linear layers with --gradient-accumulation-fusion (Megatron-FSDP's buffers too: "
+        "written over where it sets overwrite_main_grad); works without TE and apex. "
         "'off': DDP adds the bf16 gradient. 'auto': follow --gradient-accumulation-fusion / "
         "--no-gradient-accumulation-fusion. Default: %(def)s."
     ),
