@@ -468,7 +468,8 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     """EP 1, bf16 on the GPU, keep 0.5, weight gradients fused into ``main_grad``: two layers
     (different weights, so two graphs sharing the buffers and the memory pool) run forward and
     backward on four inputs (the kept count changes), per case (``save`` with ``sample``,
-    ``recompute`` with ``topk``), with the whole trimmed backward replayed as one graph per
+    ``recompute`` with ``topk`` and ``overwrite_main_grad``: ``main_grad`` starting as NaN is
+    written over, never read), with the whole trimmed backward replayed as one graph per
     layer (captured on the layer's second sighting once its shape has a shared set) and with
     ``LRMOE_EXPERT_GRAPHS=0``. Returns per case the largest
     difference of outputs, input and router gradients and ``main_grad`` (after every call) and
@@ -480,7 +481,7 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     device = torch.device("cuda")
     cases = {
         "save_sample": dict(activation_mode="save", selection="sample"),
-        "recompute_topk": dict(activation_mode="recompute", selection="topk"),
+        "recompute_topk_overwrite": dict(activation_mode="recompute", selection="topk"),
     }
     result: dict[str, Any] = {"device": str(device), "diff": {}, "graphs": {}}
     for case, overrides in cases.items():
@@ -495,8 +496,11 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
                 layer = get_lrmoe_moe_spec(lrmoe)(
                     config=cfg, pg_collection=pg, layer_number=number
                 ).to(device)
+                overwrite = case.endswith("overwrite")
                 for p in layer.experts.weights():
-                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+                    fill = float("nan") if overwrite else 0.0
+                    p.main_grad = torch.full(p.shape, fill, dtype=torch.float32, device=device)
+                    p.overwrite_main_grad = overwrite
                 layers.append(layer)
             runs[mode] = []
             for call in range(4):

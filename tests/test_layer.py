@@ -239,14 +239,15 @@ def test_cuda_expert_graph_matches_eager_layer() -> None:
     (the front and the expert half; captured on a layer's second sighting once its shape has
     a shared set), outputs, input and router gradients and ``main_grad`` after every call have
     the bits of the front replayed alone and the expert half launched eagerly
-    (``LRMOE_EXPERT_GRAPHS=0``), in ``save`` and ``recompute`` mode; one layer graph per
-    layer, none with the switch off."""
+    (``LRMOE_EXPERT_GRAPHS=0``), in ``save`` and ``recompute`` mode (the latter with
+    ``overwrite_main_grad``: a NaN ``main_grad`` written over); one layer graph per layer, none
+    with the switch off."""
     d = run_distributed(w.cuda_expert_graph_matches_eager, 1, device="cuda")[0]
     assert d["device"].startswith("cuda"), d
     assert d["graphs"] == {
-        case: {"graph": 2, "eager": 0} for case in ("save_sample", "recompute_topk")
+        case: {"graph": 2, "eager": 0} for case in ("save_sample", "recompute_topk_overwrite")
     }, d
-    assert d["diff"] == {"save_sample": 0.0, "recompute_topk": 0.0}, d
+    assert d["diff"] == {"save_sample": 0.0, "recompute_topk_overwrite": 0.0}, d
 
 
 @pytest.mark.skipif(
