@@ -718,10 +718,10 @@ def fused_accumulation_protocols(rank: int, world: int) -> list[dict[str, Any]]:
     (:func:`_attach_main_grad`), per keep ratio and mode, against the unfused layer with the
     same weights and inputs: what each weight's gradient buffer holds after the backward (the
     start plus the gradient, or the gradient alone where it is written over) and what autograd
-    got."""
+    got. Keep 0 too: no kept rows, so a buffer written over must come out zero."""
     pg = init_megatron_parallel(ep=world)
     out = []
-    for keep in _FUSED_CASES:
+    for keep in (*_FUSED_CASES, {"keep_ratio": 0.0}):
         cfg = _config(world)
         x, upstream = _inputs(rank, cfg.hidden_size)
         torch.manual_seed(11)

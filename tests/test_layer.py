@@ -350,7 +350,8 @@ def test_fused_accumulation_follows_megatron_ddp_and_fsdp_protocols() -> None:
     and TE's linear layers follow it: DDP's ``main_grad`` is added to; a weight with
     ``overwrite_main_grad`` has it written over (a NaN start must never be read);
     Megatron-FSDP's buffer comes from ``get_main_grad()`` in the backward; two weights asking
-    for different protocols get the unfused path. Every keep ratio and mode, EP 1 and 2."""
+    for different protocols get the unfused path. Keep 1.0, 0.5 in either mode and 0 (no kept
+    rows: a buffer written over comes out zero), EP 1 and 2."""
     for ep in (1, 2):
         results = run_distributed(w.fused_accumulation_protocols, ep, timeout=300)
         for res in results[0]:
