@@ -293,8 +293,9 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
             expert_buffer_params = [p for b in ddp.expert_parallel_buffers for p in b.params]
             (scaling,) = {b.gradient_scaling_factor for b in ddp.expert_parallel_buffers}
             fusion = lrmoe.grad_accumulation_fusion
-            facts[f"overlap={overlap} keep={lrmoe.keep_ratio} fusion={fusion}"] = {
-                "accumulations": accumulations,
+            key = f"overlap={overlap} keep={lrmoe.keep_ratio} fusion={fusion}"
+            facts[key] = {
+                "accumulations": list(accumulations),
                 "expert_buffer_params": len(expert_buffer_params),
                 "buffer_holds_weights": all(
                     any(p is q for q in expert_buffer_params) for p in weights
@@ -316,6 +317,17 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
                 "nonzero_experts": [(r.flatten(1).abs().sum(1) > 0).tolist() for r in reference],
                 "grad_left_on_params": [p.grad is not None for p in weights],
             }
+            # Two micro-batches in one iteration (the first under no_sync, as Megatron's
+            # schedules run them): main_grad holds both, whoever adds them.
+            ddp.zero_grad_buffer()
+            with ddp.no_sync():
+                w._run(ddp, x, upstream)
+            w._run(ddp, x, upstream)
+            ddp.finish_grad_sync()
+            facts[key]["two_microbatches_close"] = [
+                torch.allclose(p.main_grad, 2 * r * scaling, rtol=1e-5, atol=1e-7)
+                for p, r in zip(weights, reference)
+            ]
     return facts
 
 
@@ -329,7 +341,8 @@ def test_ddp_sees_one_grad_per_projection(ddp_facts: list[dict[str, Any]]) -> No
     projection per backward, also on a rank whose experts received no rows, and reduces it into
     ``main_grad`` unchanged (expert DP size 1 here), zeros for experts without rows. With
     ``grad_accumulation_fusion="on"`` the layer adds into ``main_grad`` itself and DDP's hook
-    still fires once per projection and backward (readiness) without adding again.
+    still fires once per projection and backward (readiness) without adding again. Two
+    micro-batches of one iteration (the first under ``no_sync``) both end up in ``main_grad``.
     """
     for rank, per_rank in enumerate(ddp_facts):
         assert len(per_rank) == 8
@@ -343,6 +356,7 @@ def test_ddp_sees_one_grad_per_projection(ddp_facts: list[dict[str, Any]]) -> No
             else:
                 assert f["main_grad_equal"] == [True, True], where
             assert f["grad_left_on_params"] == [False, False], where
+            assert f["two_microbatches_close"] == [True, True], where
             # first_rank_only: rank 0's first and last experts receive, nothing else does.
             local = len(f["nonzero_experts"][0])
             want = [rank == 0 and i in (0, local - 1) for i in range(local)]
