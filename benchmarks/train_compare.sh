@@ -12,7 +12,9 @@
 #
 # Runs A and B default to keep 1.0 and keep 0.5; A_KEEP / B_KEEP change the keep ratios and
 # A_FLAGS / B_FLAGS add flags to one run and A_ENV / B_ENV environment variables (VAR=value
-# words; logs: train_<name>.log with NAME_A / NAME_B, default keep<ratio>). The cost of LRMoE's
+# words; logs: train_<name>.log with NAME_A / NAME_B, default keep<ratio>). B_KEEP=none runs A
+# alone (the keep-1.0 path is deterministic: a run of the same seed and schedule from an earlier
+# commit gives the same losses, so its log can stand in for B's). The cost of LRMoE's
 # statistics and metrics at log interval 1:
 #   A_KEEP=0.5 B_KEEP=0.5 B_FLAGS=--no-lrmoe-record-stats NAME_A=stats NAME_B=nostats \
 #     bash benchmarks/train_compare.sh OUT
@@ -56,7 +58,10 @@ run() {  # run GPU PORT KEEP LOG ENV_WORDS [FLAGS...]
 a_keep=${A_KEEP:-1.0}
 b_keep=${B_KEEP:-0.5}
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-if [ "${gpus:-0}" -ge 2 ]; then
+if [ "$b_keep" = none ]; then
+  # shellcheck disable=SC2086  # the flags are meant to split
+  run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" "${A_ENV:-}" ${A_FLAGS:-}
+elif [ "${gpus:-0}" -ge 2 ]; then
   # shellcheck disable=SC2086  # the flags are meant to split
   run 0 29611 "$a_keep" "$out/train_${NAME_A:-keep$a_keep}.log" "${A_ENV:-}" ${A_FLAGS:-} &
   a=$!
