@@ -1,5 +1,5 @@
 """CPU smoke tests of the benchmark scripts (benchmarks/replica_bench.py, gpu_equivalence.py,
-host_path_cpu.py in both modes and at EP 2).
+host_path_cpu.py in both modes and at EP 2, model_bench.py, first_call.py).
 
 Cheapest first: the benchmark's pure helpers (routing targets, the EP 2 closed-form optimum
 against the repo's brute force), then one real run of the script under torchrun at EP 2 (gloo,
@@ -354,3 +354,44 @@ def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
         assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0
     assert result["floor"] == {}  # the GEMM floor is taken on a GPU only
     assert "EP 2" in proc.stdout and "keep 0.5: fwd" in proc.stdout
+
+
+def test_first_call_reads_a_triton_cache_and_the_one_off_cost(tmp_path: Path) -> None:
+    """benchmarks/first_call.py's helpers: kernels are named from their metadata JSON (group
+    indices and unreadable files skipped), and the one-off cost is the first two rounds over the
+    steady median."""
+    from benchmarks.first_call import compiled_kernels, one_off_seconds
+
+    for i, name in enumerate(("_wgrad_kernel", "_tile_sort_kernel")):
+        folder = tmp_path / f"hash{i}"
+        folder.mkdir()
+        (folder / f"{name}.json").write_text(json.dumps({"name": name, "num_warps": 4}))
+        (folder / f"__grp__{name}.json").write_text(json.dumps({"child_paths": {}}))
+    (tmp_path / "hash0" / "broken.json").write_text("{")
+    assert compiled_kernels(str(tmp_path)) == ["_tile_sort_kernel", "_wgrad_kernel"]
+    assert compiled_kernels(str(tmp_path / "missing")) == []
+    assert one_off_seconds([10.0, 3.0, 1.0, 2.0, 1.0]) == pytest.approx(11.0)
+    with pytest.raises(ValueError):
+        one_off_seconds([1.0, 1.0])
+
+
+def test_first_call_runs_cold_and_warm_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/first_call.py on the CPU shim: one keep ratio, a cold and a warm process, each
+    timing its rounds (nothing is compiled on a CPU)."""
+    out = tmp_path / "first_call.json"
+    env = dict(os.environ)
+    ifname = _loopback()
+    if ifname is not None:  # as _torchrun: gloo must not pick a hostname interface
+        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/first_call.py", "--experts", "8", "--tokens", "8",
+         "--layers", "1", "--keep", "0.5", "--calls", "3", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["keep"], row["cache"]) for row in rows] == [(0.5, "cold"), (0.5, "warm")]
+    for row in rows:
+        assert len(row["rounds_s"]) == 3 and min(row["rounds_s"]) > 0
+        assert row["compiled"] == 0 and row["kernels"] == []
+    assert "keep 0.5 warm: one-off" in proc.stdout
