@@ -14,7 +14,10 @@
 # A_FLAGS / B_FLAGS add flags to one run and A_ENV / B_ENV environment variables (VAR=value
 # words; logs: train_<name>.log with NAME_A / NAME_B, default keep<ratio>). B_KEEP=none runs A
 # alone (the keep-1.0 path is deterministic: a run of the same seed and schedule from an earlier
-# commit gives the same losses, so its log can stand in for B's). The cost of LRMoE's
+# commit gives the same losses, so its log can stand in for B's). Runs share the machine's
+# Triton cache, so the second finds the kernels the first compiled (its first iteration is that
+# much shorter); COLD_CACHE=1 gives each run an empty cache of its own, so that each pays its
+# own compilation (benchmarks/first_call.py measures it alone). The cost of LRMoE's
 # statistics and metrics at log interval 1:
 #   A_KEEP=0.5 B_KEEP=0.5 B_FLAGS=--no-lrmoe-record-stats NAME_A=stats NAME_B=nostats \
 #     bash benchmarks/train_compare.sh OUT
@@ -45,11 +48,19 @@ common=(GPUS_PER_NODE=1 NNODES=1 NUM_LAYERS=4 TP=1 PP=1 EP=1 SEQ_LENGTH=4096 MBS
         GBS="${GBS:-4}" TRANSFORMER_IMPL=local TRAIN_ITERS="$iters" LR=5e-4 MIN_LR=5e-5
         WARMUP_ITERS=20 EVAL_INTERVAL=50 EVAL_ITERS=8 LOG_INTERVAL=1
         DATA_PREFIX="$PWD/.data/pystdlib_bytes")
+if [ "${COLD_CACHE:-0}" = 1 ]; then
+  cache_root=$(mktemp -d /tmp/lrmoe_triton_XXXXXX)
+  trap 'rm -rf "$cache_root"' EXIT
+fi
 run() {  # run GPU PORT KEEP LOG ENV_WORDS [FLAGS...]
   local gpu=$1 port=$2 keep=$3 log=$4 extra=$5
   shift 5
+  local cache=()
+  if [ -n "${cache_root:-}" ]; then  # an empty Triton cache of this run's own
+    cache=(TRITON_CACHE_DIR="$cache_root/$(basename "$log" .log)")
+  fi
   # shellcheck disable=SC2086  # the VAR=value words are meant to split
-  env "${common[@]}" $extra CUDA_VISIBLE_DEVICES="$gpu" MASTER_PORT="$port" KEEP_RATIO="$keep" \
+  env "${common[@]}" "${cache[@]}" $extra CUDA_VISIBLE_DEVICES="$gpu" MASTER_PORT="$port" KEEP_RATIO="$keep" \
     DATA_CACHE="/tmp/lrmoe_data_cache_$gpu" \
     timeout "$limit" bash examples/qwen3_30b_a3b/pretrain.sh --moe-layer-timing "$@" \
     >"$log" 2>&1
