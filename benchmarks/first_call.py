@@ -9,17 +9,18 @@ benchmarks.md sections 12, 15, 22, 23), against 0.3-4 s for a keep-1.0 run that 
 on the same machine. That one-off cost counts in a time-to-target comparison with
 its overheads included, so this measures it, apart from everything else a training run starts.
 
-Per keep ratio, two fresh processes one after the other (``torchrun --standalone --nproc_per_node=1``
-of this script with ``--worker``), each with the same private ``TRITON_CACHE_DIR``, empty for the first
-(``cold``) and left as the first run left it for the second (``warm``). Each builds ``--layers``
-LRMoE layers of the Qwen3-30B-A3B MoE shape (``model_bench.py``'s stack: fused ``main_grad``
-accumulation, a residual stream) and times ``--calls`` forward + backward rounds through them,
-each waited for (wall seconds). Reported per run: the seconds of each round, ``one_off_s`` (the
-first two rounds minus twice the median of the rest: a layer's backward graph is captured on its
-second call), and the Triton kernels compiled into the cache (``compiled``; their names in the
-JSON). The keep ratios share nothing: each has its own cache, so none pays for another's
-kernels (in ``train_compare.sh`` runs A and B share the machine's cache, and the second run finds
-the kernels the first compiled).
+Per keep ratio, two fresh processes one after the other (``torchrun --standalone
+--nproc_per_node=1`` of this script with ``--worker``), each with the same private
+``TRITON_CACHE_DIR``, empty for the first (``cold``) and left as the first run left it for the
+second (``warm``). Each builds ``--layers`` LRMoE layers of the Qwen3-30B-A3B MoE shape
+(``model_bench.py``'s stack: fused ``main_grad`` accumulation, a residual stream) and times
+``--calls`` forward + backward rounds through them, each waited for (wall seconds). Reported per
+run: the seconds of each round, ``one_off_s`` (the first two rounds minus twice the median of
+the rest: a layer's backward graph is captured on its second call), and the Triton kernels
+compiled into the cache (``compiled``; their names in the JSON). The keep ratios share nothing:
+each has its own cache, so none pays for another's kernels (in ``train_compare.sh`` runs A and B
+share the machine's cache unless ``COLD_CACHE=1``, and the second run finds the kernels the
+first compiled).
 
 On a CPU (a smoke run with the test-only shim) nothing is compiled and the rounds are host time.
 """
@@ -127,7 +128,8 @@ def main() -> None:
     parser.add_argument("--selection", choices=("sample", "topk"), default="sample")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per process")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "first_call.json"))
+    default_out = os.path.join(os.environ.get("OUT", "."), "first_call.json")
+    parser.add_argument("--out", default=default_out)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.calls < 3:

@@ -395,3 +395,43 @@ def test_first_call_runs_cold_and_warm_on_the_cpu(tmp_path: Path) -> None:
         assert len(row["rounds_s"]) == 3 and min(row["rounds_s"]) > 0
         assert row["compiled"] == 0 and row["kernels"] == []
     assert "keep 0.5 warm: one-off" in proc.stdout
+
+
+def test_train_compare_runs_a_alone_and_gives_each_run_a_cold_cache(tmp_path: Path) -> None:
+    """benchmarks/train_compare.sh's plumbing, with a stand-in for Python that prints what the
+    launch got: runs A and B with COLD_CACHE=1 each get an empty Triton cache of their own,
+    removed afterwards; by default they share the machine's; B_KEEP=none runs A alone."""
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    shutil.copy(REPO / "benchmarks" / "train_compare.sh", root / "benchmarks")
+    shutil.copytree(REPO / "examples", root / "examples")
+    (root / ".data").mkdir()
+    (root / ".data" / "pystdlib_bytes.bin").touch()  # no dataset build
+    fake = tmp_path / "python"
+    fake.write_text(
+        '#!/usr/bin/env bash\necho "cache=${TRITON_CACHE_DIR:-shared} keep=$KEEP_RATIO"\n'
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ, A_ENV=f"PYTHON={fake}", B_ENV=f"PYTHON={fake}")
+
+    def logs(out: Path, **extra: str) -> dict[str, str]:
+        subprocess.run(
+            ["bash", str(root / "benchmarks" / "train_compare.sh"), str(out)],
+            env=dict(env, **extra), capture_output=True, text=True, timeout=120, check=True,
+        )
+        return {p.name: p.read_text() for p in sorted(out.glob("train_*.log"))}
+
+    cold = logs(tmp_path / "cold", COLD_CACHE="1")
+    assert sorted(cold) == ["train_keep0.5.log", "train_keep1.0.log"]
+    caches = {name: text.split()[0].partition("=")[2] for name, text in cold.items()}
+    assert caches["train_keep1.0.log"].endswith("/train_keep1.0")
+    assert caches["train_keep0.5.log"].endswith("/train_keep0.5")
+    assert not any(os.path.exists(c) for c in caches.values())  # removed on exit
+    shared = logs(tmp_path / "shared")
+    assert all(text.startswith("cache=shared") for text in shared.values())
+    alone = logs(tmp_path / "alone", B_KEEP="none", A_KEEP="0.25")
+    assert list(alone) == ["train_keep0.25.log"]
+    assert "keep=0.25" in alone["train_keep0.25.log"]
+    assert "exit 0 (0.25)" in alone["train_keep0.25.log"]
