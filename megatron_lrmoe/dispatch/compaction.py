@@ -167,14 +167,3 @@ def kept_position_shift(global_counts: np.ndarray, rank: int, num_local: int) ->
     chunk_start = (np.cumsum(by_owner, axis=1) - by_owner).reshape(p, num_local, p)
     send_start = exclusive_cumsum_np(global_counts[rank])
     return chunk_start[:, :, rank].reshape(-1) - send_start
-
-
-def scatter_rows(rows: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Place ``rows[i]`` at ``out[index[i]]`` in a zero ``[num_rows, ...]`` tensor.
-
-    ``index`` is strictly increasing (kept positions), so every row lands once; rows not in
-    ``index`` (dropped pairs) stay zero.
-    """
-    out = rows.new_zeros((num_rows,) + tuple(rows.shape[1:]))
-    out.index_copy_(0, index, rows)
-    return out
