@@ -1,21 +1,36 @@
-"""``benchmarks/report.py``: the training summary that docs/benchmarks.md quotes, on synthetic
-logs in Megatron's format (what ``benchmarks/train_compare.sh`` writes)."""
+"""``benchmarks/report.py``: the training summary that docs/benchmarks.md quotes and the
+comparison with keep 1.0 by seed, on synthetic logs in Megatron's format (what
+``benchmarks/train_compare.sh`` writes)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.report import train_summary
+from benchmarks.report import run_stats, train_summary, versus_keep1
 
 
-def _log(first_moe_ms: float, moe_ms: float, iters: int, losses: dict[int, float]) -> str:
-    lines, cumulative = [], 0.0
+def _log(
+    first_moe_ms: float,
+    moe_ms: float,
+    iters: int,
+    losses: dict[int, float],
+    seed: int = 1234,
+    keep: float | None = None,
+    ms_per_iter: float = 500.0,
+) -> str:
+    """A log in Megatron's format: the argument dump (``keep`` None: stock, no ``--lrmoe``),
+    then each iteration's line and LRMoE's MoE-layer line, and the validation losses."""
+    lines = [f"  lrmoe ........................................... {keep is not None}"]
+    if keep is not None:
+        lines.append(f"  lrmoe_keep_ratio ................................ {keep}")
+    lines.append(f"  seed ............................................ {seed}")
+    cumulative = 0.0
     for i in range(1, iters + 1):
         step = first_moe_ms if i == 1 else moe_ms
         cumulative += step / 1e3
         lines.append(
             f" [t] iteration {i:8d}/{iters:8d} | consumed samples: {4 * i} | elapsed time per "
-            f"iteration (ms): 500.0 | throughput per GPU (TFLOP/s/GPU): 1.0 |"
+            f"iteration (ms): {ms_per_iter} | throughput per GPU (TFLOP/s/GPU): 1.0 |"
         )
         lines.append(
             f" [t] iteration {i:8d}/{iters:8d} | moe layers: {step:.1f} ms/iter | moe layers "
@@ -39,3 +54,38 @@ def test_train_summary_separates_the_first_iteration(tmp_path: Path) -> None:
     # 1.75 is crossed halfway between iterations 50 and 100: 75 iterations.
     assert cold[4] == "75.0 it, 37.5 s, 5.96 s (2.96 s) |"
     assert warm[4] == "75.0 it, 37.5 s, 3.00 s (2.96 s) |"
+
+
+def test_versus_keep1_pairs_runs_by_seed_from_the_argument_dump(tmp_path: Path) -> None:
+    """Runs in two folders: each LRMoE run is compared with the keep-1.0 run of its own seed
+    (read from the log, not the file name), stock runs and seeds without one keep-1.0 run are
+    left out, and the MoE time to the target from iteration 2 is summed per keep ratio."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    early = {50: 2.0, 100: 1.5, 150: 1.4}  # 1.75 at iteration 75
+    late = {50: 2.0, 100: 1.75, 150: 1.47}  # at 100
+    (a / "train_x.log").write_text(_log(40.0, 40.0, 150, early, seed=1, keep=1.0))
+    (a / "train_y.log").write_text(_log(3000.0, 30.0, 150, late, seed=1, keep=0.5, ms_per_iter=450))
+    (b / "train_x.log").write_text(_log(40.0, 50.0, 150, early, seed=2, keep=1.0))
+    (b / "train_y.log").write_text(_log(40.0, 25.0, 150, early, seed=2, keep=0.5))
+    (b / "train_stock.log").write_text(_log(40.0, 90.0, 150, early, seed=2))
+    (b / "train_lonely.log").write_text(_log(40.0, 25.0, 150, early, seed=3, keep=0.5))
+    stats = [run_stats(log, 1.75) for log in sorted(tmp_path.glob("*/train_*.log"))]
+    by_name = {(s.seed, s.keep): s for s in stats}
+    assert by_name[(2, None)].moe_ms_per_iter == 90.0  # stock: no --lrmoe
+    table = versus_keep1(stats).splitlines()
+    rows = [line.rstrip(" |").split(" | ") for line in table if line.startswith("| train_y")]
+    assert [r[1:3] for r in rows] == [["1", "0.5"], ["2", "0.5"]]
+    # Seed 1: 30 / 40 ms per iteration, 450 / 500 ms per iteration, the target at iteration 100
+    # against 75: 99 * 0.030 = 2.97 s against 74 * 0.040 = 2.96 s from iteration 2.
+    assert rows[0][3:7] == ["0.750x", "0.900x", "+5.00 % @150", "1.003x (2.97 / 2.96)"]
+    # Seed 2: 25 / 50 ms, the same iterations: 74 * 0.025 = 1.85 s against 74 * 0.050 = 3.70 s.
+    assert rows[1][6] == "0.500x (1.85 / 3.70)"
+    assert not any("lonely" in line or "stock" in line for line in table)
+    assert table[-1] == (
+        "keep 0.5: MoE time to target from iteration 2, summed over 2 seed(s): 4.82 s against "
+        "keep 1.0's 6.66 s (0.724x)"
+    )
+    summary = train_summary([a, b], 1.75)
+    assert f"| {a}/train_x | " in summary and f"| {b}/train_stock | " in summary
