@@ -15,8 +15,11 @@ Per keep ratio it writes ``trace_keep<k>.json`` (Chrome trace) and prints:
         device-to-host sync, plan and op: ``_forward_stages``; inclusive, so ``select_kept``
         contains the scoring and the selection);
     per phase: the top self-time entries (Python functions, aten ops, runtime calls), the
-        number of kernels launched, the GPU busy time (sum of kernel durations, overlaps merged)
-        and the phase's wall time, so "GPU idle" = wall - busy is what the host costs;
+        number of kernels launched, the GPU busy time (sum of kernel durations, overlaps merged,
+        from the phase's host start until its last kernel ends: work an earlier phase queued
+        that still runs then counts too) with "its own work" (the same over the kernels the
+        phase launched), and the phase's wall time, so "GPU idle" = wall - busy is what the host
+        costs;
     per phase, the GPU idle gaps of one call (``--gap-us``) with the Python frames that
         launched the kernel ending each gap: where the GPU waits for the host.
 """
@@ -374,7 +377,7 @@ def main() -> None:
             windows = _phase_window(events, phase)
             totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
             ktotals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-            busy = wall = kernels = 0.0
+            busy = own = wall = kernels = 0.0
             gaps: list[tuple[float, str, str]] = []
             for a, b in windows:
                 for k, (t, n) in _self_times(events, a, b).items():
@@ -391,6 +394,7 @@ def main() -> None:
                     gaps = _gaps(events, a, gpu_end, args.gap_us)
                 bz, nk = _gpu_busy(events, a, gpu_end)
                 busy += bz
+                own += _gpu_busy(launched, a, gpu_end)[0]
                 wall += gpu_end - a
                 kernels += nk
             n = max(len(windows), 1)
@@ -398,15 +402,16 @@ def main() -> None:
             top = sorted(totals.items(), key=lambda kv: -kv[1][0])[: args.rows]
             ktop = sorted(ktotals.items(), key=lambda kv: -kv[1][0])[: args.kernel_rows]
             rec["phases"][phase] = dict(
-                host_ms=host_total, gpu_busy_ms=busy / n / 1e3, gpu_wall_ms=wall / n / 1e3,
+                host_ms=host_total, gpu_busy_ms=busy / n / 1e3, gpu_own_busy_ms=own / n / 1e3,
+                gpu_wall_ms=wall / n / 1e3,
                 kernels=kernels / n,
                 top=[dict(name=k, self_us=t / n, calls=c / n) for k, (t, c) in top],
                 gpu_top=[dict(name=k, gpu_us=t / n, calls=c / n) for k, (t, c) in ktop],
                 gaps=[dict(gap_us=g, kernel=k, launcher=w) for g, k, w in gaps],
             )
             print(f"--- {phase}: host {host_total:.2f} ms (profiled), GPU busy {busy / n / 1e3:.2f} "
-                  f"ms of {wall / n / 1e3:.2f} ms wall, {kernels / n:.0f} kernels/memcpys per call",
-                  flush=True)
+                  f"ms (its own work {own / n / 1e3:.2f} ms) of {wall / n / 1e3:.2f} ms wall, "
+                  f"{kernels / n:.0f} kernels/memcpys per call", flush=True)
             for k, (t, c) in top:
                 print(f"  {t / n:9.1f} us  {c / n:6.1f}x  {k[:110]}", flush=True)
             print(f"  GPU kernels of {phase} (summed duration per call):", flush=True)

@@ -161,7 +161,7 @@ def _trace_event(cat: str, name: str, ts: float, dur: float, corr: int, tid: int
 def test_host_trace_attributes_kernels_to_the_phase_that_launched_them() -> None:
     """A kernel the forward queued that still runs after the backward's host start is the
     forward's; the backward's idle gap ends at its first kernel, named with its launcher."""
-    from benchmarks.host_trace import _gaps, _kernel_times, _launched_in
+    from benchmarks.host_trace import _gaps, _gpu_busy, _kernel_times, _launched_in
 
     events = [
         _trace_event("cuda_runtime", "cudaLaunchKernel", 10, 2, 1),  # forward launch
@@ -173,6 +173,10 @@ def test_host_trace_attributes_kernels_to_the_phase_that_launched_them() -> None
     backward = _launched_in(events, 50, 200)
     assert [e["name"] for e in backward] == ["bwd_gather"]
     assert dict(_kernel_times(backward)) == {"bwd_gather": [10, 1]}
+    # Busy from the backward's host start: the forward's GEMM until 115, then the gather; of
+    # that, the backward's own work is the gather alone.
+    assert _gpu_busy(events, 50, 200) == (75, 2)
+    assert _gpu_busy(backward, 50, 200) == (10, 1)
     gaps = _gaps(events, 50, 200, min_us=20)
     # Busy with the forward's GEMM until 115, idle until the gather starts at 155.
     assert [(g, k) for g, k, _ in gaps] == [(40, "bwd_gather")]
