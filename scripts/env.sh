@@ -55,16 +55,31 @@ print(os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))))
   [ "$where" = "$(cd "$root" && pwd -P)" ]
 }
 
+# lrmoe_env_explain_failure LOG VENV: after a failed install, says so plainly when the disk was
+# full (pip's own last line is an OSError deep in its output) and what the venv and /tmp have.
+lrmoe_env_explain_failure() {
+  local log="$1" venv="$2"
+  if grep -q "No space left on device" "$log"; then
+    echo "env.sh: the disk filled up during the install; the venv needs about 5.6 GB free" \
+      "(torch's CUDA wheels). Free space, or set LRMOE_VENV to a venv on a larger disk, and" \
+      "run this again. Free space now:" >&2
+    df -h "$venv" "${TMPDIR:-/tmp}" >&2 || true
+  fi
+}
+
 # lrmoe_env_install ROOT VENV: pip install -e ROOT[test] into VENV quietly, then the stamp.
 lrmoe_env_install() {
   local root="$1" venv="$2" py="$2/bin/python" log
   log="$(mktemp "${TMPDIR:-/tmp}/lrmoe-env.XXXXXX.log")"
   echo "env.sh: installing megatron-lrmoe and its dependencies into $venv" \
     "(a first install downloads torch's CUDA wheels: minutes)" >&2
-  if ! { "$py" -m pip install --upgrade pip && "$py" -m pip install -e "$root[$EXTRAS]"; } \
-      >"$log" 2>&1; then
+  # --no-cache-dir: the venv takes about 5.6 GB (torch's CUDA wheels); pip's cache would hold the
+  # downloaded wheels a second time.
+  if ! { "$py" -m pip install --no-cache-dir --upgrade pip &&
+         "$py" -m pip install --no-cache-dir -e "$root[$EXTRAS]"; } >"$log" 2>&1; then
     cat "$log" >&2
     echo "env.sh: pip install failed (output above, also in $log)" >&2
+    lrmoe_env_explain_failure "$log" "$venv"
     return 1
   fi
   rm -f "$log"

@@ -188,6 +188,23 @@ def test_env_sh_skips_the_install_when_current(tmp_path: Path) -> None:
 
 # -- lrmoe-demo's quiet mode ---------------------------------------------------------------------
 
+def test_env_sh_names_a_full_disk(tmp_path: Path) -> None:
+    """A CI run once failed with pip's OSError 28 at the end of 100 lines of output; env.sh then
+    says plainly that the disk filled up, how much the venv needs and what is free."""
+    full = tmp_path / "full.log"
+    full.write_text(
+        "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n"
+    )
+    other = tmp_path / "other.log"
+    other.write_text("ERROR: No matching distribution found for torch>=2.11\n")
+    said = _env_sh("lrmoe_env_explain_failure", str(full), str(tmp_path))
+    assert said.returncode == 0
+    assert "disk filled up" in said.stderr and "5.6 GB" in said.stderr
+    assert "Avail" in said.stderr  # df's table of what is free
+    quiet = _env_sh("lrmoe_env_explain_failure", str(other), str(tmp_path))
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
 
 def test_demo_quiet_environment_reaches_child_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_lrmoe.demo import main as demo
