@@ -30,10 +30,12 @@ _CHILD_ONLY = pytest.StashKey[int]()
 def pytest_collection_modifyitems(config, items):
     if _INTERPRETED_HERE:
         return
-    child_only = [item for item in items if item.name.startswith("test_interp_")]
+    here, child_only = [], []
+    for item in items:
+        (child_only if item.name.startswith("test_interp_") else here).append(item)
     if child_only:
         config.hook.pytest_deselected(items=child_only)
-        items[:] = [item for item in items if not item.name.startswith("test_interp_")]
+        items[:] = here
     config.stash[_CHILD_ONLY] = len(child_only)
 
 

@@ -186,8 +186,6 @@ def test_env_sh_skips_the_install_when_current(tmp_path: Path) -> None:
     assert proc.stderr == ""
 
 
-# -- lrmoe-demo's quiet mode ---------------------------------------------------------------------
-
 def test_env_sh_names_a_full_disk(tmp_path: Path) -> None:
     """A CI run once failed with pip's OSError 28 at the end of 100 lines of output; env.sh then
     says plainly that the disk filled up, how much the venv needs and what is free."""
@@ -204,6 +202,8 @@ def test_env_sh_names_a_full_disk(tmp_path: Path) -> None:
     quiet = _env_sh("lrmoe_env_explain_failure", str(other), str(tmp_path))
     assert quiet.returncode == 0 and quiet.stderr == ""
 
+
+# -- lrmoe-demo's quiet mode ---------------------------------------------------------------------
 
 
 def test_demo_quiet_environment_reaches_child_processes(monkeypatch: pytest.MonkeyPatch) -> None:
