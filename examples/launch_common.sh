@@ -55,6 +55,11 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     printf '%s\n' "${ARGS[@]}"
     exit 0
 fi
+if [ "${TP:-1}" -gt 1 ]; then
+    # Megatron requires it with tensor parallelism before Blackwell (validate_args asserts it),
+    # so that the GPU runs the tensor-parallel communication and GEMMs in the order queued.
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+fi
 cd "$ROOT"
 exec "$PYTHON" -m torch.distributed.run \
     --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \

@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from cpu_launch import ROOT, curves as _curves, launch_env, model_report as _report
 TIMEOUT_S = 600  # a hang guard for the whole subprocess, start-up on a busy machine included
 ITERS = 6
 KEEP = "0.5"
@@ -45,53 +42,8 @@ SIZE_FLAGS = [
     "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "512",
 ]  # fmt: skip
 
-_ITER = re.compile(
-    r"iteration\s+(\d+)/\s*\d+ \| consumed samples.*?lm loss: (\S+) \|.*?mtp_1 loss: (\S+) \|"
-    r".*?grad norm: (\S+) \|"
-)
-_VAL = re.compile(r"validation loss at iteration (\d+)(?: on (\w+) set)? \| lm loss value: (\S+)")
-_REPORT = re.compile(r"cpu_pretrain model: (.*)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {
-        **os.environ,
-        "PYTHONPATH": path,
-        "PYTHON": sys.executable,
-        "ENTRY": "megatron_lrmoe/testing/cpu_pretrain.py",
-        "TRAIN_ITERS": str(ITERS),
-        "WARMUP_ITERS": "1",
-        "EVAL_INTERVAL": "3",
-        "EVAL_ITERS": "1",
-        "GBS": "2",
-    }
-    env.pop("DRY_RUN", None)
-    env.update(extra)
-    return env
-
-
-def _report(log: str) -> dict[str, str]:
-    """The key=value pairs of cpu_pretrain's model line."""
-    match = _REPORT.search(log)
-    assert match, "no cpu_pretrain model line in the log"
-    return dict(item.split("=", 1) for item in match.group(1).split())
-
-
-def _curves(log: str) -> dict[str, list[float]]:
-    rows = [tuple(map(float, m[1:])) for m in _ITER.findall(log)]
-    return {
-        "lm": [r[0] for r in rows],
-        "mtp": [r[1] for r in rows],
-        "grad_norm": [r[2] for r in rows],
-        "val": [float(m[2]) for m in _VAL.findall(log)],
-    }
+    return launch_env(TRAIN_ITERS=str(ITERS), EVAL_INTERVAL="3", GBS="2", **extra)
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +67,7 @@ def compare(data_prefix: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
         GPUS="2",
         KEEP_RATIO=KEEP,
         SKIP_ITERS="1",
-        MASTER_PORT=str(_free_port()),
-        DATA_PREFIX=data_prefix,
+                DATA_PREFIX=data_prefix,
         EXTRA_ARGS=" ".join(SIZE_FLAGS),
     )
     proc = subprocess.run(
@@ -193,8 +144,7 @@ def test_keep1_equals_stock_fp32(data_prefix: str, tmp_path: Path) -> None:
     for name, extra in runs.items():
         env = _env(
             LRMOE_CPU_FP32="1",
-            MASTER_PORT=str(_free_port()),
-            DATA_PREFIX=data_prefix,
+                        DATA_PREFIX=data_prefix,
             DATA_CACHE=str(tmp_path / f"cache_{name}"),
             **extra,
         )

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from cpu_launch import free_port
 
 from megatron_lrmoe.training import compat
 from megatron_lrmoe.testing import run_distributed
@@ -251,6 +252,7 @@ def test_transformer_engine_impl_needs_te(monkeypatch: pytest.MonkeyPatch) -> No
 
 SCRIPTS = [
     ("qwen3_30b_a3b/pretrain.sh", 16, {}),
+    ("qwen3_30b_a3b/pretrain.sh", 16, {"TP": "2"}),
     ("qwen3_30b_a3b/proxy_2xh200.sh", 2, {}),
     ("qwen3_30b_a3b/proxy_2xh200.sh", 2, {"LRMOE": "0"}),
     ("glm45_air/pretrain.sh", 32, {}),
@@ -281,6 +283,8 @@ def test_example_script_arguments_validate(
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    if int(env.get("TP", "1")) > 1:  # the script exports it (test_scripts_set_max_connections)
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     monkeypatch.setenv("RANK", "0")
     # Building the TransformerConfig here needs the kernels a CPU has (TE fusions off).
     cpu = ["--transformer-impl", "local", "--no-rope-fusion", "--no-masked-softmax-fusion",
@@ -296,6 +300,33 @@ def test_example_script_arguments_validate(
     if lrmoe is not None:
         assert lrmoe.keep_ratio == 0.5 and lrmoe.selection == "sample"
         lrmoe.validate_against(config, script)
+
+
+@pytest.mark.parametrize("tp, want", [("1", "unset"), ("2", "1")])
+def test_scripts_set_max_connections(tmp_path: Path, tp: str, want: str) -> None:
+    """With tensor parallelism the launch scripts export CUDA_DEVICE_MAX_CONNECTIONS=1, which
+    Megatron's validate_args requires before Blackwell (a user's own value is kept)."""
+    entry = tmp_path / "print_env.py"
+    entry.write_text(
+        "import os\n"
+        "print('MAX_CONNECTIONS', os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset'))\n"
+    )
+    unset = ("CUDA_DEVICE_MAX_CONNECTIONS", "DRY_RUN")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(ENTRY=str(entry), PYTHON=sys.executable, GPUS_PER_NODE="1", NNODES="1", TP=tp)
+    runs = [(script, None) for script in ("qwen3_30b_a3b/pretrain.sh", "glm45_air/pretrain.sh")]
+    if tp != "1":
+        runs.append(("qwen3_30b_a3b/pretrain.sh", "32"))  # the user's own value stays
+    for script, own in runs:
+        run_env = {**env, "MASTER_PORT": str(free_port())}
+        if own is not None:
+            run_env["CUDA_DEVICE_MAX_CONNECTIONS"] = own
+        proc = subprocess.run(
+            ["bash", str(ROOT / "examples" / script)], env=run_env,
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"MAX_CONNECTIONS {own or want}" in proc.stdout, (script, proc.stdout)
 
 
 # -- LRMoE statistics in the training log -------------------------------------------------------

@@ -461,3 +461,51 @@ def test_training_step_reaches_the_layers() -> None:
     assert set_lrmoe_training_step(model, 7) == 2
     layers = [m for m in model[0].modules() if isinstance(m, FakeLRMoELayer)]
     assert all(layer._step == 7 and layer._backwards_in_step == 0 for layer in layers)
+
+
+# -- --moe-layer-timing over pipeline stages, 2 ranks --------------------------------------------
+
+_STAGE_SECONDS = (0.06, 0.01)  # each stage's one MoE layer sleeps this long per forward
+
+
+def _pipeline_timing_worker(rank: int, world_size: int) -> dict[str, Any]:
+    import time
+
+    from megatron.core import parallel_state
+    from megatron.training import global_vars
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+
+    class SlowLayer(FakeLRMoELayer):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            time.sleep(_STAGE_SECONDS[rank])
+            return super().forward(x)
+
+    model = [torch.nn.Sequential(torch.nn.Linear(1, 1), SlowLayer(rank + 1))]
+    args = megatron_args(lrmoe=False, moe_layer_timing=True, log_interval=1, train_iters=3)
+    writer = FakeWriter()
+    global_vars.get_args = lambda: args  # a spawned process of its own: nothing to restore
+    global_vars.get_tensorboard_writer = lambda: writer
+    global_vars.get_wandb_writer = lambda: None
+    module = fake_training_module()
+    hooks = install_lrmoe_training_log(args, module)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.pretrain(forward_step, model)
+    return {"writer": writer.calls, "lines": _lines(out.getvalue()), "last": hooks.last_line}
+
+
+def test_moe_layer_timing_sums_the_pipeline_stages() -> None:
+    """With pipeline parallelism the last stage's line covers every stage's MoE layers."""
+    results = run_distributed(_pipeline_timing_worker, 2, timeout=TIMEOUT_S)
+    assert results[0]["writer"] == results[1]["writer"]  # the same reduced values on every stage
+    per_iteration = [v for name, v, _ in results[0]["writer"] if name.endswith("ms_per_iteration")]
+    cumulative = [v for name, v, _ in results[0]["writer"] if name.endswith("seconds_cumulative")]
+    assert len(per_iteration) == len(cumulative) == 3
+    # Wall clock on CPU: at least both stages' sleeps (the last stage's own is 10 ms).
+    assert all(ms >= 1e3 * sum(_STAGE_SECONDS) for ms in per_iteration), per_iteration
+    assert cumulative == pytest.approx([sum(per_iteration[: i + 1]) / 1e3 for i in range(3)])
+    assert results[0]["lines"] == []  # printed on the last rank only
+    line = results[1]["last"]
+    assert f"moe layers: {per_iteration[-1]:.1f} ms/iter" in line
+    assert f"moe layers cumulative: {cumulative[-1]:.3f} s |" in line

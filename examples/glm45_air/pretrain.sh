@@ -33,6 +33,7 @@
 #   TRAIN_ITERS (20000) LR (3e-4) MIN_LR (3e-5) WARMUP_ITERS (500) SEED (1234)
 #   EVAL_INTERVAL (1000) EVAL_ITERS (10) LOG_INTERVAL (1) CKPT_DIR () DATA_CACHE (/tmp/lrmoe_data_cache)
 #   PYTHON (python3)     DRY_RUN (0): 1 prints the pretrain_lrmoe.py arguments, one per line
+#   CUDA_DEVICE_MAX_CONNECTIONS (1 when TP > 1, as Megatron requires before Blackwell)
 #   ENTRY (pretrain_lrmoe.py)   the script torchrun runs; megatron_lrmoe/testing/cpu_pretrain.py
 #                        runs it on CPU (tiny sizes as extra flags; tests/test_glm_proxy_cpu.py)
 # Extra command-line arguments are appended (a later flag overrides an earlier one).

@@ -203,8 +203,9 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help=(
             "Log the time spent in the MoE layers (forward + backward, CUDA events, every "
-            "overhead included) per iteration and since the start, for stock and LRMoE layers "
-            "alike (a line after Megatron's, and moe/layer_* scalars). Does not need --lrmoe."
+            "overhead included) per iteration and since the start, summed over the pipeline "
+            "stages, for stock and LRMoE layers alike (a line after Megatron's, and moe/layer_* "
+            "scalars). Does not need --lrmoe."
         ),
     )
     for name, default in _DEFAULTS.items():

@@ -31,7 +31,7 @@ functions, and that ``pretrain`` / ``train`` still call them by global name), in
 or not at all, and idempotent. Nothing happens on import, and nothing is installed without
 ``--lrmoe`` or ``--moe-layer-timing``. ``--moe-layer-timing`` (stock runs too) adds a line with
 the time spent in the MoE layers (forward and backward, CUDA events, every overhead included)
-per iteration and since the start, and ``moe/layer_*`` scalars.
+per iteration and since the start, summed over the pipeline stages, and ``moe/layer_*`` scalars.
 """
 
 from __future__ import annotations
@@ -175,6 +175,27 @@ def _print_rank_last(message: str) -> None:
     print_rank_last(message)
 
 
+def _sum_over_pipeline(value: float) -> float:
+    """``value`` summed over this rank's pipeline-parallel group (``value`` itself without one).
+
+    NOTE: a collective over the group (and a device-to-host copy on CUDA) when it has more
+    than one rank.
+    """
+    import torch
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return value
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    device = torch.device("cpu")
+    if torch.cuda.is_available():  # NCCL reduces device tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(total.item())
+
+
 class LRMoETrainingLog:
     """The two wrappers and their shared state (the ``LRMoEMetrics`` of the running ``train``).
 
@@ -203,6 +224,7 @@ class LRMoETrainingLog:
         self._module: Optional[ModuleType] = None
         self._originals: dict[str, Callable[..., Any]] = {}
         self._timed_iteration = 0
+        self._timed_seconds = 0.0
 
     # --- wrappers -------------------------------------------------------------------------------
     def wrap_train(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -220,6 +242,7 @@ class LRMoETrainingLog:
             metrics = self.metrics = self.make_metrics(model) if self.lrmoe else None
             timer = self.timer = MoELayerTimer(model) if self.moe_timing else None
             self._timed_iteration = int(getattr(_megatron_args(), "iteration", 0) or 0)
+            self._timed_seconds = 0.0
             try:
                 return original(*args, **kwargs)
             finally:
@@ -290,14 +313,21 @@ class LRMoETrainingLog:
         return scalars
 
     def _report_timing(self, iteration: int, train_iters: Any, writer: Any, wandb: Any) -> None:
-        """MoE-layer time since the last report and since the start, this rank's, one line."""
+        """MoE-layer time since the last report and since the start, one line.
+
+        Summed over the pipeline stages (every rank of this rank's pipeline group calls this at
+        the same iterations), so the last stage's line covers all MoE layers of its model
+        replica, not only its own.
+        """
         iterations = max(1, iteration - self._timed_iteration)
         self._timed_iteration = iteration
         seconds = self.timer.take()  # NOTE: device-to-host sync (CUDA events), once per report
+        seconds = _sum_over_pipeline(seconds)
+        self._timed_seconds += seconds
         ms = 1e3 * seconds / iterations
         values = {
             "moe/layer_ms_per_iteration": ms,
-            "moe/layer_seconds_cumulative": self.timer.total_seconds,
+            "moe/layer_seconds_cumulative": self._timed_seconds,
         }
         for name, value in values.items():
             if writer is not None:
@@ -306,7 +336,7 @@ class LRMoETrainingLog:
             wandb.log(values, iteration)
         fragment = (
             f" moe layers: {ms:.1f} ms/iter | moe layers cumulative: "
-            f"{self.timer.total_seconds:.3f} s |"
+            f"{self._timed_seconds:.3f} s |"
         )
         self.last_line = lrmoe_log_line(iteration, train_iters, fragment)
         _print_rank_last(self.last_line)
