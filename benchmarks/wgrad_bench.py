@@ -46,7 +46,9 @@ OTHER_GRID = [
     for pps in (0, 1, 2)
     if pps != tile.programs_per_sm
 ]
-CONFIGS = TILES + OTHER_GRID
+# Every tile above again with the fire-and-forget atomic epilogue.
+ATOMIC = [WgradConfig(**{**vars(c), "atomic_epilogue": True}) for c in TILES + OTHER_GRID]
+CONFIGS = TILES + OTHER_GRID + ATOMIC
 
 
 def main() -> None:
@@ -130,10 +132,10 @@ def main() -> None:
                     row["fused"][str(cfg)] = repr(exc)[:120]
                     continue
                 row["fused"][str(cfg)] = ms
-                if cfg.programs_per_sm:  # a persistent grid against the default, all groups
-                    other = torch.zeros_like(check)
-                    grouped_wgrad_triton(a, b, offs, other, accumulate=False, config=cfg)
-                    err = float((other - check).abs().max() / check.abs().max())
+                if cfg.programs_per_sm or cfg.atomic_epilogue:  # against the default, all groups
+                    other = torch.full_like(check, 0.5)
+                    grouped_wgrad_triton(a, b, offs, other, accumulate=True, config=cfg)
+                    err = float((other - 0.5 - check).abs().max() / check.abs().max())
                     del other
                     if err > 1e-3:
                         row["fused"][str(cfg)] = f"wrong result: rel err {err:.1e}"

@@ -1021,7 +1021,10 @@ def _wgrad_case(sizes: list[int], dtype: torch.dtype, device: str = "cpu") -> tu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("accumulate", [True, False])
 @pytest.mark.parametrize("persistent", [0, 1], ids=["grid", "persistent"])
-def test_interp_grouped_wgrad(sizes: list[int], dtype, accumulate: bool, persistent: int) -> None:
+@pytest.mark.parametrize("atomic", [False, True], ids=["load", "atomic"])
+def test_interp_grouped_wgrad(
+    sizes: list[int], dtype, accumulate: bool, persistent: int, atomic: bool
+) -> None:
     from megatron_lrmoe.experts.wgrad_triton import (
         WgradConfig,
         grouped_wgrad_reference,
@@ -1036,7 +1039,7 @@ def test_interp_grouped_wgrad(sizes: list[int], dtype, accumulate: bool, persist
         offs,
         base.clone(),
         accumulate=accumulate,
-        config=WgradConfig(16, 32, 16, 4, 2, programs_per_sm=persistent),
+        config=WgradConfig(16, 32, 16, 4, 2, programs_per_sm=persistent, atomic_epilogue=atomic),
     )
     want = grouped_wgrad_reference(a, b, sizes, base.clone(), accumulate=accumulate)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
@@ -1117,6 +1120,9 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
             got = grouped_wgrad_triton(a, b, offs, base.clone(), config=cfg)
             torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
             assert torch.equal(got[1], base[1])
+            # The atomic epilogue adds the same fp32 tile to the same base: the same bits.
+            atomic = WgradConfig(**{**vars(cfg), "atomic_epilogue": True})
+            assert torch.equal(grouped_wgrad_triton(a, b, offs, base.clone(), config=atomic), got)
 
 
 @cuda
