@@ -33,8 +33,8 @@ from megatron_lrmoe.experts.wgrad_triton import (  # noqa: E402
 )
 
 TILES = [
-    WgradConfig(128, 128, 32, 4, 4),  # DEFAULT_CONFIG
-    WgradConfig(128, 256, 64, 8, 3, 1),  # LARGE_GROUP_CONFIG
+    WgradConfig(128, 128, 32, 4, 4),  # the default tile before gpu_run26
+    WgradConfig(128, 256, 64, 8, 3, 1),  # the large-group tile before gpu_run26
     WgradConfig(128, 128, 64, 8, 3),
     WgradConfig(128, 128, 64, 4, 4),
     WgradConfig(64, 128, 32, 4, 4),
@@ -49,6 +49,16 @@ OTHER_GRID = [
 # Every tile above again with the fire-and-forget atomic epilogue.
 ATOMIC = [WgradConfig(**{**vars(c), "atomic_epilogue": True}) for c in TILES + OTHER_GRID]
 CONFIGS = TILES + OTHER_GRID + ATOMIC
+# --quick: the two load-add-store tiles used before the atomic epilogue, and the atomic
+# epilogue on the tiles that were best with it in gpu_run26 call 1.
+QUICK = [
+    WgradConfig(128, 128, 32, 4, 4),
+    WgradConfig(128, 256, 64, 8, 3, 1),
+    WgradConfig(64, 128, 32, 4, 4, atomic_epilogue=True),
+    WgradConfig(128, 128, 32, 4, 4, atomic_epilogue=True),
+    WgradConfig(128, 256, 64, 8, 3, 0, atomic_epilogue=True),
+    WgradConfig(128, 256, 64, 8, 3, 1, atomic_epilogue=True),
+]
 
 
 def main() -> None:
@@ -59,6 +69,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="time only the QUICK tiles")
     parser.add_argument(
         "--out", default=os.path.join(os.environ.get("OUT", "."), "wgrad_bench.json")
     )
@@ -121,7 +132,7 @@ def main() -> None:
                 row["cublas_loop_ms"] = cuda_median_ms(cublas_loop, args.warmup, args.iters)
             except Exception as exc:  # addmm without out_dtype on this torch
                 row["cublas_loop_ms"] = repr(exc)[:120]
-            for cfg in CONFIGS:
+            for cfg in QUICK if args.quick else CONFIGS:
                 try:
                     ms = cuda_median_ms(
                         lambda: grouped_wgrad_triton(a, b, offs, main_grad, config=cfg),
@@ -132,7 +143,7 @@ def main() -> None:
                     row["fused"][str(cfg)] = repr(exc)[:120]
                     continue
                 row["fused"][str(cfg)] = ms
-                if cfg.programs_per_sm or cfg.atomic_epilogue:  # against the default, all groups
+                if cfg.programs_per_sm or cfg.atomic_epilogue:  # against the default tile
                     other = torch.full_like(check, 0.5)
                     grouped_wgrad_triton(a, b, offs, other, accumulate=True, config=cfg)
                     err = float((other - 0.5 - check).abs().max() / check.abs().max())

@@ -1051,17 +1051,17 @@ def test_interp_grouped_wgrad(
 
 def test_grouped_wgrad_tile_by_rows_per_group() -> None:
     from megatron_lrmoe.experts.wgrad_triton import (
-        DEFAULT_CONFIG,
         LARGE_GROUP_CONFIG,
         LARGE_GROUP_ROWS,
+        SMALL_GROUP_CONFIG,
         config_for,
     )
 
-    assert LARGE_GROUP_CONFIG != DEFAULT_CONFIG
-    assert config_for(128 * 1024, 128) is DEFAULT_CONFIG
+    assert LARGE_GROUP_CONFIG != SMALL_GROUP_CONFIG
+    assert config_for(128 * 512, 128) is SMALL_GROUP_CONFIG
     assert config_for(128 * LARGE_GROUP_ROWS, 128) is LARGE_GROUP_CONFIG
-    assert config_for(128 * LARGE_GROUP_ROWS - 1, 128) is DEFAULT_CONFIG
-    assert config_for(0, 0) is DEFAULT_CONFIG
+    assert config_for(128 * LARGE_GROUP_ROWS - 1, 128) is SMALL_GROUP_CONFIG
+    assert config_for(0, 0) is SMALL_GROUP_CONFIG
 
 
 def test_grouped_wgrad_host_path_adds_each_group() -> None:
@@ -1086,8 +1086,8 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 rows, fp32 accumulator (``main_grad``), both tiles the dispatcher picks, ragged
     groups."""
     from megatron_lrmoe.experts.wgrad_triton import (
-        DEFAULT_CONFIG,
         LARGE_GROUP_CONFIG,
+        SMALL_GROUP_CONFIG,
         WgradConfig,
         accumulate_grouped_wgrad,
         config_for,
@@ -1101,7 +1101,7 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     # Small ragged groups (the default tile), then groups large enough for the larger tile
     # (config_for); group 1 is empty in both.
     for sizes, tile in (
-        ([300, 0, 1, 513, 128, 77], DEFAULT_CONFIG),
+        ([300, 0, 1, 513, 128, 77], SMALL_GROUP_CONFIG),
         ([4000, 0, 2200, 3], LARGE_GROUP_CONFIG),
     ):
         rows = sum(sizes)
@@ -1113,16 +1113,21 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
         want = grouped_wgrad_reference(a, b, sizes, base.clone())
         torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
         assert torch.equal(got[1], base[1])
-        # The same tile on the other grid: one program per tile, or persistent (1 and 2 per SM).
+        # The same tile on the other grid (one program per tile, or persistent with 1 and 2 per
+        # SM), with either epilogue: atomics add the same fp32 tile to the same base, so the
+        # same bits as load-add-store.
         offs = torch.tensor(sizes, device="cuda").cumsum(0)
         for pps in (0, 1, 2):
-            cfg = WgradConfig(**{**vars(tile), "programs_per_sm": pps})
-            got = grouped_wgrad_triton(a, b, offs, base.clone(), config=cfg)
-            torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
-            assert torch.equal(got[1], base[1])
-            # The atomic epilogue adds the same fp32 tile to the same base: the same bits.
-            atomic = WgradConfig(**{**vars(cfg), "atomic_epilogue": True})
-            assert torch.equal(grouped_wgrad_triton(a, b, offs, base.clone(), config=atomic), got)
+            got = {}
+            for atomic in (False, True):
+                grid = {"programs_per_sm": pps, "atomic_epilogue": atomic}
+                cfg = WgradConfig(**{**vars(tile), **grid})
+                got[atomic] = grouped_wgrad_triton(a, b, offs, base.clone(), config=cfg)
+                torch.testing.assert_close(
+                    got[atomic], want, rtol=0, atol=2e-5 * float(want.abs().max())
+                )
+                assert torch.equal(got[atomic][1], base[1])
+            assert torch.equal(got[True], got[False])
 
 
 @cuda

@@ -65,25 +65,26 @@ class WgradConfig:
 
 
 DEFAULT_CONFIG = WgradConfig()
-# From LARGE_GROUP_ROWS rows per group on average, a wider, deeper tile pays. On an H200
-# (benchmarks/wgrad_bench.py, gpu_run12 wgrad_tiles / wgrad_auto / wgrad_large), ms, this tile
-# against the default: fc1 at 2048 rows per expert 3.77 / 3.57 / 3.63 vs 4.14 / 4.21 / 3.96, at
-# 4096 6.13 vs 7.17; fc2 at 2048 1.80 / 1.80 / 1.85 vs 1.98 / 1.94 / 2.05, at 4096 3.10 vs 3.53;
-# at 1024 rows within 2-4 %, at 128-512 the default wins. EP > 1 gets there: 4096 tokens per
-# GPU, top-8 and 16 local experts make 2048 rows per expert. Launched persistent, one program
-# per SM (gpu_run13 wgrad_persistent / wgrad_persistent2), it took a further 2-6 % off fc1 and
-# 4-15 % off fc2 at 2048-4096 rows: fc1 2048 3.51 / 3.54 vs 3.71 / 3.63, 4096 6.12 vs 6.51;
-# fc2 2048 1.61 / 1.65 vs 1.88 / 1.73, 4096 2.93 vs 3.05. The default tile does not gain from
-# it (2.27-2.91 vs 2.09-2.29 ms for fc1 at 1024 rows).
-LARGE_GROUP_CONFIG = WgradConfig(
-    block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, programs_per_sm=1
+# The tiles config_for picks, both with the atomic epilogue (benchmarks/wgrad_bench.py on an
+# H200, gpu_run26; ms, this tile against the load-add-store tiles used before it, fc1 / fc2):
+# below LARGE_GROUP_ROWS rows per group a 64 x 128 tile (512 rows: 1.331 / 0.706 against
+# 1.500 / 0.770 for DEFAULT_CONFIG); from there 128 x 256 x 64 on 8 warps, one program per tile
+# (1024 rows: 1.963 / 1.053 against 2.174 / 1.090; 2048 rows: 3.427 / 1.693 against
+# 3.759 / 1.950 for the persistent large tile used from 1536 rows before). Holding the fp32 tile
+# of `main_grad` for the load-add-store epilogue left its read exposed after the main loop
+# (sections 10-11 of docs/benchmarks.md); with atomics the program moves on and L2 does the add.
+SMALL_GROUP_CONFIG = WgradConfig(
+    block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=4, atomic_epilogue=True
 )
-LARGE_GROUP_ROWS = 1536
+LARGE_GROUP_CONFIG = WgradConfig(
+    block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, atomic_epilogue=True
+)
+LARGE_GROUP_ROWS = 768
 
 
 def config_for(rows: int, groups: int) -> WgradConfig:
     """The tile for ``rows`` rows over ``groups`` groups (host integers: no sync)."""
-    return LARGE_GROUP_CONFIG if rows >= LARGE_GROUP_ROWS * max(groups, 1) else DEFAULT_CONFIG
+    return LARGE_GROUP_CONFIG if rows >= LARGE_GROUP_ROWS * max(groups, 1) else SMALL_GROUP_CONFIG
 
 
 def _wgrad_tile(
