@@ -14,7 +14,10 @@ Shape legend: R rows (pairs) grouped by expert, ``offs[g]`` the end row of group
 
 A ``[BLOCK_M, BLOCK_N]`` tile of one group is computed by looping over the group's rows in
 ``BLOCK_K`` steps (:func:`_wgrad_tile`); empty groups leave ``out[g]`` as it was
-(``accumulate``) or zero it. The grid has one program per tile, or (``programs_per_sm``) is
+(``accumulate``) or zero it. Added into an fp32 ``out`` (``main_grad``), the tiles
+:func:`config_for` picks use fire-and-forget atomics (``WgradConfig.atomic_epilogue``): a
+load-add-store epilogue waits for ``out``'s read after the main loop, which no tile shape, TMA
+load or register prefetch hid on an H200 (docs/benchmarks.md sections 10-11, 24). The grid has one program per tile, or (``programs_per_sm``) is
 persistent: a few programs per SM stride over all tiles, which pays for large groups.
 :func:`grouped_wgrad_reference` is the slow twin (one fp32 matmul per group).
 """
