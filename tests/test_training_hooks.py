@@ -409,9 +409,24 @@ def test_nothing_on_import() -> None:
 # -- real LRMoE layers, 2 ranks -----------------------------------------------------------------
 
 
-def _real_layers_worker(rank: int, world_size: int) -> dict[str, Any]:
+def _pretrain_in_child(args: argparse.Namespace, step: Any, model: Any) -> dict[str, Any]:
+    """The stand-in ``pretrain`` with the hooks installed, in a ``run_distributed`` child (whose
+    Megatron globals need no restoring); returns the writer's calls and the printed lines."""
     from megatron.training import global_vars
 
+    writer = FakeWriter()
+    global_vars.get_args = lambda: args
+    global_vars.get_tensorboard_writer = lambda: writer
+    global_vars.get_wandb_writer = lambda: None
+    module = fake_training_module()
+    hooks = install_lrmoe_training_log(args, module)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.pretrain(step, model)
+    return {"writer": writer.calls, "lines": _lines(out.getvalue()), "last": hooks.last_line}
+
+
+def _real_layers_worker(rank: int, world_size: int) -> dict[str, Any]:
     from megatron_lrmoe import LRMoEConfig
     from megatron_lrmoe.demo.trainer import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
     from megatron_lrmoe.testing import init_megatron_parallel
@@ -422,16 +437,7 @@ def _real_layers_worker(rank: int, world_size: int) -> dict[str, Any]:
     settings = TrainSettings(steps=3, micro_batch_size=4, num_microbatches=2, eval_interval=100)
     trainer = Trainer(shape, settings, corpus, lrmoe=LRMoEConfig(keep_ratio=0.5), metrics=False)
     args = megatron_args(train_iters=3, num_layers=trainer.config.num_layers)
-    writer = FakeWriter()
-    global_vars.get_args = lambda: args  # a spawned process of its own: nothing to restore
-    global_vars.get_tensorboard_writer = lambda: writer
-    global_vars.get_wandb_writer = lambda: None
-    module = fake_training_module()
-    hooks = install_lrmoe_training_log(args, module)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        module.pretrain(lambda model: trainer.train_step(), [trainer.model])
-    return {"writer": writer.calls, "lines": _lines(out.getvalue()), "last": hooks.last_line}
+    return _pretrain_in_child(args, lambda model: trainer.train_step(), [trainer.model])
 
 
 def test_real_lrmoe_layers_two_ranks() -> None:
@@ -472,7 +478,6 @@ def _pipeline_timing_worker(rank: int, world_size: int) -> dict[str, Any]:
     import time
 
     from megatron.core import parallel_state
-    from megatron.training import global_vars
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
 
@@ -483,16 +488,7 @@ def _pipeline_timing_worker(rank: int, world_size: int) -> dict[str, Any]:
 
     model = [torch.nn.Sequential(torch.nn.Linear(1, 1), SlowLayer(rank + 1))]
     args = megatron_args(lrmoe=False, moe_layer_timing=True, log_interval=1, train_iters=3)
-    writer = FakeWriter()
-    global_vars.get_args = lambda: args  # a spawned process of its own: nothing to restore
-    global_vars.get_tensorboard_writer = lambda: writer
-    global_vars.get_wandb_writer = lambda: None
-    module = fake_training_module()
-    hooks = install_lrmoe_training_log(args, module)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        module.pretrain(forward_step, model)
-    return {"writer": writer.calls, "lines": _lines(out.getvalue()), "last": hooks.last_line}
+    return _pretrain_in_child(args, forward_step, model)
 
 
 def test_moe_layer_timing_sums_the_pipeline_stages() -> None:
