@@ -61,6 +61,39 @@ QUICK = [
 ]
 
 
+def _tile(text: str) -> WgradConfig:
+    m, n, k, warps, stages, pps, atomic = (int(v) for v in text.split(","))
+    return WgradConfig(m, n, k, warps, stages, pps, bool(atomic))
+
+
+def _print_sass(kernels: list) -> None:
+    """Counts of the global-memory, atomic and MMA instructions in each compiled kernel."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for kernel in kernels:
+        try:
+            caches = kernel.device_caches.values()
+            compiled_kernels = [c for cache in caches for c in cache[0].values()]
+        except (AttributeError, TypeError, IndexError) as exc:  # another Triton's cache layout
+            print(f"  sass: cannot list compiled kernels ({exc!r})")
+            continue
+        for compiled in compiled_kernels:
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
+            ops = re.findall(r"\b((?:RED|ATOM|ATOMG|STG|LDG|LDGSTS|HGMMA)[\w.]*)", sass.stdout)
+            meta = compiled.metadata
+            print(f"  sass {compiled.name} warps {meta.num_warps} stages {meta.num_stages} "
+                  f"smem {meta.shared}: {collections.Counter(ops).most_common(6)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -70,6 +103,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="time only the QUICK tiles")
+    parser.add_argument(
+        "--tiles", nargs="+", default=None, metavar="M,N,K,WARPS,STAGES,PPS,ATOMIC",
+        help="time these tiles only (e.g. 128,256,64,8,3,0,1)",
+    )
+    parser.add_argument(
+        "--sass", action="store_true",
+        help="print the memory and MMA instructions of each compiled kernel (needs cuobjdump)",
+    )
     parser.add_argument(
         "--out", default=os.path.join(os.environ.get("OUT", "."), "wgrad_bench.json")
     )
@@ -132,7 +173,11 @@ def main() -> None:
                 row["cublas_loop_ms"] = cuda_median_ms(cublas_loop, args.warmup, args.iters)
             except Exception as exc:  # addmm without out_dtype on this torch
                 row["cublas_loop_ms"] = repr(exc)[:120]
-            for cfg in QUICK if args.quick else CONFIGS:
+            if args.tiles:
+                configs = [_tile(t) for t in args.tiles]
+            else:
+                configs = QUICK if args.quick else CONFIGS
+            for cfg in configs:
                 try:
                     ms = cuda_median_ms(
                         lambda: grouped_wgrad_triton(a, b, offs, main_grad, config=cfg),
@@ -170,6 +215,10 @@ def main() -> None:
                 print(f"    {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1)
+    if args.sass:
+        from megatron_lrmoe.experts.wgrad_triton import _kernel
+
+        _print_sass(list(_kernel()[:2]))
 
 
 if __name__ == "__main__":
