@@ -49,8 +49,9 @@ __all__ = [
 class WgradConfig:
     """Tile shape and launch parameters of the kernel.
 
-    The default was the fastest of seven on an H200 for the Qwen3-30B-A3B experts at 128-512
-    rows per expert and within 2 % of the best at 1024 (``benchmarks/wgrad_bench.py``).
+    The defaults (128 x 128 x 32, 4 warps, 4 stages, load-add-store epilogue) were the fastest
+    tile with the load-add-store epilogue at 128-1024 rows per expert; :func:`config_for` picks
+    :data:`SMALL_GROUP_CONFIG` or :data:`LARGE_GROUP_CONFIG` (``benchmarks/wgrad_bench.py``).
     """
 
     block_m: int = 128
