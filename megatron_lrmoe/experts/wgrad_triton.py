@@ -17,8 +17,9 @@ A ``[BLOCK_M, BLOCK_N]`` tile of one group is computed by looping over the group
 (``accumulate``) or zero it. Added into an fp32 ``out`` (``main_grad``), the tiles
 :func:`config_for` picks use fire-and-forget atomics (``WgradConfig.atomic_epilogue``): a
 load-add-store epilogue waits for ``out``'s read after the main loop, which no tile shape, TMA
-load or register prefetch hid on an H200 (docs/benchmarks.md sections 10-11, 24). The grid has one program per tile, or (``programs_per_sm``) is
-persistent: a few programs per SM stride over all tiles, which pays for large groups.
+load or register prefetch hid on an H200 (docs/benchmarks.md sections 10-11, 24). The grid has
+one program per tile, or (``programs_per_sm``) is persistent: a few programs per SM stride over
+all tiles.
 :func:`grouped_wgrad_reference` is the slow twin (one fp32 matmul per group).
 """
 
