@@ -12,6 +12,8 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Megatron's iteration line (the MTP loss only where the model has MTP layers).
@@ -65,3 +67,12 @@ def curves(log: str) -> dict[str, list[float]]:
         "grad_norm": [float(r[3]) for r in rows],
         "val": [float(m[2]) for m in _VAL.findall(log)],
     }
+
+
+def assert_same_curves(got: dict, want: dict, keys: tuple[str, ...]) -> None:
+    """``got``'s curves equal ``want``'s (both from :func:`curves`) as far as the log prints them:
+    losses 7 digits, gradient norms 3 decimals (one unit of slack)."""
+    for key in keys:
+        assert len(got[key]) == len(want[key]) > 0, key
+        tolerance = {"abs": 1.01e-3} if key == "grad_norm" else {"rel": 1e-5}
+        assert got[key] == pytest.approx(want[key], **tolerance), key

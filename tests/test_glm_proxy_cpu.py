@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cpu_launch import ROOT, curves as _curves, launch_env, model_report as _report
+from cpu_launch import ROOT, assert_same_curves, launch_env
+from cpu_launch import curves as _curves
+from cpu_launch import model_report as _report
 TIMEOUT_S = 600  # a hang guard for the whole subprocess, start-up on a busy machine included
 ITERS = 6
 KEEP = "0.5"
@@ -159,9 +161,5 @@ def test_keep1_equals_stock_fp32(data_prefix: str, tmp_path: Path) -> None:
         assert re.search(r"^  bf16 \.+ False$", logs[name], re.M), name
     stock, keep1 = _curves(logs["stock"]), _curves(logs["keep1"])
     assert _report(logs["keep1"])["moe_layers"] == "LRMoELayer:2"
-    for key in ("lm", "mtp", "grad_norm", "val"):
-        assert len(keep1[key]) == len(stock[key]) > 0, key
-        # Losses print 7 digits; the gradient norm only 3 decimals (one unit of slack).
-        tolerance = {"abs": 1.01e-3} if key == "grad_norm" else {"rel": 1e-5}
-        assert keep1[key] == pytest.approx(stock[key], **tolerance), key
+    assert_same_curves(keep1, stock, ("lm", "mtp", "grad_norm", "val"))
     assert stock["lm"][-1] < stock["lm"][0]
