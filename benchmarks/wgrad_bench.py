@@ -11,11 +11,18 @@ Shapes: the Qwen3-30B-A3B experts (128 experts, fc1 ``[2F=1536, H=2048]``, fc2 `
 ``--rows`` rows per expert on average (group sizes drawn from a multinomial, as routing gives).
 Medians of CUDA-event times after warm-up; the fused result is checked against an fp32
 reference.
+
+Trained routers are not uniform: ``--skew CV ...`` draws the experts' shares from a Gamma
+distribution with that coefficient of variation first (0: uniform), and ``--order`` lays the
+groups out in the drawn order (``drawn``), largest first (``descending``) or smallest first
+(``ascending``); the kernels visit groups in memory order. ``--fused-only`` skips the GEMM,
+cuBLAS and overwrite references (a sweep of tiles over skews).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -61,6 +68,21 @@ QUICK = [
 ]
 
 
+def _group_sizes(rows: int, experts: int, cv: float, order: str) -> torch.Tensor:
+    """``experts`` group sizes summing to about ``rows * experts``: a multinomial over shares
+    drawn from a Gamma distribution of coefficient of variation ``cv`` (uniform at 0), laid out
+    in ``order``. The same draw for the same ``rows`` and ``cv`` (each order, each projection)."""
+    torch.manual_seed(rows * 1000 + round(cv * 100))
+    if cv > 0:
+        shares = torch.distributions.Gamma(torch.full((experts,), 1.0 / cv**2), 1.0).sample()
+    else:
+        shares = torch.ones(experts)
+    sizes = torch.distributions.Multinomial(rows * experts, shares / shares.sum()).sample().long()
+    if order != "drawn":
+        sizes = sizes.sort(descending=order == "descending").values
+    return sizes
+
+
 def _tile(text: str) -> WgradConfig:
     m, n, k, warps, stages, pps, atomic = (int(v) for v in text.split(","))
     return WgradConfig(m, n, k, warps, stages, pps, bool(atomic))
@@ -94,6 +116,40 @@ def _print_sass(kernels: list) -> None:
                   f"smem {meta.shared}: {collections.Counter(ops).most_common(6)}")
 
 
+def _references(a, b, offs, sizes, scratch, main_grad, args) -> dict:
+    """The default tile with a bf16 result and overwriting fp32, and cuBLAS per expert."""
+    row = {}
+    # Where the default tile's time goes: the GEMM with a bf16 result (no fp32 traffic)
+    # and overwriting the fp32 accumulator (its write, no read).
+    bf16_out = torch.empty(main_grad.shape, device=main_grad.device, dtype=torch.bfloat16)
+    row["triton_gemm_bf16_ms"] = cuda_median_ms(
+        lambda: grouped_wgrad_triton(a, b, offs, bf16_out, accumulate=False),
+        args.warmup,
+        args.iters,
+    )
+    row["triton_overwrite_fp32_ms"] = cuda_median_ms(
+        lambda: grouped_wgrad_triton(a, b, offs, scratch, accumulate=False),
+        args.warmup,
+        args.iters,
+    )
+    del bf16_out
+    # A vendor reference: cuBLAS per expert, accumulating into fp32 in its epilogue
+    # (beta = 1; torch's addmm with out_dtype), launched from a Python loop.
+    bounds = [0, *sizes.cumsum(0).tolist()]
+
+    def cublas_loop() -> None:
+        for g in range(args.experts):
+            lo, hi = bounds[g], bounds[g + 1]
+            torch.addmm(main_grad[g], a[lo:hi].t(), b[lo:hi],
+                        out_dtype=torch.float32, out=main_grad[g])
+
+    try:
+        row["cublas_loop_ms"] = cuda_median_ms(cublas_loop, args.warmup, args.iters)
+    except Exception as exc:  # addmm without out_dtype on this torch
+        row["cublas_loop_ms"] = repr(exc)[:120]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -108,6 +164,15 @@ def main() -> None:
         help="time these tiles only (e.g. 128,256,64,8,3,0,1)",
     )
     parser.add_argument(
+        "--skew", type=float, nargs="+", default=[0.0], metavar="CV",
+        help="coefficients of variation of the experts' shares (0: uniform; default 0)",
+    )
+    parser.add_argument(
+        "--order", nargs="+", default=["drawn"], choices=("drawn", "descending", "ascending"),
+        help="the groups' order in memory, which the kernels visit in (default drawn)",
+    )
+    parser.add_argument("--fused-only", action="store_true", help="time the fused kernels only")
+    parser.add_argument(
         "--sass", action="store_true",
         help="print the memory and MMA instructions of each compiled kernel (needs cuobjdump)",
     )
@@ -120,9 +185,8 @@ def main() -> None:
     results = []
     for name, m, n in (("fc1", 1536, 2048), ("fc2", 2048, 768)):
         main_grad = torch.zeros(args.experts, m, n, device=dev, dtype=torch.float32)
-        for rows in args.rows:
-            probs = torch.full((args.experts,), 1.0 / args.experts)
-            sizes = torch.distributions.Multinomial(rows * args.experts, probs).sample().long()
+        for rows, cv, order in itertools.product(args.rows, args.skew, args.order):
+            sizes = _group_sizes(rows, args.experts, cv, order)
             total = int(sizes.sum())
             a = torch.randn(total, m, device=dev, dtype=torch.bfloat16)
             b = torch.randn(total, n, device=dev, dtype=torch.bfloat16)
@@ -137,42 +201,19 @@ def main() -> None:
                 main_grad.add_(grouped_mm_tn(a, b, groups, out_dtype=torch.bfloat16))
 
             row = {"proj": name, "M": m, "N": n, "rows_per_expert": rows, "rows": total,
-                   "gemm_ms": cuda_median_ms(gemm, args.warmup, args.iters),
-                   "gemm_add_ms": cuda_median_ms(gemm_add, args.warmup, args.iters), "fused": {}}
+                   "skew": cv, "order": order, "size_cv": float(sizes.float().std() / sizes.float().mean()),
+                   "largest_group": int(sizes.max()), "fused": {}}
+            if not args.fused_only:
+                row["gemm_ms"] = cuda_median_ms(gemm, args.warmup, args.iters)
+                row["gemm_add_ms"] = cuda_median_ms(gemm_add, args.warmup, args.iters)
             # Correctness on a fresh buffer: fused vs fp32 reference of the first groups.
             check = torch.zeros_like(main_grad)
             grouped_wgrad_triton(a, b, offs, check, accumulate=False)
             s0, s1 = 0, int(sizes[0])
             ref = a[s0:s1].float().t() @ b[s0:s1].float()
             row["max_rel_err_group0"] = float((check[0] - ref).abs().max() / ref.abs().max())
-            # Where the default tile's time goes: the GEMM with a bf16 result (no fp32 traffic)
-            # and overwriting the fp32 accumulator (its write, no read).
-            bf16_out = torch.empty(main_grad.shape, device=dev, dtype=torch.bfloat16)
-            row["triton_gemm_bf16_ms"] = cuda_median_ms(
-                lambda: grouped_wgrad_triton(a, b, offs, bf16_out, accumulate=False),
-                args.warmup,
-                args.iters,
-            )
-            row["triton_overwrite_fp32_ms"] = cuda_median_ms(
-                lambda: grouped_wgrad_triton(a, b, offs, check, accumulate=False),
-                args.warmup,
-                args.iters,
-            )
-            del bf16_out
-            # A vendor reference: cuBLAS per expert, accumulating into fp32 in its epilogue
-            # (beta = 1; torch's addmm with out_dtype), launched from a Python loop.
-            bounds = [0, *sizes.cumsum(0).tolist()]
-
-            def cublas_loop() -> None:
-                for g in range(args.experts):
-                    lo, hi = bounds[g], bounds[g + 1]
-                    torch.addmm(main_grad[g], a[lo:hi].t(), b[lo:hi],
-                                out_dtype=torch.float32, out=main_grad[g])
-
-            try:
-                row["cublas_loop_ms"] = cuda_median_ms(cublas_loop, args.warmup, args.iters)
-            except Exception as exc:  # addmm without out_dtype on this torch
-                row["cublas_loop_ms"] = repr(exc)[:120]
+            if not args.fused_only:
+                row.update(_references(a, b, offs, sizes, check, main_grad, args))
             if args.tiles:
                 configs = [_tile(t) for t in args.tiles]
             else:
@@ -202,15 +243,17 @@ def main() -> None:
             # timing taken after the sweep came out up to 14 % off for the same tile).
             row["fused_auto"] = str(config_for(total, args.experts))
             print(f"  accumulate_grouped_wgrad picks {row['fused_auto']}")
-            row["gemm_tflops"] = flops / row["gemm_ms"] / 1e9
             results.append(row)
-            print(f"{name} rows/expert {rows:5d}: gemm {row['gemm_ms']:.3f} ms "
-                  f"({row['gemm_tflops']:.0f} TF/s), gemm+add {row['gemm_add_ms']:.3f}, fused best "
-                  f"{best[0]:.3f} ({row['fused_best_tflops']:.0f} TF/s) {best[1]}; rel err "
-                  f"{row['max_rel_err_group0']:.1e}; default tile: GEMM to bf16 "
-                  f"{row['triton_gemm_bf16_ms']:.3f}, overwrite fp32 "
-                  f"{row['triton_overwrite_fp32_ms']:.3f}; cuBLAS loop {row['cublas_loop_ms']}",
-                  flush=True)
+            line = (f"{name} rows/expert {rows:5d} skew {cv:g} ({order}: cv {row['size_cv']:.2f}, "
+                    f"largest {row['largest_group']}): fused best {best[0]:.3f} ms "
+                    f"({row['fused_best_tflops']:.0f} TF/s) {best[1]}")
+            if not args.fused_only:
+                row["gemm_tflops"] = flops / row["gemm_ms"] / 1e9
+                line += (f"; gemm {row['gemm_ms']:.3f} ms ({row['gemm_tflops']:.0f} TF/s), gemm+add "
+                         f"{row['gemm_add_ms']:.3f}; rel err {row['max_rel_err_group0']:.1e}; default "
+                         f"tile: GEMM to bf16 {row['triton_gemm_bf16_ms']:.3f}, overwrite fp32 "
+                         f"{row['triton_overwrite_fp32_ms']:.3f}; cuBLAS loop {row['cublas_loop_ms']}")
+            print(line, flush=True)
             for k, v in row["fused"].items():
                 print(f"    {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
     with open(args.out, "w", encoding="utf-8") as f:

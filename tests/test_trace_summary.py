@@ -1,0 +1,73 @@
+"""benchmarks/trace_summary.py on a hand-made profiler trace: steps, owners, gaps, kernels."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks import trace_summary
+
+
+def _trace(tmp_path, shift: float = 0.0) -> str:
+    ev = []
+
+    def cpu(name, ts, dur, cat="cpu_op"):
+        ev.append(dict(ph="X", cat=cat, name=name, ts=ts, dur=dur))
+
+    def launch(corr, ts, kernel, start, dur):
+        ev.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1,
+                       args=dict(correlation=corr)))
+        ev.append(dict(ph="X", cat="kernel", name=kernel, ts=start, dur=dur,
+                       args=dict(correlation=corr)))
+
+    for step in range(2):
+        t0 = 1000.0 * step
+        cpu(f"ProfilerStep#{step + 5}", t0, 900, cat="user_annotation")
+        cpu("TrimmedMoEFunction", t0 + 10, 50)
+        launch(100 * step + 1, t0 + 20, "fwd_gemm", t0 + 100, 40)  # in moe_fwd
+        cpu("autograd::engine::evaluate_function: TrimmedMoEFunctionBackward", t0 + 300, 100)
+        launch(100 * step + 2, t0 + 310, "wgrad", t0 + 400, 30)  # in moe_bwd
+        launch(100 * step + 3, t0 + 390, "select", t0 + 450, 10 + shift)  # moe_bwd, 20 us gap before
+        launch(100 * step + 4, t0 + 500, "attention", t0 + 600, 100)  # no owner
+    # a kernel launched outside every step is not counted
+    launch(999, 5000, "late", 5100, 50)
+    path = tmp_path / f"rank-0-{shift}.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(traceEvents=ev), f)
+    return str(path)
+
+
+def test_summary_of_a_hand_made_trace(tmp_path):
+    s = trace_summary.summarize(_trace(tmp_path), top=10)
+    assert [r["step"] for r in s["steps"]] == ["ProfilerStep#5", "ProfilerStep#6"]
+    first = s["steps"][0]
+    assert first["host_ms"] == pytest.approx(0.9)
+    assert first["gpu_span_ms"] == pytest.approx(0.6)  # 100 .. 700 us
+    assert first["busy_ms"] == pytest.approx(0.18)  # 40 + 30 + 10 + 100
+    assert first["idle_ms"] == pytest.approx(0.42)
+    bwd = s["owners"]["moe_bwd"]
+    assert bwd["calls_per_step"] == 1
+    assert bwd["summed_ms"] == pytest.approx(0.04)
+    assert bwd["span_ms"] == pytest.approx(0.06)  # 400 .. 460
+    assert bwd["gaps_ms"] == pytest.approx(0.02)
+    assert s["owners"]["moe_fwd"]["summed_ms"] == pytest.approx(0.04)
+    assert list(s["kernels"]) == ["attention", "fwd_gemm", "wgrad", "select"]
+    assert s["kernels"]["wgrad"] == dict(ms=pytest.approx(0.03), moe_bwd_ms=pytest.approx(0.03))
+    assert s["kernels"]["attention"]["moe_bwd_ms"] == 0.0
+    assert "late" not in s["kernels"]
+
+
+def test_two_traces_side_by_side(tmp_path):
+    a = trace_summary.summarize(_trace(tmp_path), top=10)
+    b = trace_summary.summarize(_trace(tmp_path, shift=5.0), top=10)
+    text = trace_summary.report([a, b], ["keep1", "keep05"])
+    first_kernel_line = [l for l in text.splitlines() if l.rstrip().endswith("select")][0]
+    assert "+0.005" in first_kernel_line
+    assert "all activities: 0.180 / 0.185 ms per step (+0.005)" in text
+
+
+def test_union():
+    assert trace_summary.union_us([(0, 10), (5, 12), (20, 25)]) == 17
+    assert trace_summary.union_us([]) == 0
