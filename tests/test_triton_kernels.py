@@ -1058,7 +1058,8 @@ def test_grouped_wgrad_tile_by_rows_per_group() -> None:
     )
 
     assert LARGE_GROUP_CONFIG != SMALL_GROUP_CONFIG
-    assert config_for(128 * 512, 128) is SMALL_GROUP_CONFIG
+    assert config_for(128 * 384, 128) is SMALL_GROUP_CONFIG
+    assert config_for(128 * 512, 128) is LARGE_GROUP_CONFIG  # keep 0.5 at 16384 tokens, top-8
     assert config_for(128 * LARGE_GROUP_ROWS, 128) is LARGE_GROUP_CONFIG
     assert config_for(128 * LARGE_GROUP_ROWS - 1, 128) is SMALL_GROUP_CONFIG
     assert config_for(0, 0) is SMALL_GROUP_CONFIG

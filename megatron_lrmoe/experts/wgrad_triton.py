@@ -74,22 +74,28 @@ class WgradConfig:
 DEFAULT_CONFIG = WgradConfig()
 # The tiles config_for picks, both with the atomic epilogue (benchmarks/wgrad_bench.py on an
 # H200, gpu_run26; ms, this tile against the load-add-store tiles used before it, fc1 / fc2):
-# below LARGE_GROUP_ROWS rows per group a 64 x 128 tile (512 rows: 1.331 / 0.706 against
-# 1.500 / 0.770 for DEFAULT_CONFIG); from there 128 x 256 x 64 on 8 warps, one program per tile
+# below LARGE_GROUP_ROWS rows per group a 64 x 128 tile (256 rows: 1.208 / 0.611 against
+# 1.288 / 0.674 for DEFAULT_CONFIG); from there 128 x 256 x 64 on 8 warps, one program per tile
 # (1024 rows: 1.963 / 1.053 against 2.174 / 1.090; 2048 rows: 3.427 / 1.693 against
 # 3.759 / 1.950 for the persistent large tile used from 1536 rows before), with 4 stages
 # (call 7, two runs: 1024 rows 1.887 / 0.935 and 1.860 / 0.918 against 3 stages' 2.003 / 1.085
 # and 1.971 / 1.082; 2048 rows 3.136 / 1.623 and 3.281 / 1.647 against 3.276 / 1.675 and
-# 3.413 / 1.665; at 512 rows the 64 x 128 tile stays ahead by 2-4 %). Holding the fp32 tile
-# of `main_grad` for the load-add-store epilogue left its read exposed after the main loop
-# (sections 10-11 of docs/benchmarks.md); with atomics the program moves on and L2 does the add.
+# 3.413 / 1.665). Holding the fp32 tile of `main_grad` for the load-add-store epilogue left its
+# read exposed after the main loop (sections 10-11 of docs/benchmarks.md); with atomics the
+# program moves on and L2 does the add.
+# The large tile from 512 rows per group (768 before): with evenly sized groups the 64 x 128
+# tile is 3-4 % ahead at 512 rows, but a trained router's groups are not even, and there the
+# small tile loses 21-27 % on fc1 and the large one 10-11 % (wgrad_bench --skew, gpu_run27
+# call 3: fc1 at 512 rows and group sizes of CV 1 / 2, 1.608 / 1.691 ms against 1.526 / 1.539).
+# In training (Qwen3 proxy, keep 0.5, 16384 tokens; call 4) the weight gradients took 8.65
+# against 10.09 ms per iteration over four layers, the same losses.
 SMALL_GROUP_CONFIG = WgradConfig(
     block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=4, atomic_epilogue=True
 )
 LARGE_GROUP_CONFIG = WgradConfig(
     block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, atomic_epilogue=True
 )
-LARGE_GROUP_ROWS = 768
+LARGE_GROUP_ROWS = 512
 
 
 def config_for(rows: int, groups: int) -> WgradConfig:
