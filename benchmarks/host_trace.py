@@ -48,6 +48,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
     zero_grads,
 )
+from benchmarks.trace_summary import union_us  # noqa: E402
 
 PHASES = ("lrmoe_bench::forward", "lrmoe_bench::backward")
 
@@ -196,16 +197,7 @@ def _gpu_busy(events: list[dict], start: float, end: float) -> tuple[float, int]
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"
         and e["ts"] < end and e["ts"] + e["dur"] > start
     )
-    busy, cur_a, cur_b = 0.0, None, None
-    for a, b in spans:
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                busy += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None:
-        busy += cur_b - cur_a
+    busy = union_us(spans)
     return busy, len(spans)
 
 
