@@ -439,3 +439,19 @@ def test_train_compare_runs_a_alone_and_gives_each_run_a_cold_cache(tmp_path: Pa
     assert list(alone) == ["train_keep0.25.log"]
     assert "keep=0.25" in alone["train_keep0.25.log"]
     assert "exit 0 (0.25)" in alone["train_keep0.25.log"]
+
+
+def test_wgrad_bench_group_sizes_skew_and_order() -> None:
+    """wgrad_bench's skewed group sizes: the requested total, the same draw in every order,
+    about the requested coefficient of variation, uniform at 0."""
+    from benchmarks.wgrad_bench import _group_sizes
+
+    even = _group_sizes(512, 128, 0.0, "drawn")
+    assert int(even.sum()) == 512 * 128 and float(even.float().std() / even.float().mean()) < 0.1
+    drawn = _group_sizes(512, 128, 1.0, "drawn")
+    desc = _group_sizes(512, 128, 1.0, "descending")
+    asc = _group_sizes(512, 128, 1.0, "ascending")
+    assert int(drawn.sum()) == 512 * 128
+    assert torch.equal(desc, drawn.sort(descending=True).values)
+    assert torch.equal(asc, drawn.sort().values)
+    assert 0.7 < float(drawn.float().std() / drawn.float().mean()) < 1.3
