@@ -7,7 +7,7 @@ A trace is what Megatron's ``--profile --use-pytorch-profiler --profile-step-sta
 --profile-step-end E --tensorboard-dir DIR`` writes (``DIR/../torch_profile/rank-0.json.gz``),
 one per run. Each GPU activity (kernel, memcpy, memset; a CUDA graph's kernels included) is
 put in the profiled step whose host range holds its launch (the runtime call with the same
-correlation id) and, within it, in the innermost of these host ranges that holds the launch:
+correlation id) and, within it, in the one of these host ranges that holds the launch:
 
     moe_fwd   the MoE experts' autograd function (ExactMoEFunction / TrimmedMoEFunction)
     moe_bwd   its backward (autograd::engine::evaluate_function: ...MoEFunctionBackward)
@@ -30,7 +30,7 @@ import gzip
 import json
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -47,13 +47,6 @@ class Activity:
     start: float  # us
     end: float
     launch: float  # host us of the runtime call that launched it
-
-
-@dataclass
-class Owned:
-    """The activities of one owner's calls in one step: per call a list."""
-
-    calls: list[list[Activity]] = field(default_factory=list)
 
 
 def load(path: str) -> list[dict[str, Any]]:
@@ -186,13 +179,12 @@ def report(summaries: list[dict[str, Any]], names: list[str]) -> str:
                          f" busy {o['busy_ms']:.2f}, span {o['span_ms']:.2f}, gaps {o['gaps_ms']:.2f}")
     top = summaries[0]["top"]
     if len(summaries) == 1:
-        lines.append(f"  top kernels, ms per step (of it in moe_bwd):")
+        lines.append("  top kernels, ms per step (of it in moe_bwd):")
         for name, k in list(summaries[0]["kernels"].items())[:top]:
             lines.append(f"  {k['ms']:9.3f} {k['moe_bwd_ms']:9.3f}  {_short(name)}")
         return "\n".join(lines)
     a, b = summaries[0]["kernels"], summaries[1]["kernels"]
-    keys = sorted(set(a) | set(b), key=lambda n: -max(abs(b.get(n, {}).get("ms", 0) - a.get(n, {}).get("ms", 0)),
-                                                       0.0))
+    keys = sorted(set(a) | set(b), key=lambda n: -abs(b.get(n, {}).get("ms", 0) - a.get(n, {}).get("ms", 0)))
     lines.append(f"  kernels by |{names[1]} - {names[0]}|, ms per step: {names[0]} ({names[0]} moe_bwd), "
                  f"{names[1]} ({names[1]} moe_bwd), difference")
     total_a = sum(k["ms"] for k in a.values())
