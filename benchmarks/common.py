@@ -77,6 +77,20 @@ def moe_config(ep: int, dtype: torch.dtype = torch.bfloat16, **overrides: Any) -
     return TransformerConfig(**fields)
 
 
+def gamma_shares(experts: int, cv: float, seed: int | None = None) -> torch.Tensor:
+    """``experts`` shares (not normalised) from a Gamma distribution of coefficient of variation
+    ``cv`` (shape ``1 / cv**2``, rate 1), all ones at ``cv`` 0 (nothing drawn). Drawn from
+    torch's global CPU generator as it stands, or, with ``seed``, from it seeded so and then
+    restored (the global stream goes on as if nothing had been drawn)."""
+    if cv <= 0:
+        return torch.ones(experts)
+    if seed is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            return gamma_shares(experts, cv)
+    return torch.distributions.Gamma(torch.full((experts,), 1.0 / cv**2), 1.0).sample()
+
+
 class CudaTimer:
     """Median of CUDA-event timings."""
 

@@ -1,8 +1,8 @@
 """LRMoE layers stacked as in a model: the host queues layer after layer, nothing waits between.
 
     torchrun --nproc_per_node=1 benchmarks/model_bench.py [--layers 8] [--experts 16]
-        [--tokens 8192] [--keep 1.0 0.75 0.5] [--selection sample] [--rounds 10] [--warmup 3]
-        [--out model_bench.json]
+        [--tokens 8192] [--keep 1.0 0.75 0.5] [--selection sample] [--skew 0] [--rounds 10]
+        [--warmup 3] [--out model_bench.json]
 
 One process per GPU; expert parallelism over all of them (EP = number of processes),
 ``--tokens`` per GPU; times and memory are the largest over the ranks.
@@ -17,6 +17,15 @@ stream (each adds its output to the next one's input) and run forward, then back
 synchronisation inside a round; CUDA events around the stack give each phase's time per layer
 as a model sees it (the one start-up of the round is spread over the layers).
 
+Routing: random router weights on random tokens give the experts nearly even groups, a trained
+router does not (docs/benchmarks.md section 25). ``--skew CV`` (default 0: the routers as
+built, nothing added) adds a per-expert bias ``log(shares)`` to each layer's router logits, the
+shares drawn from a Gamma distribution of coefficient of variation CV (shape 1/CV^2, rate 1;
+``common.gamma_shares``) seeded with the layer's number: the same bias on every rank and at
+every keep ratio. The bias is installed here only, by wrapping that router instance's
+``gating`` (``TopKRouter.forward`` routes on the logits it returns). The skew reached is in each
+row (``tokens_cv``, ``tokens_max``).
+
 Per keep ratio (its own layers, built afresh from the same seed), medians over ``--rounds``
 after ``--warmup`` (at EP 1 each layer's backward graph is captured in the warm-up):
     fwd_ms, bwd_ms: GPU time per layer of the forward and the backward.
@@ -27,6 +36,9 @@ after ``--warmup`` (at EP 1 each layer's backward graph is captured in the warm-
     graphs_mib: what the expert graphs hold (``backward_graph.graph_memory_bytes``).
     reserved_mib: memory reserved after the rounds (the graphs' pool included; each keep
         ratio starts without graphs or shared buffers, ``backward_graph.reset``).
+    tokens_cv, tokens_max: the tokens per expert that the first layer's router sends in one
+        forward (all ranks' tokens summed; outside the rounds): their coefficient of variation
+        (std / mean over the experts) and the largest expert's count.
 Floor, per layer (GPU only, keep 1.0's rows, rank 0: ``layer_bench._floor``): the grouped GEMMs
 of the experts, at EP > 1 plus the four all-to-alls of the pair rows (``floor_ms``; printed as
 "GEMMs"); ``acc_ms`` the fp32 ``main_grad`` accumulation of both weight gradients (a bf16 add into
@@ -51,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
     attach_main_grad,
     cuda_median_ms,
+    gamma_shares,
     init_distributed,
     moe_config,
     write_json,
@@ -96,6 +109,32 @@ def _build(
         attach_main_grad(layer)
         layers.append(layer)
     return layers
+
+
+def _skew_router(layer: Any, cv: float) -> None:
+    """Adds ``log(gamma_shares(experts, cv, seed=layer_number))``, one bias per expert, to the
+    logits that ``layer``'s router instance's ``gating`` returns (``TopKRouter.forward`` routes
+    on them)."""
+    router = layer.router
+    shares = gamma_shares(router.config.num_moe_experts, cv, seed=layer.layer_number)
+    bias = shares.log().to(router.weight.device)
+    gating = router.gating
+
+    def skewed(input: torch.Tensor) -> torch.Tensor:
+        return gating(input) + bias
+
+    router.gating = skewed
+
+
+def _tokens_per_expert(layer: Any, x: torch.Tensor) -> dict[str, float]:
+    """Coefficient of variation (std / mean over the experts) and largest count of the tokens per
+    expert that ``layer``'s router sends from ``x``, summed over the ranks (no gradient, so no
+    auxiliary loss)."""
+    with torch.no_grad():
+        _, routing_map = layer.router(x)
+    counts = routing_map.sum(0).to(torch.float64)
+    torch.distributed.all_reduce(counts)
+    return dict(tokens_cv=float(counts.std() / counts.mean()), tokens_max=int(counts.max()))
 
 
 def _round(layers: list[Any], x: torch.Tensor, up: torch.Tensor) -> dict[str, float]:
@@ -149,10 +188,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.75, 0.5])
     parser.add_argument("--selection", choices=("sample", "topk"), default="sample")
+    parser.add_argument(
+        "--skew", type=float, default=0.0, metavar="CV",
+        help="add log(shares), Gamma of this coefficient of variation, to each layer's router "
+        "logits (0: none; default 0)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.skew < 0:
+        parser.error(f"--skew {args.skew}: a coefficient of variation, not below 0")
     if args.warmup < 2:
         parser.error(f"--warmup {args.warmup}: at least 2 (graphs are captured on a 2nd call)")
 
@@ -178,12 +224,16 @@ def main() -> None:
     floor: dict[str, float] = {}
     for keep in args.keep:
         layers = _build(args, ep, keep, pg, device)
+        if args.skew > 0:
+            for layer in layers:
+                _skew_router(layer, args.skew)
         for _ in range(args.warmup):
             _round(layers, x, up)
         samples = [_round(layers, x, up) for _ in range(args.rounds)]
         row: dict[str, Any] = {"keep": keep}
         for key in samples[0]:
             row[key] = statistics.median(s[key] for s in samples)
+        row.update(_tokens_per_expert(layers[0], x))
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -214,7 +264,8 @@ def main() -> None:
     keep1 = next((r for r in rows if r["keep"] == 1.0), None)
     print(
         f"{args.layers} layers, {args.experts} experts, EP {ep}, {args.tokens} tokens per GPU, "
-        f"{args.selection}, per layer (medians of {args.rounds} rounds):"
+        f"{args.selection}, router skew {args.skew:g}, per layer (medians of {args.rounds} "
+        "rounds):"
     )
     for row in rows:
         if keep1 is not None:
@@ -228,7 +279,8 @@ def main() -> None:
         ratio = f" (bwd/keep1 {row['bwd_vs_keep1']:.3f})" if "bwd_vs_keep1" in row else ""
         print(
             f"  keep {row['keep']:g}: fwd {row['fwd_ms']:.3f} ms, bwd {row['bwd_ms']:.3f} ms{ratio}"
-            f"; host fwd {row['host_fwd_ms']:.3f}, bwd {row['host_bwd_ms']:.3f};{memory}"
+            f"; host fwd {row['host_fwd_ms']:.3f}, bwd {row['host_bwd_ms']:.3f}; tokens per "
+            f"expert cv {row['tokens_cv']:.3f}, max {row['tokens_max']};{memory}"
         )
     if floor and keep1 is not None:
         total = keep1["fwd_ms"] + keep1["bwd_ms"]

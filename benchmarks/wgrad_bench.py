@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import cuda_median_ms  # noqa: E402
+from benchmarks.common import cuda_median_ms, gamma_shares  # noqa: E402
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes, grouped_mm_tn  # noqa: E402
 from megatron_lrmoe.experts.wgrad_triton import (  # noqa: E402
     WgradConfig,
@@ -73,10 +73,7 @@ def _group_sizes(rows: int, experts: int, cv: float, order: str) -> torch.Tensor
     drawn from a Gamma distribution of coefficient of variation ``cv`` (uniform at 0), laid out
     in ``order``. The same draw for the same ``rows`` and ``cv`` (each order, each projection)."""
     torch.manual_seed(rows * 1000 + round(cv * 100))
-    if cv > 0:
-        shares = torch.distributions.Gamma(torch.full((experts,), 1.0 / cv**2), 1.0).sample()
-    else:
-        shares = torch.ones(experts)
+    shares = gamma_shares(experts, cv)
     sizes = torch.distributions.Multinomial(rows * experts, shares / shares.sum()).sample().long()
     if order != "drawn":
         sizes = sizes.sort(descending=order == "descending").values

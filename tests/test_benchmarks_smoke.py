@@ -11,6 +11,7 @@ last the host-time tool of the graphed backward and of the forward, on tiny shap
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -360,6 +361,34 @@ def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
     assert "EP 2" in proc.stdout and "keep 0.5: fwd" in proc.stdout
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
+)
+def test_model_bench_skew_makes_the_groups_uneven(tmp_path: Path) -> None:
+    """benchmarks/model_bench.py --skew, tiny, on the CPU shim at EP 2: the random router's
+    groups are nearly even, a per-expert logit bias of CV 1 makes them clearly uneven, and the
+    bias is the same draw at every keep ratio (same weights, same tokens: the same counts)."""
+    rows = {}
+    for skew, keeps in (("0", ["1.0"]), ("1.0", ["1.0", "0.5"])):
+        out = tmp_path / f"model_skew{skew}.json"
+        proc = _torchrun(
+            2, "benchmarks/model_bench.py", "--layers", "2", "--experts", "16", "--tokens", "256",
+            "--keep", *keeps, "--rounds", "1", "--warmup", "2", "--skew", skew, "--out", str(out),
+        )  # fmt: skip
+        rows[skew] = json.loads(out.read_text())["rows"]
+        assert f"router skew {float(skew):g}," in proc.stdout
+        assert "tokens per expert cv" in proc.stdout
+    (even,) = rows["0"]
+    skewed, skewed_half = rows["1.0"]
+    # 2 ranks x 256 tokens x top-8 over 16 experts: 256 per expert on average, at most 512.
+    assert even["tokens_cv"] < 0.15 and even["tokens_max"] < 1.5 * 256, even
+    assert skewed["tokens_cv"] > 0.4 and skewed["tokens_cv"] > 4 * even["tokens_cv"], skewed
+    assert 256 < skewed["tokens_max"] <= 512 and skewed["tokens_max"] > even["tokens_max"]
+    assert (skewed_half["tokens_cv"], skewed_half["tokens_max"]) == (
+        skewed["tokens_cv"], skewed["tokens_max"]
+    )
+
+
 def test_first_call_reads_a_triton_cache_and_the_one_off_cost(tmp_path: Path) -> None:
     """benchmarks/first_call.py's helpers: kernels are named from their metadata JSON (group
     indices and unreadable files skipped), and the one-off cost is the first two rounds over the
@@ -455,3 +484,34 @@ def test_wgrad_bench_group_sizes_skew_and_order() -> None:
     assert torch.equal(desc, drawn.sort(descending=True).values)
     assert torch.equal(asc, drawn.sort().values)
     assert 0.7 < float(drawn.float().std() / drawn.float().mean()) < 1.3
+
+
+def test_gamma_shares_keeps_wgrad_bench_draws() -> None:
+    """The shared Gamma draw (benchmarks.common.gamma_shares) gives wgrad_bench the group sizes
+    of its former inline draw, bit for bit; with a seed it is reproducible and leaves torch's
+    global generator where it was."""
+    from benchmarks.common import gamma_shares
+    from benchmarks.wgrad_bench import _group_sizes
+
+    def before(rows: int, experts: int, cv: float, order: str) -> torch.Tensor:
+        torch.manual_seed(rows * 1000 + round(cv * 100))  # wgrad_bench._group_sizes before
+        if cv > 0:
+            shares = torch.distributions.Gamma(torch.full((experts,), 1.0 / cv**2), 1.0).sample()
+        else:
+            shares = torch.ones(experts)
+        sizes = torch.distributions.Multinomial(rows * experts, shares / shares.sum())
+        sizes = sizes.sample().long()
+        if order != "drawn":
+            sizes = sizes.sort(descending=order == "descending").values
+        return sizes
+
+    cases = itertools.product((128, 512), (0.0, 0.5, 1.0, 2.0), ("drawn", "ascending"))
+    for rows, cv, order in cases:
+        assert torch.equal(_group_sizes(rows, 128, cv, order), before(rows, 128, cv, order))
+    state = torch.get_rng_state()
+    shares = gamma_shares(4096, 0.5, seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(shares, gamma_shares(4096, 0.5, seed=3))
+    assert not torch.equal(shares, gamma_shares(4096, 0.5, seed=4))
+    assert 0.45 < float(shares.std() / shares.mean()) < 0.55
+    assert torch.equal(gamma_shares(8, 0.0, seed=3), torch.ones(8))
