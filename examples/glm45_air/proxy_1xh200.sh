@@ -6,7 +6,8 @@
 #
 # Sized to fit 141 GB: 6.20 B parameters at 18 bytes each (bf16 weight, fp32 grad and main
 # weight, Adam) = 104 GiB, + at most ~17 GiB of transients (benchmarks/glm_compare.sh's header
-# has the arithmetic). NOT RUN on a GPU yet; it runs tiny on CPU in tests/test_glm_proxy_cpu.py.
+# has the arithmetic). Run on H200 by benchmarks/glm_compare.sh (docs/benchmarks.md sections 5
+# and 26: 130.4 GiB allocated at most); it runs tiny on CPU in tests/test_glm_proxy_cpu.py.
 # benchmarks/glm_compare.sh runs two of these side by side on a 2 x H200 host (stock on GPU 0,
 # LRMoE keep 0.5 on GPU 1) and summarises them:
 #   bash benchmarks/glm_compare.sh OUT_DIR
