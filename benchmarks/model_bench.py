@@ -35,7 +35,11 @@ after ``--warmup`` (at EP 1 each layer's backward graph is captured in the warm-
     peak_mib: peak memory allocated during one round above what the layers hold before it.
     graphs_mib: what the expert graphs hold (``backward_graph.graph_memory_bytes``).
     reserved_mib: memory reserved after the rounds (the graphs' pool included; each keep
-        ratio starts without graphs or shared buffers, ``backward_graph.reset``).
+        ratio starts without graphs or shared buffers, ``backward_graph.reset``), and what it
+        holds then: allocated_mib (live tensors, the layers' weights and ``main_grad`` and the
+        graphs' pool included), inactive_split_mib (free pieces of partly used segments, which
+        the allocator cannot give back: fragmentation), segments (their number); the rest of
+        reserved_mib is whole free segments, given back before an out-of-memory error.
     tokens_cv, tokens_max: the tokens per expert that the first layer's router sends in one
         forward (all ranks' tokens summed; outside the rounds): their coefficient of variation
         (std / mean over the experts) and the largest expert's count.
@@ -239,12 +243,19 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             _round(layers, x, up)
+            stats = torch.cuda.memory_stats()
             memory = (
                 (torch.cuda.max_memory_allocated() - base) / 2**20,
                 torch.cuda.memory_reserved() / 2**20,
                 backward_graph.graph_memory_bytes() / 2**20,
+                torch.cuda.memory_allocated() / 2**20,
+                stats.get("inactive_split_bytes.all.current", 0) / 2**20,
+                stats.get("segment.all.current", 0),
             )
-            keys = ("peak_mib", "reserved_mib", "graphs_mib")
+            keys = (
+                "peak_mib", "reserved_mib", "graphs_mib", "allocated_mib", "inactive_split_mib",
+                "segments",
+            )  # fmt: skip
             row.update(zip(keys, _max_over_ranks(list(memory), device)))
             if not floor:
                 from benchmarks.layer_bench import _floor
@@ -271,8 +282,9 @@ def main() -> None:
         if keep1 is not None:
             row["bwd_vs_keep1"] = row["bwd_ms"] / keep1["bwd_ms"]
         memory = (
-            f" peak {row['peak_mib']:.0f} MiB, reserved {row['reserved_mib']:.0f} MiB, graphs "
-            f"{row['graphs_mib']:.0f} MiB"
+            f" peak {row['peak_mib']:.0f} MiB, reserved {row['reserved_mib']:.0f} MiB (allocated "
+            f"{row['allocated_mib']:.0f}, inactive split {row['inactive_split_mib']:.0f}, "
+            f"{row['segments']:.0f} segments), graphs {row['graphs_mib']:.0f} MiB"
             if "peak_mib" in row
             else ""
         )
