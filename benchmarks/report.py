@@ -167,8 +167,10 @@ def train_summary(run: Path | Sequence[Path], target: float) -> str:
 def versus_keep1(runs: Sequence[RunStats]) -> str:
     """Each LRMoE run against the keep-1.0 run of its seed: the ratios of the MoE layers' time
     per iteration, the iteration's and the MoE time to the target from iteration 2, and the
-    last validation loss's difference; then per keep ratio the sums over the seeds that reached
-    the target in both runs. A seed with no keep-1.0 run, or with two, is left out."""
+    last validation loss's difference; then per keep ratio the sums over the runs that reached
+    the target in both runs (a seed with several runs at one keep ratio counts its keep-1.0 run
+    once per run, and the line says so). A seed with no keep-1.0 run, or with two, is left
+    out."""
     base: dict[int, list[RunStats]] = {}
     for r in runs:
         if r.keep == 1.0 and r.seed is not None:
@@ -177,7 +179,7 @@ def versus_keep1(runs: Sequence[RunStats]) -> str:
         "| run | seed | keep | MoE ms/iter | s/iter | last val loss | MoE s to target, from it 2 |",
         "|---|---|---|---|---|---|---|",
     ]
-    sums: dict[float, list[float]] = {}
+    sums: dict[float, list] = {}
     for r in sorted(runs, key=lambda r: (r.keep or 0.0, r.seed or 0, r.name)):
         ref = base.get(r.seed, [])
         if r.keep is None or r.keep == 1.0 or len(ref) != 1:
@@ -189,17 +191,21 @@ def versus_keep1(runs: Sequence[RunStats]) -> str:
         if r.moe_to_target is not None and b.moe_to_target is not None:
             mine, theirs = r.moe_to_target - r.moe_first, b.moe_to_target - b.moe_first
             moe = f"{mine / theirs:.3f}x ({mine:.2f} / {theirs:.2f})"
-            total = sums.setdefault(r.keep, [0.0, 0.0, 0])
-            total[0], total[1], total[2] = total[0] + mine, total[1] + theirs, total[2] + 1
+            total = sums.setdefault(r.keep, [0.0, 0.0, []])
+            total[0], total[1] = total[0] + mine, total[1] + theirs
+            total[2].append(r.seed)
         out.append(
             f"| {r.name} | {r.seed} | {r.keep:g} | {r.moe_ms_per_iter / b.moe_ms_per_iter:.3f}x | "
             f"{r.s_per_iter / b.s_per_iter:.3f}x | {loss} | {moe} |"
         )
     out.append("")
-    for keep, (mine, theirs, n) in sorted(sums.items()):
+    for keep, (mine, theirs, seeds) in sorted(sums.items()):
+        repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+        again = f"; seed(s) {', '.join(map(str, repeated))} more than once" if repeated else ""
         out.append(
-            f"keep {keep:g}: MoE time to target from iteration 2, summed over {n} seed(s): "
-            f"{mine:.2f} s against keep 1.0's {theirs:.2f} s ({mine / theirs:.3f}x)"
+            f"keep {keep:g}: MoE time to target from iteration 2, summed over {len(seeds)} run(s) "
+            f"of {len(set(seeds))} seed(s){again}: {mine:.2f} s against keep 1.0's {theirs:.2f} s "
+            f"({mine / theirs:.3f}x)"
         )
     for seed, ref in sorted(base.items()):
         if len(ref) > 1:

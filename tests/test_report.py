@@ -84,8 +84,21 @@ def test_versus_keep1_pairs_runs_by_seed_from_the_argument_dump(tmp_path: Path) 
     assert rows[1][6] == "0.500x (1.85 / 3.70)"
     assert not any("lonely" in line or "stock" in line for line in table)
     assert table[-1] == (
-        "keep 0.5: MoE time to target from iteration 2, summed over 2 seed(s): 4.82 s against "
-        "keep 1.0's 6.66 s (0.724x)"
+        "keep 0.5: MoE time to target from iteration 2, summed over 2 run(s) of 2 seed(s): 4.82 s "
+        "against keep 1.0's 6.66 s (0.724x)"
     )
     summary = train_summary([a, b], 1.75)
     assert f"| {a}/train_x | " in summary and f"| {b}/train_stock | " in summary
+
+
+def test_versus_keep1_says_when_a_seed_counts_twice(tmp_path: Path) -> None:
+    """Two keep-0.5 runs of one seed (a rerun, or the same run in two folders) are each set
+    against that seed's keep-1.0 run, and the sum says it holds the seed twice."""
+    early = {50: 2.0, 100: 1.5, 150: 1.4}
+    for name, keep, ms in (("x", 1.0, 50.0), ("y", 0.5, 25.0), ("z", 0.5, 25.0)):
+        (tmp_path / f"train_{name}.log").write_text(_log(40.0, ms, 150, early, seed=2, keep=keep))
+    stats = [run_stats(log, 1.75) for log in sorted(tmp_path.glob("train_*.log"))]
+    assert versus_keep1(stats).splitlines()[-1] == (
+        "keep 0.5: MoE time to target from iteration 2, summed over 2 run(s) of 1 seed(s); "
+        "seed(s) 2 more than once: 3.70 s against keep 1.0's 7.40 s (0.500x)"
+    )
