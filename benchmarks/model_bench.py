@@ -125,7 +125,8 @@ def _skew_router(layer: Any, cv: float) -> None:
     gating = router.gating
 
     def skewed(input: torch.Tensor) -> torch.Tensor:
-        return gating(input) + bias
+        logits = gating(input)
+        return logits + bias.to(logits.dtype)  # the router's dtype, whatever its setting
 
     router.gating = skewed
 
