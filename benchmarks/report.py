@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples.*?per iteration \(ms\): ([\d.]+)")
+_ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| consumed samples.*?per iteration \(ms\): ([\d.]+)")
 _MOE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| moe layers: ([\d.]+) ms/iter \| moe layers cumulative: ([\d.]+) s")
 _VAL = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
 # Megatron's argument dump: "  name ....... value".
@@ -103,16 +103,23 @@ class RunStats:
 
 
 def run_stats(log: Path, target: float, name: Optional[str] = None) -> RunStats:
-    """The figures of one ``train_*.log`` (``name``: its row label, the file's stem if None)."""
+    """The figures of one ``train_*.log`` (``name``: its row label, the file's stem if None;
+    a run that stopped before its last iteration, e.g. at a timeout, gets "(stopped at
+    iteration I of N)" appended, since its later columns then lack what it did not reach)."""
     text = log.read_text()
-    iters = {int(i): float(ms) / 1e3 for i, ms in _ITER.findall(text)}
+    found = _ITER.findall(text)
+    iters = {int(i): float(ms) / 1e3 for i, _, ms in found}
+    planned = max((int(n) for _, n, _ in found), default=0)
+    name = name or log.stem
+    if iters and max(iters) < planned:
+        name += f" (stopped at iteration {max(iters)} of {planned})"
     moe = {int(i): (float(ms) / 1e3, float(c)) for i, ms, c in _MOE.findall(text)}
     vals = [(int(i), float(v)) for i, v in _VAL.findall(text)]
     args = dict(_ARG.findall(text))
     keep = float(args["lrmoe_keep_ratio"]) if args.get("lrmoe") == "True" else None
     cross = _crossing(vals, target)
     return RunStats(
-        name=name or log.stem,
+        name=name,
         seed=int(args["seed"]) if "seed" in args else None,
         keep=keep,
         s_per_iter=statistics.median(s for i, s in iters.items() if i >= 20),

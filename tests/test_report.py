@@ -102,3 +102,15 @@ def test_versus_keep1_says_when_a_seed_counts_twice(tmp_path: Path) -> None:
         "keep 0.5: MoE time to target from iteration 2, summed over 2 run(s) of 1 seed(s); "
         "seed(s) 2 more than once: 3.70 s against keep 1.0's 7.40 s (0.500x)"
     )
+
+
+def test_a_run_stopped_early_says_so(tmp_path: Path) -> None:
+    """A run cut off at iteration 120 of 150 (a timeout): its row names where it stopped, and
+    a finished run's row does not."""
+    losses = {50: 2.0, 100: 1.5, 150: 1.4}
+    text = _log(40.0, 40.0, 150, losses)
+    cut = text.index(" [t] iteration      121/")
+    (tmp_path / "train_cut.log").write_text(text[:cut])
+    (tmp_path / "train_full.log").write_text(text)
+    names = {run_stats(log, 1.75).name for log in tmp_path.glob("train_*.log")}
+    assert names == {"train_cut (stopped at iteration 120 of 150)", "train_full"}
