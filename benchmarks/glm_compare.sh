@@ -12,7 +12,8 @@
 #
 # 2 GPUs visible: stock on the first, LRMoE on the second, side by side, 100 iterations each.
 # 1 GPU: stock, then LRMoE, 50 iterations each. Prints a summary and writes OUT_DIR/
-# train_stock.log, train_keep<K>.log, summary.txt, summary.json, commit.txt (dataset.log when
+# train_stock.log, train_keep<K>.log, summary.txt, summary.json, commit.txt (the commit and
+# benchmarks/tree_hash.sh's hash of the code) (dataset.log when
 # the dataset had to be written).
 #
 # Environment (default): GPUS (torch.cuda.device_count()), TRAIN_ITERS (100; 1 GPU: 50),
@@ -106,6 +107,7 @@ if [ ! -f "$data.bin" ]; then
     { cat "$out/dataset.log"; exit 1; }
 fi
 git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || echo unknown >"$out/commit.txt"
+echo "tree $(bash benchmarks/tree_hash.sh)" >>"$out/commit.txt"  # what ran, whatever git says
 
 run() {  # run NAME DEVICE PORT LRMOE
   local log="$out/train_$1.log" start=$SECONDS rc

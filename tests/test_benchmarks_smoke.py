@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -515,3 +516,29 @@ def test_gamma_shares_keeps_wgrad_bench_draws() -> None:
     assert not torch.equal(shares, gamma_shares(4096, 0.5, seed=4))
     assert 0.45 < float(shares.std() / shares.mean()) < 0.55
     assert torch.equal(gamma_shares(8, 0.0, seed=3), torch.ones(8))
+
+
+def test_tree_hash_follows_the_code_not_the_results(tmp_path: Path) -> None:
+    """benchmarks/tree_hash.sh: 12 hex digits; a changed package file changes it, a changed
+    measured file under benchmarks/results/ does not."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_hash.sh"
+    files = {
+        "megatron_lrmoe/op.py": "a = 1\n", "benchmarks/x.sh": "echo\n", "examples/q/p.sh": "x\n",
+        "benchmarks/results/run/r.py": "1\n", "pretrain_lrmoe.py": "", "setup.py": "",
+    }  # fmt: skip
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    def tree_hash() -> str:
+        done = subprocess.run(
+            ["bash", str(script), str(tmp_path)], capture_output=True, text=True, check=True
+        )
+        return done.stdout.strip()
+
+    first = tree_hash()
+    assert re.fullmatch(r"[0-9a-f]{12}", first)
+    (tmp_path / "benchmarks/results/run/r.py").write_text("2\n")
+    assert tree_hash() == first
+    (tmp_path / "megatron_lrmoe/op.py").write_text("a = 2\n")
+    assert tree_hash() != first
