@@ -186,7 +186,7 @@ def versus_keep1(runs: Sequence[RunStats]) -> str:
         "| run | seed | keep | MoE ms/iter | s/iter | last val loss | MoE s to target, from it 2 |",
         "|---|---|---|---|---|---|---|",
     ]
-    sums: dict[float, list] = {}
+    reached: dict[float, list[tuple[float, float, int]]] = {}  # keep -> (mine, keep 1.0's, seed)
     for r in sorted(runs, key=lambda r: (r.keep or 0.0, r.seed or 0, r.name)):
         ref = base.get(r.seed, [])
         if r.keep is None or r.keep == 1.0 or len(ref) != 1:
@@ -198,15 +198,15 @@ def versus_keep1(runs: Sequence[RunStats]) -> str:
         if r.moe_to_target is not None and b.moe_to_target is not None:
             mine, theirs = r.moe_to_target - r.moe_first, b.moe_to_target - b.moe_first
             moe = f"{mine / theirs:.3f}x ({mine:.2f} / {theirs:.2f})"
-            total = sums.setdefault(r.keep, [0.0, 0.0, []])
-            total[0], total[1] = total[0] + mine, total[1] + theirs
-            total[2].append(r.seed)
+            reached.setdefault(r.keep, []).append((mine, theirs, r.seed))
         out.append(
             f"| {r.name} | {r.seed} | {r.keep:g} | {r.moe_ms_per_iter / b.moe_ms_per_iter:.3f}x | "
             f"{r.s_per_iter / b.s_per_iter:.3f}x | {loss} | {moe} |"
         )
     out.append("")
-    for keep, (mine, theirs, seeds) in sorted(sums.items()):
+    for keep, entries in sorted(reached.items()):
+        mine, theirs = sum(e[0] for e in entries), sum(e[1] for e in entries)
+        seeds = [e[2] for e in entries]
         repeated = sorted({s for s in seeds if seeds.count(s) > 1})
         again = f"; seed(s) {', '.join(map(str, repeated))} more than once" if repeated else ""
         out.append(
