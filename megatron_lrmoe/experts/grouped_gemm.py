@@ -305,6 +305,18 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if _layout_ok(t) else t.contiguous()
 
 
+def _right_operand(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[G, M, K]`` as the right operand of ``x_g @ w[g]``: row-major where the kernel
+    takes it so. On the CPU, half-precision products with a row-major right operand take a slow
+    path (torch 2.14 on a 2-core AVX2 EPYC: 8.5 s for ``[2048, 2048] @ 16 x [2048, 768]`` in
+    bf16, 0.3 s with the operand column-major, which costs one 60 ms copy), so there it goes
+    column-major: the input gradients of every CPU test and demo run. CUDA is unchanged."""
+    if w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16):
+        wt = w.transpose(-2, -1)
+        return w if wt.is_contiguous() else wt.contiguous().transpose(-2, -1)
+    return _row_major(w)
+
+
 def _weight_t(w: torch.Tensor) -> torch.Tensor:
     # ``w`` is ``[G, M, K]``; the kernel wants ``[G, K, M]``, which the transposed view provides
     # without a copy when ``w`` is contiguous (column-major per group is accepted).
@@ -428,9 +440,10 @@ def grouped_mm_nn(
     if n == 0:
         return x.new_empty((0, k)) if out is None else out
     if grouped_mm_backend(x, w) == "torch_grouped_mm":
-        result = F.grouped_mm(_row_major(x), _row_major(w), offs=groups.offsets(x.device))
+        result = F.grouped_mm(_row_major(x), _right_operand(w), offs=groups.offsets(x.device))
         return result if out is None else out.copy_(result)
     out = x.new_empty((n, k)) if out is None else out
+    w = _right_operand(w)
     for g, s, e in _spans(groups):
         _mm_into(out[s:e], x[s:e], w[g])
     return out
