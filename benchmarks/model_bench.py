@@ -34,6 +34,8 @@ after ``--warmup`` (at EP 1 each layer's backward graph is captured in the warm-
     bwd_vs_keep1: bwd_ms over keep 1.0's (the first ``--keep``; the ratio needs keep 1.0 there).
     peak_mib: peak memory allocated during one round above what the layers hold before it.
     graphs_mib: what the expert graphs hold (``backward_graph.graph_memory_bytes``).
+    stale_layers: layers of the previous keep ratio still alive when this one's were built
+        (0, or its memory figures count them too; a warning says so).
     reserved_mib: memory reserved after the rounds (the graphs' pool included; each keep
         ratio starts without graphs or shared buffers, ``backward_graph.reset``), and what it
         holds then: allocated_mib (live tensors, the layers' weights and ``main_grad`` and the
@@ -54,10 +56,12 @@ On a CPU (a smoke run with the test-only shim) the times are host times and no f
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -99,8 +103,15 @@ class _Clock:
 
 
 def _build(
-    args: argparse.Namespace, ep: int, keep: float, pg: Any, device: torch.device
+    args: argparse.Namespace,
+    ep: int,
+    keep: float,
+    pg: Any,
+    device: torch.device,
+    skew: float = 0.0,
 ) -> list[Any]:
+    """``args.layers`` LRMoE layers of keep ratio ``keep``, the same weights at every call;
+    ``skew > 0`` biases each layer's router (:func:`_skew_router`)."""
     from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
 
     cfg = moe_config(ep, num_moe_experts=args.experts)
@@ -111,8 +122,25 @@ def _build(
         spec = get_lrmoe_moe_spec(lrmoe)
         layer = spec(config=cfg, pg_collection=pg, layer_number=number).to(device)
         attach_main_grad(layer)
+        if skew > 0:
+            _skew_router(layer, skew)
         layers.append(layer)
     return layers
+
+
+def _release(layers: list[Any]) -> int:
+    """Empties ``layers`` and collects; returns how many of them are still alive.
+
+    A layer's last call leaves its dispatcher's routing weights with their autograd graph,
+    which reaches every earlier layer's op and, through its context, that layer: one stray
+    reference to the last layer holds the whole stack, weights and ``main_grad`` (a loop
+    variable did in docs/benchmarks.md section 26's skewed runs: the next keep ratio's
+    reserved memory counted two stacks).
+    """
+    refs = [weakref.ref(layer) for layer in layers]
+    layers.clear()
+    gc.collect()
+    return sum(ref() is not None for ref in refs)
 
 
 def _skew_router(layer: Any, cv: float) -> None:
@@ -227,15 +255,13 @@ def main() -> None:
     up = torch.randn(x.shape, device=device, generator=gen).to(dtype)
     rows: list[dict[str, Any]] = []
     floor: dict[str, float] = {}
+    stale = 0  # layers of the previous keep ratio still alive when this one's are built
     for keep in args.keep:
-        layers = _build(args, ep, keep, pg, device)
-        if args.skew > 0:
-            for layer in layers:
-                _skew_router(layer, args.skew)
+        layers = _build(args, ep, keep, pg, device, skew=args.skew)
         for _ in range(args.warmup):
             _round(layers, x, up)
         samples = [_round(layers, x, up) for _ in range(args.rounds)]
-        row: dict[str, Any] = {"keep": keep}
+        row: dict[str, Any] = {"keep": keep, "stale_layers": stale}
         for key in samples[0]:
             row[key] = statistics.median(s[key] for s in samples)
         row.update(_tokens_per_expert(layers[0], x))
@@ -264,9 +290,15 @@ def main() -> None:
                 floor = _floor(layers[0], ep, args.tokens, args.warmup, args.rounds, [])
                 floor["acc_ms"] = _accumulation_ms(layers[0], args.warmup, args.rounds)
         rows.append(row)
-        # Each keep ratio starts from no graphs and no shared buffers (a deleted layer's
-        # graphs go with its weights; the shared buffers and their pool would stay).
-        del layers
+        # Each keep ratio starts from no layers, no graphs and no shared buffers (a deleted
+        # layer's graphs go with its weights; the shared buffers and their pool would stay).
+        stale = _release(layers)
+        if stale:
+            print(
+                f"model_bench: {stale} layer(s) of keep {keep:g} still referenced after release; "
+                "the next keep ratio's memory counts them (stale_layers)",
+                file=sys.stderr,
+            )
         backward_graph.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()

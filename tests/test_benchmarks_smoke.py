@@ -388,6 +388,49 @@ def test_model_bench_skew_makes_the_groups_uneven(tmp_path: Path) -> None:
     assert (skewed_half["tokens_cv"], skewed_half["tokens_max"]) == (
         skewed["tokens_cv"], skewed["tokens_max"]
     )
+    # The skewed keep 1.0 stack was gone before keep 0.5's was built (section 26's skewed rows
+    # counted two stacks: a stray reference to the last layer held them all).
+    assert [row["stale_layers"] for row in (even, skewed, skewed_half)] == [0, 0, 0]
+    assert "still referenced" not in proc.stderr
+
+
+def test_model_bench_release_counts_layers_a_stray_reference_holds() -> None:
+    """model_bench._release empties the list and counts the layers something else still holds:
+    as a layer's call leaves them, a later layer's routing weights keep a graph whose op
+    context holds the earlier layer (LRMoE's op keeps the layer's bound ``next_sample_stream``)."""
+    from benchmarks.model_bench import _release
+
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, owner):
+            ctx.stream = owner.forward  # a bound method: the context holds its layer
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2, None
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.probs = x * self.weight  # kept after the call, with its graph
+            return Op.apply(self.probs, self)
+
+    def stack() -> list[Layer]:
+        layers = [Layer(), Layer()]
+        y = layers[1](layers[0](torch.ones(2)))
+        y.sum().backward()
+        return layers
+
+    layers = stack()
+    assert _release(layers) == 0 and layers == []
+    layers = stack()
+    stray = layers[-1]
+    assert _release(layers) == 2  # the last layer's probs reach the first layer's op context
+    del stray
 
 
 def test_first_call_reads_a_triton_cache_and_the_one_off_cost(tmp_path: Path) -> None:
