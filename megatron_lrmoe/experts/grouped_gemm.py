@@ -306,15 +306,15 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _right_operand(w: torch.Tensor) -> torch.Tensor:
-    """``w`` ``[G, M, K]`` as the right operand of ``x_g @ w[g]``: row-major where the kernel
-    takes it so. On the CPU, half-precision products with a row-major right operand take a slow
-    path (torch 2.14 on a 2-core AVX2 EPYC: 8.5 s for ``[2048, 2048] @ 16 x [2048, 768]`` in
-    bf16, 0.3 s with the operand column-major, which costs one 60 ms copy), so there it goes
-    column-major: the input gradients of every CPU test and demo run. CUDA is unchanged."""
+    """``w`` ``[G, M, K]`` for the right operand of ``x_g @ w[g]``: column-major on the CPU in
+    half precision, as it is everywhere else. There a row-major right operand takes a slow path
+    (torch 2.14 on a 2-core AVX2 EPYC: 8.5 s for ``[2048, 2048] @ 16 x [2048, 768]`` in bf16,
+    0.3 s column-major, which costs one 60 ms copy): the bf16 input gradients of the CPU tests
+    and benchmarks. CUDA is unchanged."""
     if w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16):
         wt = w.transpose(-2, -1)
         return w if wt.is_contiguous() else wt.contiguous().transpose(-2, -1)
-    return _row_major(w)
+    return w
 
 
 def _weight_t(w: torch.Tensor) -> torch.Tensor:
@@ -440,7 +440,8 @@ def grouped_mm_nn(
     if n == 0:
         return x.new_empty((0, k)) if out is None else out
     if grouped_mm_backend(x, w) == "torch_grouped_mm":
-        result = F.grouped_mm(_row_major(x), _right_operand(w), offs=groups.offsets(x.device))
+        w = _row_major(_right_operand(w))
+        result = F.grouped_mm(_row_major(x), w, offs=groups.offsets(x.device))
         return result if out is None else out.copy_(result)
     out = x.new_empty((n, k)) if out is None else out
     w = _right_operand(w)
