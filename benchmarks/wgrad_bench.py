@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import cuda_median_ms, gamma_shares  # noqa: E402
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes, grouped_mm_tn  # noqa: E402
 from megatron_lrmoe.experts.wgrad_triton import (  # noqa: E402
+    LARGE_GROUP_CONFIG,
     WgradConfig,
     config_for,
     grouped_wgrad_triton,
@@ -81,8 +82,10 @@ def _group_sizes(rows: int, experts: int, cv: float, order: str) -> torch.Tensor
 
 
 def _tile(text: str) -> WgradConfig:
-    m, n, k, warps, stages, pps, atomic = (int(v) for v in text.split(","))
-    return WgradConfig(m, n, k, warps, stages, pps, bool(atomic))
+    fields = [int(v) for v in text.split(",")]
+    m, n, k, warps, stages, pps, atomic = fields[:7]
+    tma = fields[7] if len(fields) > 7 else 0
+    return WgradConfig(m, n, k, warps, stages, pps, bool(atomic), tma)
 
 
 def _print_sass(kernels: list) -> None:
@@ -129,6 +132,14 @@ def _references(a, b, offs, sizes, scratch, main_grad, args) -> dict:
         args.warmup,
         args.iters,
     )
+    # The same with the large tile: its main loop with the least epilogue traffic.
+    row["triton_gemm_bf16_large_tile_ms"] = cuda_median_ms(
+        lambda: grouped_wgrad_triton(
+            a, b, offs, bf16_out, accumulate=False, config=LARGE_GROUP_CONFIG
+        ),
+        args.warmup,
+        args.iters,
+    )
     del bf16_out
     # A vendor reference: cuBLAS per expert, accumulating into fp32 in its epilogue
     # (beta = 1; torch's addmm with out_dtype), launched from a Python loop.
@@ -157,8 +168,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="time only the QUICK tiles")
     parser.add_argument(
-        "--tiles", nargs="+", default=None, metavar="M,N,K,WARPS,STAGES,PPS,ATOMIC",
-        help="time these tiles only (e.g. 128,256,64,8,3,0,1)",
+        "--tiles", nargs="+", default=None, metavar="M,N,K,WARPS,STAGES,PPS,ATOMIC[,TMA]",
+        help="time these tiles only (e.g. 128,256,64,8,3,0,1; a last field 1, 2 or 4: the "
+        "TMA epilogue in that many column slices)",
     )
     parser.add_argument(
         "--skew", type=float, nargs="+", default=[0.0], metavar="CV",
@@ -226,7 +238,7 @@ def main() -> None:
                     row["fused"][str(cfg)] = repr(exc)[:120]
                     continue
                 row["fused"][str(cfg)] = ms
-                if cfg.programs_per_sm or cfg.atomic_epilogue:  # against the default tile
+                if cfg.programs_per_sm or cfg.atomic_epilogue or cfg.tma_epilogue:  # against the default tile
                     other = torch.full_like(check, 0.5)
                     grouped_wgrad_triton(a, b, offs, other, accumulate=True, config=cfg)
                     err = float((other - 0.5 - check).abs().max() / check.abs().max())
@@ -249,7 +261,8 @@ def main() -> None:
                 line += (f"; gemm {row['gemm_ms']:.3f} ms ({row['gemm_tflops']:.0f} TF/s), gemm+add "
                          f"{row['gemm_add_ms']:.3f}; rel err {row['max_rel_err_group0']:.1e}; default "
                          f"tile: GEMM to bf16 {row['triton_gemm_bf16_ms']:.3f}, overwrite fp32 "
-                         f"{row['triton_overwrite_fp32_ms']:.3f}; cuBLAS loop {row['cublas_loop_ms']}")
+                         f"{row['triton_overwrite_fp32_ms']:.3f}, large tile to bf16 "
+                         f"{row['triton_gemm_bf16_large_tile_ms']:.3f}; cuBLAS loop {row['cublas_loop_ms']}")
             print(line, flush=True)
             for k, v in row["fused"].items():
                 print(f"    {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
@@ -258,7 +271,9 @@ def main() -> None:
     if args.sass:
         from megatron_lrmoe.experts.wgrad_triton import _kernel
 
-        _print_sass(list(_kernel()[:2]))
+        from megatron_lrmoe.experts.wgrad_triton import _tma
+
+        _print_sass(list(_kernel()[:2]) + ([_tma()[0]] if _tma() else []))
 
 
 if __name__ == "__main__":
