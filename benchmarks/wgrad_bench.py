@@ -82,10 +82,8 @@ def _group_sizes(rows: int, experts: int, cv: float, order: str) -> torch.Tensor
 
 
 def _tile(text: str) -> WgradConfig:
-    fields = [int(v) for v in text.split(",")]
-    m, n, k, warps, stages, pps, atomic = fields[:7]
-    tma = fields[7] if len(fields) > 7 else 0
-    return WgradConfig(m, n, k, warps, stages, pps, bool(atomic), tma)
+    m, n, k, warps, stages, pps, atomic = (int(v) for v in text.split(","))
+    return WgradConfig(m, n, k, warps, stages, pps, bool(atomic))
 
 
 def _print_sass(kernels: list) -> None:
@@ -168,9 +166,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="time only the QUICK tiles")
     parser.add_argument(
-        "--tiles", nargs="+", default=None, metavar="M,N,K,WARPS,STAGES,PPS,ATOMIC[,TMA]",
-        help="time these tiles only (e.g. 128,256,64,8,3,0,1; a last field 1, 2 or 4: the "
-        "TMA epilogue in that many column slices)",
+        "--tiles", nargs="+", default=None, metavar="M,N,K,WARPS,STAGES,PPS,ATOMIC",
+        help="time these tiles only (e.g. 128,256,64,8,3,0,1)",
     )
     parser.add_argument(
         "--skew", type=float, nargs="+", default=[0.0], metavar="CV",
@@ -238,7 +235,7 @@ def main() -> None:
                     row["fused"][str(cfg)] = repr(exc)[:120]
                     continue
                 row["fused"][str(cfg)] = ms
-                if cfg.programs_per_sm or cfg.atomic_epilogue or cfg.tma_epilogue:  # against the default tile
+                if cfg.programs_per_sm or cfg.atomic_epilogue:  # against the default tile
                     other = torch.full_like(check, 0.5)
                     grouped_wgrad_triton(a, b, offs, other, accumulate=True, config=cfg)
                     err = float((other - 0.5 - check).abs().max() / check.abs().max())
@@ -271,9 +268,7 @@ def main() -> None:
     if args.sass:
         from megatron_lrmoe.experts.wgrad_triton import _kernel
 
-        from megatron_lrmoe.experts.wgrad_triton import _tma
-
-        _print_sass(list(_kernel()[:2]) + ([_tma()[0]] if _tma() else []))
+        _print_sass(list(_kernel()[:2]))
 
 
 if __name__ == "__main__":

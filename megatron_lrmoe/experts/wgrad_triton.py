@@ -26,7 +26,6 @@ all tiles.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -70,15 +69,6 @@ class WgradConfig:
     # that the GPU's fp32 atomic add flushes subnormal operands and results (below 1.2e-38 in
     # magnitude) to zero.
     atomic_epilogue: bool = False
-    # n > 0: accumulating into an fp32 ``out`` on a Hopper or newer GPU, add each tile with
-    # the tensor memory accelerator instead (``cp.reduce.async.bulk.tensor``: staged in shared
-    # memory in n column slices, added in L2 while the program goes on; _wgrad_tma_kernel).
-    # Where it does not apply (see _tma_applies) the tile takes the epilogue above.
-    tma_epilogue: int = 0
-
-    def __post_init__(self) -> None:
-        if self.tma_epilogue not in (0, 1, 2, 4):
-            raise ValueError(f"WgradConfig: tma_epilogue {self.tma_epilogue} must be 0, 1, 2 or 4")
 
 
 DEFAULT_CONFIG = WgradConfig()
@@ -113,30 +103,28 @@ def config_for(rows: int, groups: int) -> WgradConfig:
     return LARGE_GROUP_CONFIG if rows >= LARGE_GROUP_ROWS * max(groups, 1) else SMALL_GROUP_CONFIG
 
 
-def _group_rows(offs_ptr, g):
-    """Rows ``[start, end)`` of group ``g``."""
-    end = tl.load(offs_ptr + g).to(tl.int64)
-    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
-    return start, end
-
-
-def _wgrad_acc(
+def _wgrad_tile(
+    out_ptr,
     a_ptr,
     b_ptr,
-    start,
-    end,
+    offs_ptr,
+    g,
     pm,
     pn,
     M,
     N,
     stride_a,
     stride_b,
+    ACCUMULATE: tl.constexpr,
+    ATOMIC: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The main loop: tile ``(pm, pn)`` of ``a[start:end]^T @ b[start:end]`` in fp32."""
+    """Tile ``(pm, pn)`` of group ``g``: the loop over the group's rows, then the epilogue."""
+    end = tl.load(offs_ptr + g).to(tl.int64)
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -161,151 +149,14 @@ def _wgrad_acc(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-    return acc
-
-
-def _wgrad_tile(
-    out_ptr,
-    a_ptr,
-    b_ptr,
-    offs_ptr,
-    g,
-    pm,
-    pn,
-    M,
-    N,
-    stride_a,
-    stride_b,
-    ACCUMULATE: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Tile ``(pm, pn)`` of group ``g``: the loop over the group's rows, then the epilogue."""
-    start, end = _group_rows(offs_ptr, g)
-    acc = _wgrad_acc(
-        a_ptr, b_ptr, start, end, pm, pn, M, N, stride_a, stride_b,
-        UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     dst = g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
     if ATOMIC:  # ACCUMULATE into fp32 (the host checks): the add happens in L2
         tl.atomic_add(out_ptr + dst, acc, mask=mask, sem="relaxed")
     else:
         if ACCUMULATE:
             acc += tl.load(out_ptr + dst, mask=mask, other=0.0)
         tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _tma_add(out_desc, acc, g, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``out[g, m0:, n0:] += acc`` through the tensor memory accelerator (a bulk reduction
-    in L2; rows and columns past ``out``'s end are dropped by the hardware)."""
-    out_desc.atomic_add([g, m0, n0], tl.reshape(acc, (1, BLOCK_M, BLOCK_N)))
-
-
-def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The left and right column halves of ``acc``."""
-    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-
-
-def _wgrad_tma_tile(
-    out_desc,
-    a_ptr,
-    b_ptr,
-    offs_ptr,
-    g,
-    pm,
-    pn,
-    M,
-    N,
-    stride_a,
-    stride_b,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """Tile ``(pm, pn)`` of group ``g`` added with TMA bulk reductions of ``SPLIT`` column
-    slices (1, 2 or 4: smaller slices need less shared memory to stage); an empty group adds
-    nothing."""
-    start, end = _group_rows(offs_ptr, g)
-    if end > start:
-        acc = _wgrad_acc(
-            a_ptr, b_ptr, start, end, pm, pn, M, N, stride_a, stride_b,
-            False, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-        m0 = pm * BLOCK_M
-        n0 = pn * BLOCK_N
-        if SPLIT == 1:
-            _tma_add(out_desc, acc, g, m0, n0, BLOCK_M, BLOCK_N)
-        elif SPLIT == 2:
-            left, right = _halves(acc, BLOCK_M, BLOCK_N)
-            _tma_add(out_desc, left, g, m0, n0, BLOCK_M, BLOCK_N // 2)
-            _tma_add(out_desc, right, g, m0, n0 + BLOCK_N // 2, BLOCK_M, BLOCK_N // 2)
-        else:
-            left, right = _halves(acc, BLOCK_M, BLOCK_N)
-            q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
-            q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
-            _tma_add(out_desc, q0, g, m0, n0, BLOCK_M, BLOCK_N // 4)
-            _tma_add(out_desc, q1, g, m0, n0 + BLOCK_N // 4, BLOCK_M, BLOCK_N // 4)
-            _tma_add(out_desc, q2, g, m0, n0 + BLOCK_N // 2, BLOCK_M, BLOCK_N // 4)
-            _tma_add(out_desc, q3, g, m0, n0 + 3 * (BLOCK_N // 4), BLOCK_M, BLOCK_N // 4)
-
-
-def _wgrad_tma_kernel(
-    out_desc,
-    a_ptr,
-    b_ptr,
-    offs_ptr,
-    M,
-    N,
-    stride_a,
-    stride_b,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """One program per tile, the TMA epilogue: grid ``(tiles per group, groups)``."""
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    _wgrad_tma_tile(
-        out_desc, a_ptr, b_ptr, offs_ptr, tl.program_id(1), pid // tiles_n, pid % tiles_n,
-        M, N, stride_a, stride_b, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-    )  # fmt: skip
-
-
-def _wgrad_tma_persistent_kernel(
-    out_desc,
-    a_ptr,
-    b_ptr,
-    offs_ptr,
-    G,
-    M,
-    N,
-    stride_a,
-    stride_b,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-):
-    """The persistent grid of :func:`_wgrad_persistent_kernel`, the TMA epilogue: a tile's
-    reduction proceeds while the program runs its next tile's main loop."""
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = tl.cdiv(M, BLOCK_M) * tiles_n
-    for tile in range(tl.program_id(0), G * per_group, NUM_PROGRAMS):
-        g = tile // per_group
-        t = tile % per_group
-        _wgrad_tma_tile(
-            out_desc, a_ptr, b_ptr, offs_ptr, g, t // tiles_n, t % tiles_n,
-            M, N, stride_a, stride_b, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-        )  # fmt: skip
 
 
 def _wgrad_kernel(
@@ -375,41 +226,10 @@ def _kernel() -> Any:
     from triton.runtime.jit import JITFunction
 
     tl = language
-    for helper in (_group_rows, _wgrad_acc, _wgrad_tile, _tma_add, _halves, _wgrad_tma_tile):
-        globals()[helper.__name__] = triton.jit(helper)  # the kernels call the jitted helpers
+    globals()["_wgrad_tile"] = triton.jit(_wgrad_tile)  # the kernels call the jitted helper
     kernel = triton.jit(_wgrad_kernel)
     persistent = triton.jit(_wgrad_persistent_kernel)
     return kernel, persistent, not isinstance(kernel, JITFunction)
-
-
-@functools.lru_cache(maxsize=1)
-def _tma() -> tuple[Any, Any, Any] | None:
-    """The TMA-epilogue kernels (per tile, persistent) and Triton's host ``TensorDescriptor``,
-    or None where this
-    Triton has no descriptor reductions (or runs interpreted: the interpreter lacks them)."""
-    _kernel()
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return None
-    try:
-        import triton
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-    if not hasattr(tl.tensor_descriptor, "atomic_add"):
-        return None
-    return triton.jit(_wgrad_tma_kernel), triton.jit(_wgrad_tma_persistent_kernel), TensorDescriptor
-
-
-def _tma_applies(config: WgradConfig, accumulate: bool, out: torch.Tensor) -> bool:
-    """Whether ``config``'s TMA epilogue can add into ``out``: fp32 accumulation on a Hopper
-    or newer GPU, a Triton with descriptor reductions, and the 16-byte alignment TMA needs."""
-    if config.tma_epilogue <= 0 or not accumulate or out.dtype != torch.float32:
-        return False
-    if not out.is_cuda or torch.cuda.get_device_capability(out.device)[0] < 9:
-        return False
-    if out.shape[2] % 4 or out.data_ptr() % 16 or config.block_n // config.tma_epilogue < 4:
-        return False
-    return _tma() is not None
 
 
 @functools.lru_cache(maxsize=16)
@@ -485,30 +305,7 @@ def grouped_wgrad_triton(
         num_stages=config.num_stages,
     )
     with _device_ctx(out):
-        if not interpreted and _tma_applies(config, accumulate, out):
-            tma_kernel, tma_persistent, descriptor = _tma()
-            desc = descriptor.from_tensor(
-                out, [1, config.block_m, config.block_n // config.tma_epilogue]
-            )
-            tiles_and_launch = dict(
-                BLOCK_M=config.block_m,
-                BLOCK_N=config.block_n,
-                BLOCK_K=config.block_k,
-                SPLIT=config.tma_epilogue,
-                num_warps=config.num_warps,
-                num_stages=config.num_stages,
-            )
-            if config.programs_per_sm <= 0:
-                tma_kernel[(tiles, groups)](
-                    desc, a, b, offs, m, n, a.stride(0), b.stride(0), **tiles_and_launch
-                )
-            else:
-                programs = min(tiles * groups, config.programs_per_sm * _num_sms(out.device))
-                tma_persistent[(programs,)](
-                    desc, a, b, offs, groups, m, n, a.stride(0), b.stride(0),
-                    NUM_PROGRAMS=programs, **tiles_and_launch,
-                )  # fmt: skip
-        elif config.programs_per_sm <= 0:
+        if config.programs_per_sm <= 0:
             kernel[(tiles, groups)](
                 out, a, b, offs, m, n, a.stride(0), b.stride(0), **tiles_and_launch
             )
