@@ -22,7 +22,8 @@
 #   TIMEOUT_S (per run; 500 side by side, 250 one after the other), MASTER_PORT (29621; the
 #   LRMoE run uses the next port), DATA_PREFIX
 #   (.data/pystdlib_bytes, written if missing), DATA_MAX_BYTES (12000000), EXTRA_ARGS (flags
-#   appended to both runs), PYTHON (python3), ENTRY (passed on to the launch script: the CPU
+#   appended to both runs), RUNS ("stock lrmoe": on one GPU, the runs to make; a log left in
+#   OUT_DIR by an earlier call, e.g. the other run's, is summarized with them), PYTHON (python3), ENTRY (passed on to the launch script: the CPU
 #   test runs this script tiny with ENTRY=megatron_lrmoe/testing/cpu_pretrain.py).
 #
 # Exit status 0 when both runs finished all iterations, else 1 (the summary is printed anyway).
@@ -131,8 +132,8 @@ if [ "$side" = 1 ]; then
   b=$!
   wait "$a" "$b"
 else
-  run stock "${devices[0]}" "$port" 0
-  run "keep$keep" "${devices[0]}" $((port + 1)) 1
+  case " ${RUNS:-stock lrmoe} " in *" stock "*) run stock "${devices[0]}" "$port" 0 ;; esac
+  case " ${RUNS:-stock lrmoe} " in *" lrmoe "*) run "keep$keep" "${devices[0]}" $((port + 1)) 1 ;; esac
 fi
 
 "$py" - "$out" "$iters" "${SKIP_ITERS:-10}" stock "keep$keep" <<'EOF'
