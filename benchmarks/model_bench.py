@@ -1,8 +1,8 @@
 """LRMoE layers stacked as in a model: the host queues layer after layer, nothing waits between.
 
     torchrun --nproc_per_node=1 benchmarks/model_bench.py [--layers 8] [--experts 16]
-        [--tokens 8192] [--keep 1.0 0.75 0.5] [--selection sample] [--skew 0] [--rounds 10]
-        [--warmup 3] [--out model_bench.json]
+        [--hidden 2048] [--ffn 768] [--tokens 8192] [--keep 1.0 0.75 0.5] [--selection sample]
+        [--skew 0] [--rounds 10] [--warmup 3] [--out model_bench.json]
 
 One process per GPU; expert parallelism over all of them (EP = number of processes),
 ``--tokens`` per GPU; times and memory are the largest over the ranks.
@@ -12,7 +12,8 @@ the layer's first kernels and between them (Megatron's router, the pair plan, th
 the backward's Python) is on its clock whenever the GPU is faster than the host; at small calls
 that is most of what it measures. In a model the host queues the next layer while the GPU still
 works on this one. Here ``--layers`` LRMoE layers of the Qwen3-30B-A3B MoE shape (``--experts``
-experts, weight gradients fused into an fp32 ``main_grad``, as in training) form a residual
+experts; ``--hidden`` and ``--ffn``, the expert FFN, default to its 2048 and 768; weight
+gradients fused into an fp32 ``main_grad``, as in training) form a residual
 stream (each adds its output to the next one's input) and run forward, then backward, with no
 synchronisation inside a round; CUDA events around the stack give each phase's time per layer
 as a model sees it (the one start-up of the round is spread over the layers).
@@ -114,7 +115,9 @@ def _build(
     ``skew > 0`` biases each layer's router (:func:`_skew_router`)."""
     from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
 
-    cfg = moe_config(ep, num_moe_experts=args.experts)
+    cfg = moe_config(
+        ep, num_moe_experts=args.experts, hidden_size=args.hidden, moe_ffn_hidden_size=args.ffn
+    )
     lrmoe = LRMoEConfig(keep_ratio=keep, selection=args.selection, grad_accumulation_fusion="on")
     torch.manual_seed(1234)  # the same weights at every keep ratio
     layers = []
@@ -218,6 +221,8 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
+    parser.add_argument("--ffn", type=int, default=768, help="expert FFN size (default 768)")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.75, 0.5])
     parser.add_argument("--selection", choices=("sample", "topk"), default="sample")
@@ -244,11 +249,16 @@ def main() -> None:
     from megatron_lrmoe.experts import backward_graph
 
     base_cfg = moe_config(ep)
+    heads = base_cfg.num_attention_heads
+    if args.hidden <= 0 or args.hidden % heads:
+        parser.error(f"--hidden {args.hidden}: a positive multiple of the config's {heads} heads")
+    if args.ffn <= 0:
+        parser.error(f"--ffn {args.ffn}: the expert FFN size, above 0")
     if args.experts < base_cfg.moe_router_topk:
         parser.error(
             f"--experts {args.experts}: fewer than the router's top-{base_cfg.moe_router_topk}"
         )
-    hidden = base_cfg.hidden_size
+    hidden = args.hidden
     dtype = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(100 + rank)
     x = torch.randn(args.tokens, 1, hidden, device=device, generator=gen).to(dtype)

@@ -347,8 +347,9 @@ def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
     ratio run forward and backward with fused accumulation; keep 1.0 is the ratios' base."""
     out = tmp_path / "model.json"
     proc = _torchrun(
-        2, "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--tokens", "8",
-        "--keep", "1.0", "0.5", "--rounds", "1", "--warmup", "2", "--out", str(out),
+        2, "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--hidden", "64",
+        "--ffn", "32", "--tokens", "8", "--keep", "1.0", "0.5", "--rounds", "1", "--warmup", "2",
+        "--out", str(out),
     )  # fmt: skip
     result = json.loads(out.read_text())
     assert result["ep"] == 2
@@ -366,15 +367,17 @@ def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
     torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
 )
 def test_model_bench_skew_makes_the_groups_uneven(tmp_path: Path) -> None:
-    """benchmarks/model_bench.py --skew, tiny, on the CPU shim at EP 2: the random router's
-    groups are nearly even, a per-expert logit bias of CV 1 makes them clearly uneven, and the
-    bias is the same draw at every keep ratio (same weights, same tokens: the same counts)."""
+    """benchmarks/model_bench.py --skew, tiny (hidden 64), on the CPU shim at EP 2: the random
+    router's groups are nearly even, a per-expert logit bias of CV 1 makes them clearly uneven,
+    and the bias is the same draw at every keep ratio (same weights, same tokens: the same
+    counts)."""
     rows = {}
     for skew, keeps in (("0", ["1.0"]), ("1.0", ["1.0", "0.5"])):
         out = tmp_path / f"model_skew{skew}.json"
         proc = _torchrun(
-            2, "benchmarks/model_bench.py", "--layers", "2", "--experts", "16", "--tokens", "256",
-            "--keep", *keeps, "--rounds", "1", "--warmup", "2", "--skew", skew, "--out", str(out),
+            2, "benchmarks/model_bench.py", "--layers", "2", "--experts", "16", "--hidden", "64",
+            "--ffn", "32", "--tokens", "256", "--keep", *keeps, "--rounds", "1", "--warmup", "2",
+            "--skew", skew, "--out", str(out),
         )  # fmt: skip
         rows[skew] = json.loads(out.read_text())["rows"]
         assert f"router skew {float(skew):g}," in proc.stdout

@@ -412,15 +412,15 @@ def test_rank_exception_fails_fast_with_traceback() -> None:
 def test_hanging_rank_hits_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_hang_on_rank_one, 2, timeout=20)
+        run_distributed(_hang_on_rank_one, 2, timeout=5)
     elapsed = time.monotonic() - start
-    # The 20 s are rank 1's own, counted from its start-up (which a busy machine makes slow).
+    # The 5 s are rank 1's own, counted from its start-up (which a busy machine makes slow).
     ready = info.value.ready_after_s
     assert set(ready) == {0, 1}, ready
-    assert 20 <= elapsed - ready[1] < 50, f"timeout took {elapsed - ready[1]:.1f}s after start-up"
+    assert 5 <= elapsed - ready[1] < 35, f"timeout took {elapsed - ready[1]:.1f}s after start-up"
     message = str(info.value)
     assert "timed out" in message and "did not finish: [1]" in message
-    assert "rank 1 ran fn for more than 20.0s" in message
+    assert "rank 1 ran fn for more than 5.0s" in message
     # Rank 0 returned at once: however long start-up took, it is not blamed.
     assert info.value.failed_ranks == [1]
 
