@@ -70,11 +70,15 @@ def _worker(args: argparse.Namespace) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pg = init_distributed(1, device.type)
-    hidden = moe_config(1).hidden_size
+    shape = moe_config(1)  # the Qwen3-30B-A3B layer
+    hidden = shape.hidden_size
     gen = torch.Generator(device=device).manual_seed(100)
     x = torch.randn(args.tokens, 1, hidden, device=device, generator=gen).to(torch.bfloat16)
     up = torch.randn(x.shape, device=device, generator=gen).to(torch.bfloat16)
-    bench = argparse.Namespace(layers=args.layers, experts=args.experts, selection=args.selection)
+    bench = argparse.Namespace(
+        layers=args.layers, experts=args.experts, selection=args.selection, hidden=hidden,
+        ffn=shape.moe_ffn_hidden_size,
+    )
     layers = _build(bench, 1, args.keep[0], pg, device)
     rounds = []
     for _ in range(args.calls):
