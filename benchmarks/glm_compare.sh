@@ -23,8 +23,9 @@
 #   LRMoE run uses the next port), DATA_PREFIX
 #   (.data/pystdlib_bytes, written if missing), DATA_MAX_BYTES (12000000), EXTRA_ARGS (flags
 #   appended to both runs), RUNS ("stock lrmoe": on one GPU, the runs to make; a log left in
-#   OUT_DIR by an earlier call, e.g. the other run's, is summarized with them), PYTHON (python3), ENTRY (passed on to the launch script: the CPU
-#   test runs this script tiny with ENTRY=megatron_lrmoe/testing/cpu_pretrain.py).
+#   OUT_DIR by an earlier call, e.g. the other run's, is summarized with them), PYTHON
+#   (python3), ENTRY (passed on to the launch script: the CPU test runs this script tiny with
+#   ENTRY=megatron_lrmoe/testing/cpu_pretrain.py).
 #
 # Exit status 0 when both runs finished all iterations, else 1 (the summary is printed anyway).
 #
@@ -97,6 +98,12 @@ else
   echo "glm_compare.sh: no GPU visible (set GPUS=1 or 2 to run anyway, e.g. with ENTRY=...)" >&2
   exit 1
 fi
+for name in ${RUNS:-stock lrmoe}; do
+  case "$name" in stock | lrmoe) ;; *)
+    echo "glm_compare.sh: RUNS names '$name'; use stock and/or lrmoe (e.g. RUNS=stock)" >&2
+    exit 1 ;;
+  esac
+done
 keep="${KEEP_RATIO:-0.5}"
 port="${MASTER_PORT:-29621}"
 IFS=, read -ra devices <<<"${CUDA_VISIBLE_DEVICES:-0,1}"
@@ -132,8 +139,9 @@ if [ "$side" = 1 ]; then
   b=$!
   wait "$a" "$b"
 else
-  case " ${RUNS:-stock lrmoe} " in *" stock "*) run stock "${devices[0]}" "$port" 0 ;; esac
-  case " ${RUNS:-stock lrmoe} " in *" lrmoe "*) run "keep$keep" "${devices[0]}" $((port + 1)) 1 ;; esac
+  runs=" ${RUNS:-stock lrmoe} "
+  case "$runs" in *" stock "*) run stock "${devices[0]}" "$port" 0 ;; esac
+  case "$runs" in *" lrmoe "*) run "keep$keep" "${devices[0]}" $((port + 1)) 1 ;; esac
 fi
 
 "$py" - "$out" "$iters" "${SKIP_ITERS:-10}" stock "keep$keep" <<'EOF'

@@ -70,6 +70,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (  # noqa: E402
+    QWEN3_30B_A3B_MOE,
     attach_main_grad,
     cuda_median_ms,
     gamma_shares,
@@ -221,8 +222,11 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
-    parser.add_argument("--ffn", type=int, default=768, help="expert FFN size (default 768)")
+    hidden, ffn = QWEN3_30B_A3B_MOE["hidden_size"], QWEN3_30B_A3B_MOE["moe_ffn_hidden_size"]
+    parser.add_argument(
+        "--hidden", type=int, default=hidden, help=f"hidden size (default {hidden})"
+    )
+    parser.add_argument("--ffn", type=int, default=ffn, help=f"expert FFN size (default {ffn})")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.75, 0.5])
     parser.add_argument("--selection", choices=("sample", "topk"), default="sample")
@@ -258,10 +262,9 @@ def main() -> None:
         parser.error(
             f"--experts {args.experts}: fewer than the router's top-{base_cfg.moe_router_topk}"
         )
-    hidden = args.hidden
     dtype = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(100 + rank)
-    x = torch.randn(args.tokens, 1, hidden, device=device, generator=gen).to(dtype)
+    x = torch.randn(args.tokens, 1, args.hidden, device=device, generator=gen).to(dtype)
     up = torch.randn(x.shape, device=device, generator=gen).to(dtype)
     rows: list[dict[str, Any]] = []
     floor: dict[str, float] = {}
