@@ -58,6 +58,18 @@ def _report_env(rank: int, world_size: int, tag: str) -> dict[str, Any]:
     }
 
 
+def _report_start(rank: int, world_size: int) -> dict[str, Any]:
+    """How this rank was started, and what it sees of the parent's environment."""
+    import multiprocessing
+
+    return {
+        "method": multiprocessing.get_start_method(allow_none=True),
+        "probe": os.environ.get("LRMOE_HARNESS_PROBE"),
+        "interpret": os.environ.get("TRITON_INTERPRET"),
+        "torch_preloaded": "megatron.core" in sys.modules,
+    }
+
+
 def _all_reduce_rank(rank: int) -> float:
     value = torch.tensor([float(rank)])
     torch.distributed.all_reduce(value)
@@ -395,6 +407,31 @@ def test_cpu_ranks_see_no_gpu_and_the_parent_keeps_its_environment(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     run_distributed(_report_env, 1, "tag", timeout=120)
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_cpu_ranks_fork_from_a_preloaded_server_with_the_run_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CPU ranks come from the forkserver (megatron-core already imported) yet see the parent's
+    environment as it is when each run starts, like spawned ones; a run that changes a variable
+    Triton reads at import (``TRITON_INTERPRET``) is spawned instead, and the next plain run
+    forks again."""
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the whole run interprets Triton: its forkserver started with it set")
+    run_distributed(_report_start, 1, timeout=120)  # the server exists from here on
+    monkeypatch.setenv("LRMOE_HARNESS_PROBE", "first")
+    first = run_distributed(_report_start, 2, timeout=120)
+    assert [r["probe"] for r in first] == ["first", "first"], first
+    assert all(r["method"] == "forkserver" and r["torch_preloaded"] for r in first), first
+    monkeypatch.setenv("LRMOE_HARNESS_PROBE", "second")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spawned = run_distributed(_report_start, 1, timeout=120)[0]
+    assert spawned["method"] == "spawn" and spawned["interpret"] == "1", spawned
+    assert spawned["probe"] == "second", spawned
+    monkeypatch.delenv("TRITON_INTERPRET")
+    again = run_distributed(_report_start, 1, timeout=120)[0]
+    assert again["method"] == "forkserver" and again["interpret"] is None, again
+    assert again["probe"] == "second", again
 
 
 def test_rank_exception_fails_fast_with_traceback() -> None:

@@ -10,9 +10,18 @@ Typical use in a test::
     def test_layer() -> None:
         losses = run_distributed(_check_layer, 2, 2)
 
-``fn`` is sent to the children with pickle (``spawn`` start method), so it must be a module-level
-function of an importable module (no lambdas, closures or nested functions), and its arguments
-and return value must be picklable.
+``fn`` is sent to the children with pickle, so it must be a module-level function of an
+importable module (no lambdas, closures or nested functions), and its arguments and return value
+must be picklable.
+
+CPU ranks start from a ``forkserver`` that has imported torch and megatron-core once per parent
+process (:data:`FORKSERVER_PRELOAD`): every run still gets fresh processes, but not a fresh
+import of those packages, which costs 5-15 s per rank on a 2-core CI machine. The children get
+the parent's environment as it is when the run starts (as with ``spawn``), applied before
+anything else of ours runs; only what torch and megatron-core read from the environment *at
+import* comes from the forkserver's start. A run whose :data:`IMPORT_TIME_ENV` differs from the
+forkserver's (``TRITON_INTERPRET=1``: Triton reads it when it is imported) is spawned, as are
+CUDA ranks (``device="cuda"``).
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_STARTUP_TIMEOUT_S",
+    "FORKSERVER_PRELOAD",
+    "IMPORT_TIME_ENV",
     "DistributedTestError",
     "init_megatron_parallel",
     "run_distributed",
@@ -56,6 +67,23 @@ _FAILURE_GRACE_S = 0.5
 # separate from ``timeout`` because start-up time is the machine's load, not the test's behaviour:
 # on a busy 2-core CI machine spawning a rank and importing torch + megatron can take a minute.
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+# What the CPU ranks' forkserver imports once per parent process: the heavy third-party packages
+# only. Not megatron_lrmoe, so that each rank imports our code after applying the run's
+# environment, and not the CPU shim (each rank installs it, as before, so that its patches never
+# reach a process that did not ask for them).
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.optimizer",
+)
+# Variables that the preloaded packages read when they are imported: a run that sets one of them
+# differently from the forkserver's start is spawned, so that its ranks import afresh.
+IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
+# The IMPORT_TIME_ENV values the forkserver started with (None until the first CPU run).
+_forkserver_env: tuple[str | None, ...] | None = None
 # Message kinds a child puts on the result queue.
 _READY, _OK, _ERROR = "ready", "ok", "error"
 # Substrings of gloo errors that only mean "a peer went away": symptoms, not causes.
@@ -130,8 +158,12 @@ def _child_main(
     payload: bytes,
     results: Any,
     device: str = "cpu",
+    env: dict[str, str] | None = None,
 ) -> None:
-    """Entry point of one rank (runs in a spawned process)."""
+    """Entry point of one rank (a process forked by the forkserver, or spawned for CUDA)."""
+    if env is not None:  # the forkserver's children inherit the server's environment
+        os.environ.clear()
+        os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -289,7 +321,11 @@ def run_distributed(
             f"pickle {fn!r}: {exc}"
         ) from exc
 
-    ctx = mp.get_context("spawn")
+    with _gpus_hidden() if device == "cpu" else contextlib.nullcontext():
+        env = dict(os.environ) if device == "cpu" else None
+    ctx = _cpu_context(env) if env is not None else None
+    if ctx is None:
+        ctx, env = mp.get_context("spawn"), None
     results = ctx.Queue()
     port = _free_loopback_port()
     processes = [
@@ -297,7 +333,7 @@ def run_distributed(
             target=_child_main,
             args=(
                 rank, world_size, port, backend, startup_timeout + timeout, payload, results,
-                device,
+                device, env,
             ),
             name=f"run_distributed-rank{rank}",
             daemon=True,
@@ -335,6 +371,25 @@ def run_distributed(
         results.close()
     logger.debug("run_distributed(%s) finished in %.1fs", fn, time.monotonic() - start)
     return [run.values[rank] for rank in range(world_size)]
+
+
+def _cpu_context(env: dict[str, str]) -> Any:
+    """The ``forkserver`` context for CPU ranks that will run with ``env``, or ``None`` when
+    they must be spawned (``env`` differs from the forkserver's in :data:`IMPORT_TIME_ENV`).
+
+    The server preloads :data:`FORKSERVER_PRELOAD`; it starts on the first ``Process.start()``
+    (inside :func:`_gpus_hidden`, so it and every rank forked from it see no GPU) and lives as
+    long as the parent process.
+    """
+    global _forkserver_env
+    wanted = tuple(env.get(name) for name in IMPORT_TIME_ENV)
+    if _forkserver_env is None:
+        _forkserver_env = wanted
+    if wanted != _forkserver_env:
+        return None
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
 
 
 class _RunState:
