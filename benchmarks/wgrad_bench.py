@@ -208,7 +208,8 @@ def main() -> None:
 
             row = {"proj": name, "M": m, "N": n, "rows_per_expert": rows, "rows": total,
                    "skew": cv, "order": order, "size_cv": float(sizes.float().std() / sizes.float().mean()),
-                   "largest_group": int(sizes.max()), "fused": {}}
+                   "largest_group": int(sizes.max()), "empty_groups": int((sizes == 0).sum()),
+                   "fused": {}}
             if not args.fused_only:
                 row["gemm_ms"] = cuda_median_ms(gemm, args.warmup, args.iters)
                 row["gemm_add_ms"] = cuda_median_ms(gemm_add, args.warmup, args.iters)

@@ -13,8 +13,9 @@ Shape legend: R rows (pairs) grouped by expert, ``offs[g]`` the end row of group
 ``[R, M]``, ``b`` is ``[R, N]``, ``out`` is ``[G, M, N]``.
 
 A ``[BLOCK_M, BLOCK_N]`` tile of one group is computed by looping over the group's rows in
-``BLOCK_K`` steps (:func:`_wgrad_tile`); empty groups leave ``out[g]`` as it was
-(``accumulate``) or zero it. Added into an fp32 ``out`` (``main_grad``), the tiles
+``BLOCK_K`` steps (:func:`_wgrad_tile`); empty groups leave ``out[g]`` untouched, not read
+nor written (``accumulate``: a layer's ``main_grad`` slice of an expert without rows costs no
+memory traffic), or zero it. Added into an fp32 ``out`` (``main_grad``), the tiles
 :func:`config_for` picks use fire-and-forget atomics (``WgradConfig.atomic_epilogue``): a
 load-add-store epilogue waits for ``out``'s read after the main loop, which no tile shape, TMA
 load or register prefetch hid on an H200 (docs/benchmarks.md sections 10-11, 24). The grid has
@@ -151,11 +152,15 @@ def _wgrad_tile(
         acc = tl.dot(a, b, acc)
     dst = g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if ATOMIC:  # ACCUMULATE into fp32 (the host checks): the add happens in L2
-        tl.atomic_add(out_ptr + dst, acc, mask=mask, sem="relaxed")
+    if ACCUMULATE:
+        # An empty group adds nothing: its tile of ``out`` is neither read nor written.
+        if end > start:
+            if ATOMIC:  # into fp32 (the host checks): the add happens in L2
+                tl.atomic_add(out_ptr + dst, acc, mask=mask, sem="relaxed")
+            else:
+                acc += tl.load(out_ptr + dst, mask=mask, other=0.0)
+                tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        if ACCUMULATE:
-            acc += tl.load(out_ptr + dst, mask=mask, other=0.0)
         tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -375,9 +380,12 @@ def grouped_wgrad_reference(
     *,
     accumulate: bool = True,
 ) -> torch.Tensor:
-    """The slow twin of :func:`grouped_wgrad_triton`: one fp32 matmul per group."""
+    """The slow twin of :func:`grouped_wgrad_triton`: one fp32 matmul per group (an empty
+    group leaves ``out[g]`` untouched when accumulating, as the kernel does)."""
     start = 0
     for g, size in enumerate(sizes):
+        if accumulate and size == 0:
+            continue
         part = a[start : start + size].float().t() @ b[start : start + size].float()
         if accumulate:
             out[g] += part.to(out.dtype)
