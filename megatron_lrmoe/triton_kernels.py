@@ -102,7 +102,39 @@ def triton_available() -> bool:
     except Exception:  # a broken install can raise anything, not only ImportError
         return False
     tl = language
+    _interpreter_takes_scalar_bounds()
     return True
+
+
+def _interpreter_takes_scalar_bounds() -> None:
+    """Let Triton 3.6's interpreter (torch 2.11's Triton) use a kernel argument as a loop bound.
+
+    Its ``tensor.__index__`` is ``int(array)`` of a one-element 1-d array, which NumPy 2.5
+    rejects ("only 0-dimensional arrays can be converted to Python scalars"), so every
+    ``range(0, n, BLOCK)`` over a runtime ``n`` failed: 320 of our 441 interpreter tests.
+    Triton 3.8's interpreter takes the element itself; this gives older ones the same
+    ``__index__``. Only the interpreter (``TRITON_INTERPRET=1``) is touched, never compiled
+    kernels, and nothing where the interpreter is laid out differently.
+    """
+    try:
+        from triton.runtime import interpreter
+    except Exception:  # no interpreter in this Triton
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "lrmoe_scalar_index", False):
+        return
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", _scalar_index)
+
+    patch_lang_tensor.lrmoe_scalar_index = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _scalar_index(self: Any) -> int:
+    """``__index__`` of an interpreted scalar: its one element, whatever the array's rank."""
+    return int(self.handle.data.item())
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

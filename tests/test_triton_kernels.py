@@ -185,6 +185,28 @@ def test_assert_within_can_fail() -> None:
         assert_within(torch.tensor([float("nan")]), torch.tensor([1.0]), ulps=1)
 
 
+@pytest.mark.skipif(not triton_kernels.triton_available(), reason="needs triton")
+def test_interpreter_scalars_index_as_their_element() -> None:
+    """Triton 3.6's interpreter (torch 2.11's) took ``int()`` of a scalar's one-element 1-d
+    array, which NumPy 2.5 rejects, so a loop over a runtime bound failed in every interpreted
+    kernel (320 of the 441 ``test_interp_*`` tests, checked with Triton 3.6 on this CPU);
+    ``triton_available()`` wraps the interpreter's tensor patch so that any Triton gets the
+    element itself."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._patch_lang_tensor, "lrmoe_scalar_index", False)
+    tl = triton_kernels.tl
+    scope = interpreter._LangPatchScope()
+    interpreter._patch_lang_tensor(tl.core.tensor, scope)
+    try:
+        for data in (np.array([7], dtype=np.int32), np.array(7, dtype=np.int32)):
+            scalar = tl.core.tensor(interpreter.TensorHandle(data, tl.int32), tl.int32)
+            assert len(range(0, scalar, 2)) == 4
+    finally:
+        scope.restore()
+
+
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter subprocess")
 def test_kernels_in_interpreter_subprocess() -> None:
     pytest.importorskip("triton")
