@@ -65,6 +65,9 @@ ENVIRONMENT_WARNINGS = (
     "MimoModelConfig is experimental",
     # torch 2.14 on megatron_lrmoe.dispatch.comm's count exchange; --verbose shows it.
     "`torch.distributed.all_gather_into_tensor` is deprecated",
+    # A SyntaxWarning of megatron-core 0.19.2's docstrings, where its sources are compiled on
+    # import (installed with pip --no-compile, as on the project's GPU host, or not writable).
+    "invalid escape sequence",
 )
 # torch's CUDA wheels log "No CUDA runtime is found" from this logger when it is imported.
 QUIET_TORCH_LOGGERS = ("torch.utils.cpp_extension",)
@@ -195,9 +198,11 @@ def _quiet_environment() -> Iterator[None]:
     it spawns while the context is open; restores warnings filters, logger levels and the
     environment afterwards.
 
-    The ranks are fresh interpreters that import torch and megatron.core before any demo code
-    runs in them, so they get the filters through ``PYTHONWARNINGS`` (read at interpreter start)
-    and ``TORCH_LOGS`` (read when torch is imported).
+    The ranks fork from a server that the demo's first run starts inside this context (see
+    :func:`megatron_lrmoe.testing.run_distributed`), a fresh interpreter that imports torch and
+    megatron.core before any demo code runs, so it and the ranks get the filters through
+    ``PYTHONWARNINGS`` (read at interpreter start) and ``TORCH_LOGS`` (read when torch is
+    imported).
     """
     saved_env = {name: os.environ.get(name) for name in ("PYTHONWARNINGS", "TORCH_LOGS")}
     loggers = [logging.getLogger(name) for name in QUIET_TORCH_LOGGERS]
