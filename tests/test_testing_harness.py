@@ -7,6 +7,7 @@ other test modules. Worker functions are module level so that ``spawn`` can pick
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -60,8 +61,6 @@ def _report_env(rank: int, world_size: int, tag: str) -> dict[str, Any]:
 
 def _report_start(rank: int, world_size: int) -> dict[str, Any]:
     """How this rank was started, and what it sees of the parent's environment."""
-    import multiprocessing
-
     return {
         "method": multiprocessing.get_start_method(allow_none=True),
         "probe": os.environ.get("LRMOE_HARNESS_PROBE"),

@@ -161,7 +161,7 @@ def _child_main(
     env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of one rank (a process forked by the forkserver, or spawned for CUDA)."""
-    if env is not None:  # the forkserver's children inherit the server's environment
+    if env is not None:  # a forkserver's children inherit the server's environment, not ours
         os.environ.clear()
         os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -321,11 +321,9 @@ def run_distributed(
             f"pickle {fn!r}: {exc}"
         ) from exc
 
-    with _gpus_hidden() if device == "cpu" else contextlib.nullcontext():
-        env = dict(os.environ) if device == "cpu" else None
-    ctx = _cpu_context(env) if env is not None else None
-    if ctx is None:
-        ctx, env = mp.get_context("spawn"), None
+    # CPU ranks apply the parent's environment, every GPU hidden, before anything else.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else None
+    ctx = (_cpu_context(env) if env is not None else None) or mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_loopback_port()
     processes = [
