@@ -168,12 +168,61 @@ def _fail(layer_name: str, what: str, fix: str) -> None:
     raise ValueError(f"{layer_name}: {what} is not supported by LRMoE; {fix}")
 
 
+# ``offload_modules`` entries whose offloading points live inside Megatron's expert modules,
+# which LRMoE replaces (fine-grained activation offloading): nothing would be offloaded.
+EXPERT_OFFLOAD_MODULES: tuple[str, ...] = ("expert_fc1", "moe_act", "fused_group_mlp")
+# ``cuda_graph_modules`` entries that capture part of an MoE layer.
+MOE_GRAPH_MODULES: tuple[str, ...] = ("moe", "moe_router", "moe_preprocess")
+_DEPRECATED_WHOLE_SCOPES = ("full", "full_iteration", "full_iteration_inference")
+
+
+def graph_module_names(modules: Any) -> list[str]:
+    """``cuda_graph_modules`` (enums, names, one value or a list) as a list of names."""
+    if modules is None:
+        return []
+    items = modules if isinstance(modules, (list, tuple)) else [modules]
+    return [getattr(m, "name", str(m)) for m in items]
+
+
+def moe_graph_capture(impl: Optional[str], modules: Any) -> Optional[str]:
+    """What Megatron's training CUDA graphs would capture of an MoE layer, or ``None``.
+
+    Args:
+        impl: ``cuda_graph_impl`` (``"none"``, ``"local"``, ``"transformer_engine"``,
+            ``"full_iteration"``).
+        modules: ``cuda_graph_modules``; empty (or the deprecated ``"full"``) is the whole layer,
+            the deprecated ``"full_iteration"`` means ``impl="full_iteration"``.
+    """
+    names = graph_module_names(modules)
+    if "full_iteration" in names:
+        impl = "full_iteration"
+    if impl == "full_iteration":
+        return "the whole training iteration"
+    if impl not in ("local", "transformer_engine"):
+        return None
+    names = [n for n in names if n not in _DEPRECATED_WHOLE_SCOPES]
+    if not names:
+        return "the whole transformer layer"
+    moe = [n for n in names if n in MOE_GRAPH_MODULES]
+    return " and ".join(moe) if moe else None
+
+
+def offloaded_expert_modules(config: Any) -> list[str]:
+    """The ``offload_modules`` of ``config`` that point inside the stock experts (if on)."""
+    if not getattr(config, "fine_grained_activation_offloading", False):
+        return []
+    listed = getattr(config, "offload_modules", None) or []
+    return [m for m in listed if m in EXPERT_OFFLOAD_MODULES]
+
+
 def validate_transformer_config(config: Any, layer_name: str = "LRMoELayer") -> None:
     """Reject Megatron settings that the LRMoE layer does not implement.
 
     Each rule names the offending value and the fix. Rules are listed in docs/config.md.
     """
     # Imported here so the config module stays importable without torch-heavy imports.
+    import torch.nn.functional as F
+
     from megatron_lrmoe.experts.activation import activation_spec_from_config
 
     num_experts: Optional[int] = config.num_moe_experts
@@ -185,6 +234,15 @@ def validate_transformer_config(config: Any, layer_name: str = "LRMoELayer") -> 
             f"{layer_name}: num_moe_experts ({num_experts}) must be divisible by "
             f"expert_model_parallel_size ({ep})"
         )
+    impl = getattr(config, "cuda_graph_impl", "none")
+    modules = getattr(config, "cuda_graph_modules", None)
+    graphed = moe_graph_capture(impl, modules)
+    offloaded = offloaded_expert_modules(config)
+    func = getattr(config, "activation_func", None)
+    act_name = getattr(func, "__name__", None) or repr(func)
+    gated = bool(getattr(config, "gated_linear_unit", False))
+    gtp = int(getattr(config, "expert_gtp_weight_remat_size", 1) or 1)
+    te_act_matches = gated and func is F.silu  # SwiGLU: Transformer Engine's op is the same
     rules: list[tuple[bool, str, str]] = [
         (
             config.moe_token_dispatcher_type != "alltoall",
@@ -247,6 +305,50 @@ def validate_transformer_config(config: Any, layer_name: str = "LRMoELayer") -> 
             bool(config.moe_permute_fusion),
             "moe_permute_fusion=True",
             "drop --moe-permute-fusion (the LRMoE path permutes with the unfused kernels)",
+        ),
+        (
+            graphed is not None,
+            f"cuda_graph_impl={impl!r} capturing {graphed} "
+            f"(cuda_graph_modules={graph_module_names(modules)})",
+            "the layer plans every call on the host and replays its own graphs inside; capture "
+            "attention only (--cuda-graph-modules attn) or drop --cuda-graph-impl",
+        ),
+        (
+            bool(offloaded),
+            f"offload_modules={offloaded} (fine-grained activation offloading inside the experts)",
+            "LRMoE's expert op has no such offloading points; remove them from --offload-modules",
+        ),
+        (
+            bool(getattr(config, "use_te_activation_func", False)) and not te_act_matches,
+            f"use_te_activation_func=True with activation_func={act_name} "
+            f"(gated_linear_unit={gated})",
+            "LRMoE's experts compute the activation with their own kernels (exact SiLU, erf "
+            "GELU), which is Transformer Engine's function only for SwiGLU; drop "
+            "--use-te-activation-func",
+        ),
+        (
+            bool(getattr(config, "activation_func_fp8_input_store", False)),
+            "activation_func_fp8_input_store=True",
+            "LRMoE keeps fc1's output in the parameters' dtype for the backward; set it False",
+        ),
+        (
+            bool(getattr(config, "use_kitchen", False)),
+            "use_kitchen=True (kitchen-quantised linear layers)",
+            "LRMoE's experts are not quantised; drop --kitchen-config-file / "
+            "--kitchen-recipe-number",
+        ),
+        (
+            gtp > 1,
+            "expert_tensor_parallel_num_weight_shards="
+            f"{getattr(config, 'expert_tensor_parallel_num_weight_shards', None)} (expert "
+            f"weights sharded over a GTP group of {gtp})",
+            "LRMoE's expert weights are whole on each rank; leave "
+            "--expert-tensor-parallel-num-weight-shards unset",
+        ),
+        (
+            getattr(config, "transformer_impl", "local") == "inference_optimized",
+            "transformer_impl='inference_optimized'",
+            "LRMoE is a training feature; use transformer_impl 'local' or 'transformer_engine'",
         ),
     ]
     for bad, what, fix in rules:

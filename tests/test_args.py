@@ -226,6 +226,28 @@ RULES = [
     (["--transformer-impl", "inference_optimized"], [], "--transformer-impl inference_optimized"),
     ([], ["--num-experts"], "--num-experts"),
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], [], "--num-experts (6)"),
+    (["--cuda-graph-impl", "local"], [], "--cuda-graph-impl local (the whole layer)"),
+    (
+        ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router"],
+        [],
+        "--cuda-graph-impl transformer_engine --cuda-graph-modules attn moe_router",
+    ),
+    (["--cuda-graph-impl", "full_iteration"], [], "--cuda-graph-impl full_iteration"),
+    (["--enable-cuda-graph"], [], "--enable-cuda-graph (the whole layer)"),
+    (
+        ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "expert_fc1"],
+        [],
+        "--offload-modules expert_fc1",
+    ),
+    (["--use-te-activation-func"], ["--swiglu"], "--use-te-activation-func"),
+    (
+        ["--expert-tensor-parallel-num-weight-shards", "2"],
+        [],
+        "--expert-tensor-parallel-num-weight-shards 2",
+    ),
+    (["--optimizer", "muon"], [], "--optimizer muon"),
+    (["--optimizer", "dist_muon"], [], "--optimizer dist_muon"),
+    (["--optimizer", "adaptive_muon"], [], "--optimizer adaptive_muon"),
 ]
 
 
@@ -241,6 +263,21 @@ def test_each_incompatible_combination_names_both_flags(
         validate_lrmoe_args(args)
     message = str(info.value)
     assert "--lrmoe" in message and flag in message, message
+
+
+@pytest.mark.parametrize(
+    "add",
+    [
+        ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn"],
+        ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "qkv_linear"],
+        ["--use-te-activation-func"],  # with --swiglu: the same function as LRMoE's
+        ["--recompute-granularity", "selective", "--recompute-modules", "moe_act", "moe"],
+        ["--optimizer", "sgd"],
+    ],
+    ids=" ".join,
+)
+def test_neighbouring_flags_pass(monkeypatch: pytest.MonkeyPatch, add: list[str]) -> None:
+    validate_lrmoe_args(megatron_parse(monkeypatch, BASE + add + ["--lrmoe"]))
 
 
 def test_rules_also_hold_after_megatron_validate_args(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import CudaGraphModule as GM
 
 from megatron_lrmoe import LRMoEConfig
 from megatron_lrmoe.testing import moe_transformer_config
@@ -48,6 +50,7 @@ def _bad(**fields):
     """A valid tiny MoE config with ``fields`` forced past TransformerConfig's own checks."""
     cfg = copy.copy(moe_transformer_config())
     for k, v in fields.items():
+        assert hasattr(cfg, k), f"TransformerConfig has no field {k!r}: the rule could never fire"
         object.__setattr__(cfg, k, v)
     return cfg
 
@@ -69,6 +72,38 @@ RULES = [
     (dict(moe_latent_size=16), r"moe_latent_size"),
     (dict(add_bias_linear=True), r"add_bias_linear=True.*--disable-bias-linear"),
     (dict(activation_func=torch.tanh), r"activation"),
+    (
+        dict(cuda_graph_impl="local", cuda_graph_modules=[]),
+        r"cuda_graph_impl='local' capturing the whole transformer layer.*--cuda-graph-modules attn",
+    ),
+    (
+        dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=[GM.attn, GM.moe_router]),
+        r"capturing moe_router \(cuda_graph_modules=\['attn', 'moe_router'\]\)",
+    ),
+    (
+        dict(cuda_graph_impl="local", cuda_graph_modules=[GM.moe_router, GM.moe_preprocess]),
+        r"capturing moe_router and moe_preprocess",
+    ),
+    (dict(cuda_graph_impl="full_iteration"), r"capturing the whole training iteration"),
+    (
+        dict(fine_grained_activation_offloading=True, offload_modules=["core_attn", "moe_act"]),
+        r"offload_modules=\['moe_act'\].*remove them from --offload-modules",
+    ),
+    (
+        dict(use_te_activation_func=True, gated_linear_unit=False, activation_func=F.gelu),
+        r"use_te_activation_func=True with activation_func=gelu \(gated_linear_unit=False\)",
+    ),
+    (
+        dict(use_te_activation_func=True, gated_linear_unit=False, activation_func=F.silu),
+        r"use_te_activation_func=True with activation_func=silu",
+    ),
+    (dict(activation_func_fp8_input_store=True), r"activation_func_fp8_input_store=True"),
+    (dict(use_kitchen=True), r"use_kitchen=True.*--kitchen-config-file"),
+    (
+        dict(expert_tensor_parallel_num_weight_shards=2, expert_gtp_weight_remat_size=2),
+        r"expert_tensor_parallel_num_weight_shards=2 .*GTP group of 2",
+    ),
+    (dict(transformer_impl="inference_optimized"), r"transformer_impl='inference_optimized'"),
 ]
 
 
@@ -81,6 +116,40 @@ def test_each_unsupported_setting_is_named(fields: dict, match: str) -> None:
 
 def test_valid_config_passes() -> None:
     LRMoEConfig(keep_ratio=0.5).validate_against(moe_transformer_config())
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        # CUDA graphs of attention only; "none" ignores the (whole-layer) default modules.
+        dict(cuda_graph_impl="local", cuda_graph_modules=[GM.attn]),
+        dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=[GM.attn]),
+        dict(cuda_graph_impl="none", cuda_graph_modules=[]),
+        # Offloading outside the experts.
+        dict(fine_grained_activation_offloading=True, offload_modules=["core_attn", "qkv_linear"]),
+        # Listed but off.
+        dict(fine_grained_activation_offloading=False, offload_modules=["expert_fc1"]),
+        # SwiGLU is the same function in Transformer Engine's op and LRMoE's kernels.
+        dict(use_te_activation_func=True),
+        # Nothing to recompute: LRMoE's experts never save the activation's output.
+        dict(recompute_granularity="selective", recompute_modules=["moe_act", "shared_experts"]),
+        dict(moe_grouped_gemm=True),
+    ],
+    ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()),
+)
+def test_neighbouring_settings_pass(fields: dict) -> None:
+    LRMoEConfig(keep_ratio=0.5).validate_against(_bad(**fields), "decoder.layers.3.mlp")
+
+
+def test_graph_capture_reads_every_spelling() -> None:
+    """Enums, names, one value or a list; the deprecated whole-layer and whole-iteration names."""
+    from megatron_lrmoe.config import moe_graph_capture
+
+    assert moe_graph_capture("local", GM.moe) == "moe"
+    assert moe_graph_capture("local", ["attn"]) is None
+    assert moe_graph_capture("transformer_engine", "full") == "the whole transformer layer"
+    assert moe_graph_capture("none", ["full_iteration"]) == "the whole training iteration"
+    assert moe_graph_capture("none", None) is None and moe_graph_capture(None, []) is None
 
 
 @pytest.mark.parametrize(

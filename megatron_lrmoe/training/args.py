@@ -27,6 +27,9 @@ from megatron_lrmoe.config import (
     SCOPES,
     SELECTIONS,
     LRMoEConfig,
+    graph_module_names,
+    moe_graph_capture,
+    offloaded_expert_modules,
 )
 
 __all__ = [
@@ -308,6 +311,36 @@ def _plain(flag: str) -> Callable[[argparse.Namespace], str]:
     return lambda a: flag
 
 
+def _graph_impl(args: argparse.Namespace) -> str:
+    # Megatron's validate_args turns the deprecated flags into --cuda-graph-impl.
+    if _get(args, "enable_cuda_graph"):
+        return "local"
+    if _get(args, "external_cuda_graph"):
+        return "transformer_engine"
+    return _get(args, "cuda_graph_impl", "none") or "none"
+
+
+def _graph_modules(args: argparse.Namespace) -> list[str]:
+    deprecated = _get(args, "cuda_graph_scope_deprecated")
+    modules = deprecated if deprecated is not None else _get(args, "cuda_graph_modules")
+    return graph_module_names(modules)
+
+
+def _graph_flags(args: argparse.Namespace) -> str:
+    if _get(args, "enable_cuda_graph") or _get(args, "external_cuda_graph"):
+        impl = "--enable-cuda-graph" if _get(args, "enable_cuda_graph") else "--external-cuda-graph"
+    else:
+        impl = f"--cuda-graph-impl {_graph_impl(args)}"
+    names = _graph_modules(args)
+    if names:
+        return f"{impl} --cuda-graph-modules {' '.join(names)}"
+    return impl if _graph_impl(args) == "full_iteration" else f"{impl} (the whole layer)"
+
+
+# Megatron's optimizers that give only 2-D weights their own update (others get Adam):
+# megatron/core/optimizer/emerging_optimizers.py, ``_is_nonlinear_or_embedding``.
+MATRIX_OPTIMIZERS: tuple[str, ...] = ("muon", "dist_muon", "adaptive_muon")
+
 # Mirrors megatron_lrmoe.config.validate_transformer_config, one rule per flag, so that a bad
 # combination fails at argument parsing, naming both flags, before any process group exists.
 _RULES: tuple[_Rule, ...] = (
@@ -442,6 +475,54 @@ _RULES: tuple[_Rule, ...] = (
         _plain("--transformer-impl inference_optimized"),
         "LRMoE is a training feature",
         "use --transformer-impl local or transformer_engine",
+    ),
+    _Rule(
+        lambda a: moe_graph_capture(_graph_impl(a), _graph_modules(a)) is not None,
+        _graph_flags,
+        "those CUDA graphs would capture the MoE layer, which LRMoE plans on the host every call "
+        "(it replays its own graphs inside)",
+        "capture attention only (--cuda-graph-modules attn) or drop --cuda-graph-impl",
+    ),
+    _Rule(
+        lambda a: bool(offloaded_expert_modules(a)),
+        lambda a: f"--offload-modules {' '.join(offloaded_expert_modules(a))}",
+        "LRMoE's expert op has no such offloading points",
+        "remove them from --offload-modules",
+    ),
+    _Rule(
+        lambda a: bool(_get(a, "use_te_activation_func")) and not _get(a, "swiglu"),
+        _plain("--use-te-activation-func"),
+        "LRMoE's experts compute the activation with their own kernels, which is Transformer "
+        "Engine's function only for SwiGLU",
+        "drop --use-te-activation-func",
+    ),
+    _Rule(
+        lambda a: int(_get(a, "expert_tensor_parallel_num_weight_shards") or 1) > _expert_tp(a),
+        _with_value(
+            "--expert-tensor-parallel-num-weight-shards", "expert_tensor_parallel_num_weight_shards"
+        ),
+        "LRMoE's expert weights are whole on each rank",
+        "leave --expert-tensor-parallel-num-weight-shards unset",
+    ),
+    _Rule(
+        _not_none("kitchen_config_file"),
+        _with_value("--kitchen-config-file", "kitchen_config_file"),
+        "LRMoE's experts are not quantised",
+        "drop --kitchen-config-file",
+    ),
+    _Rule(
+        _not_none("kitchen_recipe_number"),
+        _with_value("--kitchen-recipe-number", "kitchen_recipe_number"),
+        "LRMoE's experts are not quantised",
+        "drop --kitchen-recipe-number",
+    ),
+    _Rule(
+        lambda a: _get(a, "optimizer") in MATRIX_OPTIMIZERS,
+        _with_value("--optimizer", "optimizer"),
+        "LRMoE holds each layer's experts as one [experts, rows, columns] weight per projection, "
+        "and these optimizers orthogonalise only 2-D weights: they would give the experts Adam "
+        "where stock's per-expert matrices get the optimizer",
+        "use --optimizer adam (or sgd, lion)",
     ),
 )
 
