@@ -297,6 +297,54 @@ def test_nonfinite_values_poison_the_gradients(ep: int) -> None:
         assert any(flagged), f"EP={ep} {case}: no expert gradient is non-finite on any rank"
 
 
+def saved_shapes_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Shapes of every tensor the layer's forward saves for backward (saved-tensor hooks on:
+    the op then saves everything through autograd), and the call's expert-side rows."""
+    from megatron_lrmoe.testing import init_megatron_parallel
+
+    pg = init_megatron_parallel(ep=world)
+    results = []
+    for lrmoe in cases:
+        layer = ref.build_layer(pg, world, dict(lrmoe, record_stats=True))
+        params = {id(p) for p in layer.parameters()}
+        shapes: list[tuple[int, ...]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in params:
+                shapes.append(tuple(t.shape))
+            return t
+
+        x, upstream = ref.layer_inputs(rank, TOKENS, layer.config.hidden_size, seed=4)
+        x = x.clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _ = layer(x)
+        (out * upstream).sum().backward()
+        rows, ffn = layer.last_call_stats.forward_rows, layer.config.moe_ffn_hidden_size
+        results.append(dict(lrmoe=lrmoe, shapes=shapes, rows=rows, ffn=ffn))
+    return results
+
+
+def test_experts_never_save_the_activation_output() -> None:
+    """Why ``recompute_modules=["moe_act"]`` needs no rule (docs/config.md): the expert side
+    saves fc1's output ``[rows, 2F]`` and recomputes the activation ``[rows, F]`` in backward,
+    at keep 1 and below, at EP 1 and 2."""
+    cases = [
+        dict(keep_ratio=1.0),
+        dict(keep_ratio=0.5),
+        dict(keep_ratio=0.5, activation_mode="recompute"),
+    ]
+    for ep in (1, 2):
+        results = run_distributed(saved_shapes_worker, ep, cases, timeout=TIMEOUT_S)
+        for rank, per_rank in enumerate(results):
+            for res in per_rank:
+                rows, ffn = res["rows"], res["ffn"]
+                where = f"EP {ep} rank {rank} {res['lrmoe']}: {res['shapes']}"
+                assert rows > 0, where
+                assert (rows, ffn) not in res["shapes"], where
+                if res["lrmoe"].get("activation_mode", "save") == "save":
+                    assert (rows, 2 * ffn) in res["shapes"], where  # the hook saw the op's saves
+
+
 # --------------------------------------------------------------------------------------------- #
 # (c) debug_check_invariants.
 # --------------------------------------------------------------------------------------------- #
