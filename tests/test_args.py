@@ -248,6 +248,7 @@ RULES = [
     (["--optimizer", "muon"], [], "--optimizer muon"),
     (["--optimizer", "dist_muon"], [], "--optimizer dist_muon"),
     (["--optimizer", "adaptive_muon"], [], "--optimizer adaptive_muon"),
+    (["--optimizer", "soap"], [], "--optimizer soap"),
 ]
 
 
@@ -273,6 +274,7 @@ def test_each_incompatible_combination_names_both_flags(
         ["--use-te-activation-func"],  # with --swiglu: the same function as LRMoE's
         ["--recompute-granularity", "selective", "--recompute-modules", "moe_act", "moe"],
         ["--optimizer", "sgd"],
+        ["--optimizer", "lion"],
     ],
     ids=" ".join,
 )

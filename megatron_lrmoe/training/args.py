@@ -337,9 +337,10 @@ def _graph_flags(args: argparse.Namespace) -> str:
     return impl if _graph_impl(args) == "full_iteration" else f"{impl} (the whole layer)"
 
 
-# Megatron's optimizers that give only 2-D weights their own update (others get Adam):
-# megatron/core/optimizer/emerging_optimizers.py, ``_is_nonlinear_or_embedding``.
-MATRIX_OPTIMIZERS: tuple[str, ...] = ("muon", "dist_muon", "adaptive_muon")
+# Megatron's optimizers whose update depends on a weight's matrix shape: the Muon family gives
+# non-2-D weights Adam (megatron/core/optimizer/emerging_optimizers.py,
+# ``_is_nonlinear_or_embedding``); SOAP keeps one Kronecker factor per dimension.
+MATRIX_OPTIMIZERS: tuple[str, ...] = ("muon", "dist_muon", "adaptive_muon", "soap")
 
 # Mirrors megatron_lrmoe.config.validate_transformer_config, one rule per flag, so that a bad
 # combination fails at argument parsing, naming both flags, before any process group exists.
@@ -520,8 +521,9 @@ _RULES: tuple[_Rule, ...] = (
         lambda a: _get(a, "optimizer") in MATRIX_OPTIMIZERS,
         _with_value("--optimizer", "optimizer"),
         "LRMoE holds each layer's experts as one [experts, rows, columns] weight per projection, "
-        "and these optimizers orthogonalise only 2-D weights: they would give the experts Adam "
-        "where stock's per-expert matrices get the optimizer",
+        "and this optimizer's update depends on the weight's shape: Muon gives non-2-D weights "
+        "Adam, SOAP would precondition across experts; stock's per-expert matrices get the "
+        "optimizer itself",
         "use --optimizer adam (or sgd, lion)",
     ),
 )
