@@ -104,6 +104,19 @@ def stock_vs_lrmoe_keep1_cases(
     return [stock_vs_lrmoe_keep1(pg, ep, overrides) for overrides in cases]
 
 
+def stock_vs_lrmoe_keep1_tp_cases(
+    rank: int, world: int, ep: int, tp: int, cases: list[dict]
+) -> list[dict[str, float]]:
+    """``stock_vs_lrmoe_keep1`` with attention tensor parallelism ``tp`` (sequence parallel,
+    expert TP 1: each TP rank routes its own sequence shard, the EP group spans TP ranks)."""
+    pg = init_megatron_parallel(ep=ep, tp=tp)
+    assert pg.tp.size() == tp and pg.ep.size() == ep and pg.expt_tp.size() == 1
+    tp_overrides = dict(
+        tensor_model_parallel_size=tp, expert_tensor_parallel_size=1, sequence_parallel=True
+    )
+    return [stock_vs_lrmoe_keep1(pg, ep, dict(tp_overrides, **c)) for c in cases]
+
+
 def stock_vs_lrmoe_keep1(pg, ep: int, overrides: dict) -> dict[str, float]:
     """Max abs differences (and scales) between the stock MoELayer and LRMoE at keep 1.0."""
     cfg = _config(ep, **overrides)
@@ -212,10 +225,17 @@ def _dense_reference(
 
 
 def lrmoe_vs_dense_reference_cases(
-    rank: int, world: int, ep: int, cases: list[tuple[dict, dict, Optional[str]]]
+    rank: int, world: int, ep: int, cases: list[tuple[dict, dict, Optional[str]]], tp: int = 1
 ) -> list[dict[str, Any]]:
-    """``lrmoe_vs_dense_reference`` for several (lrmoe kwargs, config overrides, routing) cases."""
-    pg = init_megatron_parallel(ep=ep)
+    """``lrmoe_vs_dense_reference`` for several (lrmoe kwargs, config overrides, routing) cases;
+    with ``tp > 1`` attention is tensor-parallel (sequence parallel, expert TP 1)."""
+    pg = init_megatron_parallel(ep=ep, tp=tp)
+    assert pg.tp.size() == tp and pg.ep.size() == ep
+    if tp > 1:
+        extra = dict(
+            tensor_model_parallel_size=tp, expert_tensor_parallel_size=1, sequence_parallel=True
+        )
+        cases = [(lrmoe, dict(extra, **overrides), routing) for lrmoe, overrides, routing in cases]
     return [lrmoe_vs_dense_reference(pg, ep, *case) for case in cases]
 
 

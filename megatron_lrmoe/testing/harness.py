@@ -519,9 +519,11 @@ def init_megatron_parallel(ep: int, tp: int = 1, seed: int = 1234) -> ProcessGro
     """Initialise megatron model parallelism inside a :func:`run_distributed` child.
 
     Calls ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-    expert_model_parallel_size=ep)`` and ``model_parallel_cuda_manual_seed(seed)`` (which works
-    on CPU through the shim), then returns the process groups a ``MoELayer`` built without an
-    explicit ``pg_collection`` would use (``moe_utils.get_default_pg_collection()``).
+    expert_model_parallel_size=ep, expert_tensor_parallel_size=1)`` (LRMoE's experts are not
+    tensor-parallel; Megatron would default the expert TP size to ``tp``) and
+    ``model_parallel_cuda_manual_seed(seed)`` (which works on CPU through the shim), then returns
+    the process groups a ``MoELayer`` built without an explicit ``pg_collection`` would use
+    (``moe_utils.get_default_pg_collection()``).
 
     Args:
         ep: expert-model-parallel size.
@@ -540,7 +542,7 @@ def init_megatron_parallel(ep: int, tp: int = 1, seed: int = 1234) -> ProcessGro
             "init_megatron_parallel must run inside run_distributed (no process group)"
         )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
     )
     # On a GPU this seeds only the CUDA generator; seed the CPU one too so that CPU-side draws in
     # tests are reproducible on both.
