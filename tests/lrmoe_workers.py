@@ -104,17 +104,28 @@ def stock_vs_lrmoe_keep1_cases(
     return [stock_vs_lrmoe_keep1(pg, ep, overrides) for overrides in cases]
 
 
-def stock_vs_lrmoe_keep1_tp_cases(
-    rank: int, world: int, ep: int, tp: int, cases: list[dict]
+def _attention_parallel(pg, ep: int, tp: int, cp: int) -> dict[str, Any]:
+    """Config overrides for attention tensor (sequence-parallel) / context parallelism with
+    expert TP 1, after checking the groups: each TP or CP rank routes its own tokens and the EP
+    group spans those ranks."""
+    assert pg.tp.size() == tp and pg.cp.size() == cp and pg.ep.size() == ep
+    assert pg.expt_tp.size() == 1
+    overrides: dict[str, Any] = dict(expert_tensor_parallel_size=1)
+    if tp > 1:
+        overrides.update(tensor_model_parallel_size=tp, sequence_parallel=True)
+    if cp > 1:
+        overrides.update(context_parallel_size=cp)
+    return overrides
+
+
+def stock_vs_lrmoe_keep1_parallel_cases(
+    rank: int, world: int, ep: int, cases: list[dict], tp: int = 1, cp: int = 1
 ) -> list[dict[str, float]]:
-    """``stock_vs_lrmoe_keep1`` with attention tensor parallelism ``tp`` (sequence parallel,
-    expert TP 1: each TP rank routes its own sequence shard, the EP group spans TP ranks)."""
-    pg = init_megatron_parallel(ep=ep, tp=tp)
-    assert pg.tp.size() == tp and pg.ep.size() == ep and pg.expt_tp.size() == 1
-    tp_overrides = dict(
-        tensor_model_parallel_size=tp, expert_tensor_parallel_size=1, sequence_parallel=True
-    )
-    return [stock_vs_lrmoe_keep1(pg, ep, dict(tp_overrides, **c)) for c in cases]
+    """``stock_vs_lrmoe_keep1`` with attention tensor or context parallelism
+    (:func:`_attention_parallel`)."""
+    pg = init_megatron_parallel(ep=ep, tp=tp, cp=cp)
+    extra = _attention_parallel(pg, ep, tp, cp)
+    return [stock_vs_lrmoe_keep1(pg, ep, dict(extra, **c)) for c in cases]
 
 
 def stock_vs_lrmoe_keep1(pg, ep: int, overrides: dict) -> dict[str, float]:
@@ -225,16 +236,19 @@ def _dense_reference(
 
 
 def lrmoe_vs_dense_reference_cases(
-    rank: int, world: int, ep: int, cases: list[tuple[dict, dict, Optional[str]]], tp: int = 1
+    rank: int,
+    world: int,
+    ep: int,
+    cases: list[tuple[dict, dict, Optional[str]]],
+    tp: int = 1,
+    cp: int = 1,
 ) -> list[dict[str, Any]]:
     """``lrmoe_vs_dense_reference`` for several (lrmoe kwargs, config overrides, routing) cases;
-    with ``tp > 1`` attention is tensor-parallel (sequence parallel, expert TP 1)."""
-    pg = init_megatron_parallel(ep=ep, tp=tp)
-    assert pg.tp.size() == tp and pg.ep.size() == ep
-    if tp > 1:
-        extra = dict(
-            tensor_model_parallel_size=tp, expert_tensor_parallel_size=1, sequence_parallel=True
-        )
+    with ``tp`` or ``cp`` above 1, attention is tensor / context parallel
+    (:func:`_attention_parallel`)."""
+    pg = init_megatron_parallel(ep=ep, tp=tp, cp=cp)
+    if tp > 1 or cp > 1:
+        extra = _attention_parallel(pg, ep, tp, cp)
         cases = [(lrmoe, dict(extra, **overrides), routing) for lrmoe, overrides, routing in cases]
     return [lrmoe_vs_dense_reference(pg, ep, *case) for case in cases]
 

@@ -46,17 +46,24 @@ def test_keep1_equals_stock(ep: int) -> None:
     _assert_close_keep1(results, cases)
 
 
-def test_keep1_equals_stock_with_attention_tensor_parallel() -> None:
-    """TP 2 with sequence parallelism and expert TP 1 over EP 2 (how the largest MoE recipes
-    run attention): keep 1.0 still equals stock, shared experts (TP-sharded) included."""
+ATTENTION_PARALLEL = [dict(tp=2), dict(cp=2)]
+
+
+@pytest.mark.parametrize("sizes", ATTENTION_PARALLEL, ids=["tp2", "cp2"])
+def test_keep1_equals_stock_with_attention_parallelism(sizes: dict) -> None:
+    """TP 2 with sequence parallelism, or CP 2, with expert TP 1 over EP 2 (how the largest MoE
+    recipes run attention): keep 1.0 still equals stock, shared experts included."""
     cases = [KEEP1_CASES[0], KEEP1_CASES[1], KEEP1_CASES[3]]
-    results = run_distributed(w.stock_vs_lrmoe_keep1_tp_cases, 2, 2, 2, cases, timeout=240)
+    results = run_distributed(
+        w.stock_vs_lrmoe_keep1_parallel_cases, 2, 2, cases, timeout=240, **sizes
+    )
     _assert_close_keep1(results, cases)
 
 
-def test_keep_below_one_with_attention_tensor_parallel() -> None:
-    """Keep < 1 at TP 2 (sequence parallel, expert TP 1) over EP 2 equals the dense masked
-    reference, both scopes, and keeps exactly the quota."""
+@pytest.mark.parametrize("sizes", ATTENTION_PARALLEL, ids=["tp2", "cp2"])
+def test_keep_below_one_with_attention_parallelism(sizes: dict) -> None:
+    """Keep < 1 at TP 2 (sequence parallel) or CP 2, expert TP 1, over EP 2 equals the dense
+    masked reference, both scopes, and keeps exactly the quota."""
     cases = [
         (dict(keep_ratio=0.5), dict(moe_aux_loss_coeff=0.0), None),
         (
@@ -65,7 +72,7 @@ def test_keep_below_one_with_attention_tensor_parallel() -> None:
             None,
         ),
     ]
-    results = run_distributed(w.lrmoe_vs_dense_reference_cases, 2, 2, cases, tp=2, timeout=300)
+    results = run_distributed(w.lrmoe_vs_dense_reference_cases, 2, 2, cases, timeout=300, **sizes)
     _assert_matches_reference(results)
     _check_counts(results)
 

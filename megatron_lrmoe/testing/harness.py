@@ -515,12 +515,15 @@ def _failure_error(
     )
 
 
-def init_megatron_parallel(ep: int, tp: int = 1, seed: int = 1234) -> ProcessGroupCollection:
+def init_megatron_parallel(
+    ep: int, tp: int = 1, seed: int = 1234, cp: int = 1
+) -> ProcessGroupCollection:
     """Initialise megatron model parallelism inside a :func:`run_distributed` child.
 
     Calls ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-    expert_model_parallel_size=ep, expert_tensor_parallel_size=1)`` (LRMoE's experts are not
-    tensor-parallel; Megatron would default the expert TP size to ``tp``) and
+    context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)``
+    (LRMoE's experts are not tensor-parallel; Megatron would default the expert TP size to
+    ``tp``) and
     ``model_parallel_cuda_manual_seed(seed)`` (which works on CPU through the shim), then returns
     the process groups a ``MoELayer`` built without an explicit ``pg_collection`` would use
     (``moe_utils.get_default_pg_collection()``).
@@ -528,6 +531,7 @@ def init_megatron_parallel(ep: int, tp: int = 1, seed: int = 1234) -> ProcessGro
     Args:
         ep: expert-model-parallel size.
         tp: tensor-model-parallel size.
+        cp: context-parallel size.
         seed: base seed of megatron's RNG tracker (also seeds the default generator).
 
     Returns:
@@ -542,7 +546,10 @@ def init_megatron_parallel(ep: int, tp: int = 1, seed: int = 1234) -> ProcessGro
             "init_megatron_parallel must run inside run_distributed (no process group)"
         )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
     )
     # On a GPU this seeds only the CUDA generator; seed the CPU one too so that CPU-side draws in
     # tests are reproducible on both.
