@@ -12,6 +12,7 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -280,6 +281,25 @@ def test_each_incompatible_combination_names_both_flags(
 )
 def test_neighbouring_flags_pass(monkeypatch: pytest.MonkeyPatch, add: list[str]) -> None:
     validate_lrmoe_args(megatron_parse(monkeypatch, BASE + add + ["--lrmoe"]))
+
+
+@pytest.mark.parametrize(
+    "name, value, flag",
+    [
+        ("kitchen_config_file", "recipe.yaml", "--kitchen-config-file recipe.yaml"),
+        ("kitchen_recipe_number", 3, "--kitchen-recipe-number 3"),
+    ],
+)
+def test_kitchen_flags_are_refused(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: Any, flag: str
+) -> None:
+    """Megatron adds the kitchen flags only where its kitchen package is installed (not here):
+    set on the parsed namespace as that parser would."""
+    args = megatron_parse(monkeypatch, BASE + ["--lrmoe"])
+    validate_lrmoe_args(args)
+    setattr(args, name, value)
+    with pytest.raises(ValueError, match=f"--lrmoe cannot be combined with {flag}"):
+        validate_lrmoe_args(args)
 
 
 def test_rules_also_hold_after_megatron_validate_args(monkeypatch: pytest.MonkeyPatch) -> None:

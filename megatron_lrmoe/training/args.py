@@ -343,7 +343,8 @@ def _graph_flags(args: argparse.Namespace) -> str:
 MATRIX_OPTIMIZERS: tuple[str, ...] = ("muon", "dist_muon", "adaptive_muon", "soap")
 
 # Mirrors megatron_lrmoe.config.validate_transformer_config, one rule per flag, so that a bad
-# combination fails at argument parsing, naming both flags, before any process group exists.
+# combination fails at argument parsing, naming both flags, before any process group exists
+# (plus the optimizer, which no TransformerConfig holds).
 _RULES: tuple[_Rule, ...] = (
     _Rule(
         lambda a: _get(a, "moe_token_dispatcher_type", "allgather") != "alltoall",
