@@ -297,6 +297,38 @@ def test_nonfinite_values_poison_the_gradients(ep: int) -> None:
         assert any(flagged), f"EP={ep} {case}: no expert gradient is non-finite on any rank"
 
 
+def retained_calls_worker(rank: int, world: int, keeps: list[float]) -> list[int]:
+    """Two stacked layers, forward and backward, the output dropped: how many ``ExpertCall``
+    objects (a call's plans and index tensors) are still alive, per keep ratio."""
+    import gc
+
+    from megatron_lrmoe.op import ExpertCall
+    from megatron_lrmoe.testing import init_megatron_parallel
+
+    pg = init_megatron_parallel(ep=world)
+    alive = []
+    for keep in keeps:
+        first = ref.build_layer(pg, world, dict(keep_ratio=keep))
+        second = ref.build_layer(pg, world, dict(keep_ratio=keep))
+        x, upstream = ref.layer_inputs(rank, TOKENS, first.config.hidden_size, seed=6)
+        x = x.clone().requires_grad_(True)
+        out, _ = second(first(x)[0])
+        (out * upstream).sum().backward()
+        del out
+        gc.collect()
+        alive.append(sum(isinstance(o, ExpertCall) for o in gc.get_objects()))
+    return alive
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_no_call_outlives_its_backward(ep: int) -> None:
+    """A layer's dispatcher must not keep the call's routing weights: they carry the graph of
+    the layers before it, whose op contexts hold each call's index plans (one call per layer
+    stayed alive until the next forward before the dispatcher dropped them)."""
+    for rank, alive in enumerate(run_distributed(retained_calls_worker, ep, [1.0, 0.5])):
+        assert alive == [0, 0], f"EP {ep} rank {rank}: ExpertCall objects alive {alive}"
+
+
 def saved_shapes_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Shapes of every tensor the layer's forward saves for backward (saved-tensor hooks on:
     the op then saves everything through autograd), and the call's expert-side rows."""

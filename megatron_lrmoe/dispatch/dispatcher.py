@@ -153,8 +153,13 @@ class LRAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return self._local_pairs
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Stage 6: the op already summed each token's pairs; shared-expert output added."""
-        self.pair_permutation = None
+        """Stage 6: the op already summed each token's pairs; shared-expert output added.
+
+        The call's routing tensors go too: ``probs`` carries the autograd graph of everything
+        before this layer, earlier layers' ops included, and kept here it would hold their
+        contexts (each call's index plans) until this layer's next forward.
+        """
+        self.pair_permutation = self.probs = self.routing_map = None
         output = hidden_states.view(self.hidden_shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts.get_output()
