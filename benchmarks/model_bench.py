@@ -28,7 +28,11 @@ every keep ratio. The bias is installed here only, by wrapping that router insta
 row (``tokens_cv``, ``tokens_max``).
 
 Per keep ratio (its own layers, built afresh from the same seed), medians over ``--rounds``
-after ``--warmup`` (at EP 1 each layer's backward graph is captured in the warm-up):
+after ``--warmup`` (at EP 1 each layer's backward graph is captured in the warm-up). The keep
+ratios run one after the other in ``--keep``'s order (one set of layers alive at a time): where
+the host bounds a phase (the forward at 4096 tokens) the later one measured 2-7 % slower
+whatever its keep ratio (docs/benchmarks.md section 29), so compare such shapes over runs in
+both orders. Reported:
     fwd_ms, bwd_ms: GPU time per layer of the forward and the backward.
     host_fwd_ms, host_bwd_ms: host time per layer to queue them (below the GPU time: the GPU is
         the bound, as it is in a model whose host runs ahead).
