@@ -36,7 +36,7 @@ both orders. Reported:
     fwd_ms, bwd_ms: GPU time per layer of the forward and the backward.
     host_fwd_ms, host_bwd_ms: host time per layer to queue them (below the GPU time: the GPU is
         the bound, as it is in a model whose host runs ahead).
-    bwd_vs_keep1: bwd_ms over keep 1.0's (the first ``--keep``; the ratio needs keep 1.0 there).
+    bwd_vs_keep1: bwd_ms over keep 1.0's (wherever 1.0 is in ``--keep``; absent without it).
     peak_mib: peak memory allocated during one round above what the layers hold before it.
     graphs_mib: what the expert graphs hold (``backward_graph.graph_memory_bytes``).
     stale_layers: layers of the previous keep ratio still alive when this one's were built
