@@ -523,10 +523,9 @@ def init_megatron_parallel(
     Calls ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
     context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)``
     (LRMoE's experts are not tensor-parallel; Megatron would default the expert TP size to
-    ``tp``) and
-    ``model_parallel_cuda_manual_seed(seed)`` (which works on CPU through the shim), then returns
-    the process groups a ``MoELayer`` built without an explicit ``pg_collection`` would use
-    (``moe_utils.get_default_pg_collection()``).
+    ``tp``) and ``model_parallel_cuda_manual_seed(seed)`` (which works on CPU through the shim),
+    then returns the process groups a ``MoELayer`` built without an explicit ``pg_collection``
+    would use (``moe_utils.get_default_pg_collection()``).
 
     Args:
         ep: expert-model-parallel size.
