@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=1 benchmarks/model_bench.py [--layers 8] [--experts 16]
         [--hidden 2048] [--ffn 768] [--tokens 8192] [--keep 1.0 0.75 0.5] [--selection sample]
-        [--skew 0] [--rounds 10] [--warmup 3] [--out model_bench.json]
+        [--skew 0] [--rounds 10] [--warmup 3] [--profile DIR] [--out model_bench.json]
 
 One process per GPU; expert parallelism over all of them (EP = number of processes),
 ``--tokens`` per GPU; times and memory are the largest over the ranks.
@@ -47,6 +47,14 @@ both orders. Reported:
         graphs' pool included), inactive_split_mib (free pieces of partly used segments, which
         the allocator cannot give back: fragmentation), segments (their number); the rest of
         reserved_mib is whole free segments, given back before an out-of-memory error.
+    op_fwd_gpu_ms, rest_fwd_gpu_ms, op_bwd_gpu_ms, rest_bwd_gpu_ms (``--profile DIR``): per
+        layer, the GPU's busy time (the union of its kernels and copies) in the op (the
+        routed experts' autograd function) and in the rest of each phase (Megatron's router,
+        its auxiliary loss and the residual stream), from three more rounds under torch's
+        profiler (one warms it up; ``trace_summary.py`` attributes each activity by the host
+        range that launched it; the traces stay in DIR for ``trace_summary.py A B``, which
+        lists the kernels of two side by side). The rest of the backward is the same code at
+        every keep ratio; the op's backward ratio is what the trimmed path changes.
     tokens_cv, tokens_max: the tokens per expert that the first layer's router sends in one
         forward (all ranks' tokens summed; outside the rounds): their coefficient of variation
         (std / mean over the experts) and the largest expert's count.
@@ -67,9 +75,11 @@ import statistics
 import sys
 import time
 import weakref
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -178,21 +188,31 @@ def _tokens_per_expert(layer: Any, x: torch.Tensor) -> dict[str, float]:
     return dict(tokens_cv=float(counts.std() / counts.mean()), tokens_max=int(counts.max()))
 
 
-def _round(layers: list[Any], x: torch.Tensor, up: torch.Tensor) -> dict[str, float]:
+def _round(
+    layers: list[Any], x: torch.Tensor, up: torch.Tensor, annotate: bool = False
+) -> dict[str, float]:
     """Forward through the stack, then backward; per-layer GPU and host milliseconds (the
-    largest over the ranks)."""
+    largest over the ranks). ``annotate``: name the phases for the profiler
+    (``trace_summary.OWNERS``)."""
+    forward, backward = (
+        (record_function("model_bench.forward"), record_function("model_bench.backward"))
+        if annotate
+        else (nullcontext(), nullcontext())
+    )
     clock = _Clock(x.device)
     if clock.cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     clock.mark()
     h = x.detach().requires_grad_(True)
-    for layer in layers:
-        out, _ = layer(h)
-        h = h + out
+    with forward:
+        for layer in layers:
+            out, _ = layer(h)
+            h = h + out
     clock.mark()
     t1 = time.perf_counter()
-    h.backward(up)
+    with backward:
+        h.backward(up)
     clock.mark()
     t2 = time.perf_counter()
     fwd, bwd = clock.spans_ms()
@@ -206,6 +226,35 @@ def _round(layers: list[Any], x: torch.Tensor, up: torch.Tensor) -> dict[str, fl
         host_bwd_ms=(t2 - t1) * 1e3 / n,
     )
     return dict(zip(times, _max_over_ranks(list(times.values()), x.device)))
+
+
+def _profiled(
+    layers: list[Any], x: torch.Tensor, up: torch.Tensor, path: str
+) -> dict[str, float]:
+    """Three more rounds under torch's profiler (the first warms it up, two are recorded), the
+    trace written to ``path``; per layer, from :func:`trace_summary.summarize`, the GPU's busy
+    time (ms, the union of its activities) in the op's forward and backward and in the rest of
+    each phase (Megatron's router and auxiliary loss, the residual stream)."""
+    from benchmarks import trace_summary
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=1, active=2),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(path),
+    ) as prof:
+        for _ in range(3):
+            _round(layers, x, up, annotate=True)
+            prof.step()
+    owners = trace_summary.summarize(path, top=0)["owners"]
+    n = len(layers)
+    parts = dict(
+        op_fwd_gpu_ms=owners["moe_fwd"]["busy_ms"],
+        rest_fwd_gpu_ms=owners["bench_fwd_rest"]["busy_ms"],
+        op_bwd_gpu_ms=owners["moe_bwd"]["busy_ms"],
+        rest_bwd_gpu_ms=owners["bench_bwd_rest"]["busy_ms"],
+    )
+    return dict(zip(parts, _max_over_ranks([v / n for v in parts.values()], x.device)))
 
 
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
@@ -241,6 +290,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--profile", default=None, metavar="DIR",
+        help="after the rounds, profile three more per keep ratio and write each rank's trace "
+        "to DIR (made if missing) as trace_k<keep>_rank<r>.json",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.skew < 0:
@@ -306,6 +360,10 @@ def main() -> None:
 
                 floor = _floor(layers[0], ep, args.tokens, args.warmup, args.rounds, [])
                 floor["acc_ms"] = _accumulation_ms(layers[0], args.warmup, args.rounds)
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            trace = os.path.join(args.profile, f"trace_k{keep:g}_rank{rank}.json")
+            row.update(_profiled(layers, x, up, trace))
         rows.append(row)
         # Each keep ratio starts from no layers, no graphs and no shared buffers (a deleted
         # layer's graphs go with its weights; the shared buffers and their pool would stay).
@@ -339,10 +397,17 @@ def main() -> None:
             else ""
         )
         ratio = f" (bwd/keep1 {row['bwd_vs_keep1']:.3f})" if "bwd_vs_keep1" in row else ""
+        parts = (
+            f" GPU busy (profiled): op fwd {row['op_fwd_gpu_ms']:.3f}, rest of fwd "
+            f"{row['rest_fwd_gpu_ms']:.3f}, op bwd {row['op_bwd_gpu_ms']:.3f}, rest of bwd "
+            f"{row['rest_bwd_gpu_ms']:.3f};"
+            if "op_bwd_gpu_ms" in row
+            else ""
+        )
         print(
             f"  keep {row['keep']:g}: fwd {row['fwd_ms']:.3f} ms, bwd {row['bwd_ms']:.3f} ms{ratio}"
-            f"; host fwd {row['host_fwd_ms']:.3f}, bwd {row['host_bwd_ms']:.3f}; tokens per "
-            f"expert cv {row['tokens_cv']:.3f}, max {row['tokens_max']};{memory}"
+            f"; host fwd {row['host_fwd_ms']:.3f}, bwd {row['host_bwd_ms']:.3f};{parts} tokens "
+            f"per expert cv {row['tokens_cv']:.3f}, max {row['tokens_max']};{memory}"
         )
     if floor and keep1 is not None:
         total = keep1["fwd_ms"] + keep1["bwd_ms"]

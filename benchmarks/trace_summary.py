@@ -11,6 +11,8 @@ correlation id) and, within it, in the one of these host ranges that holds the l
 
     moe_fwd   the MoE experts' autograd function (ExactMoEFunction / TrimmedMoEFunction)
     moe_bwd   its backward (autograd::engine::evaluate_function: ...MoEFunctionBackward)
+    bench_fwd_rest, bench_bwd_rest
+              ``model_bench.py --profile``'s forward and backward phases, less the above
 
 Per trace, per step on average (ms): the step's host time, the GPU's span (first launch's start
 to the last one's end), busy time (the union of the activities) and idle time; per owner the
@@ -37,6 +39,11 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 OWNERS = {
     "moe_bwd": re.compile(r"evaluate_function: (Exact|Trimmed)MoEFunctionBackward"),
     "moe_fwd": re.compile(r"^(Exact|Trimmed)MoEFunction$"),
+    # benchmarks/model_bench.py --profile annotates its phases; an activity goes to the first
+    # owner whose range holds its launch, so these get what the op's ranges above do not: the
+    # rest of each phase (Megatron's router and its auxiliary loss, the residual stream).
+    "bench_bwd_rest": re.compile(r"^model_bench\.backward$"),
+    "bench_fwd_rest": re.compile(r"^model_bench\.forward$"),
 }
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
 
@@ -175,6 +182,8 @@ def report(summaries: list[dict[str, Any]], names: list[str]) -> str:
         lines.append("  per step (mean ms): host {:.2f}, GPU span {:.2f}, busy {:.2f}, idle {:.2f}".format(
             *(_mean(rows, k) for k in ("host_ms", "gpu_span_ms", "busy_ms", "idle_ms"))))
         for owner, o in s["owners"].items():
+            if owner.startswith("bench_") and not o["calls_per_step"]:
+                continue  # a training trace has no model_bench phases
             lines.append(f"  {owner}: {o['calls_per_step']:.1f} calls/step, activities {o['summed_ms']:.2f} ms,"
                          f" busy {o['busy_ms']:.2f}, span {o['span_ms']:.2f}, gaps {o['gaps_ms']:.2f}")
     top = summaries[0]["top"]

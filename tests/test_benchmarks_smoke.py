@@ -344,12 +344,14 @@ def test_host_path_cpu_times_the_eager_backward_at_ep2(tmp_path: Path) -> None:
 )
 def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/model_bench.py, tiny, on the CPU shim at EP 2: two stacked layers per keep
-    ratio run forward and backward with fused accumulation; keep 1.0 is the ratios' base."""
+    ratio run forward and backward with fused accumulation; keep 1.0 is the ratios' base;
+    ``--profile`` writes each rank's trace per keep ratio (no GPU here: no busy time)."""
     out = tmp_path / "model.json"
+    traces = tmp_path / "traces"
     proc = _torchrun(
         2, "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--hidden", "64",
         "--ffn", "32", "--tokens", "8", "--keep", "1.0", "0.5", "--rounds", "1", "--warmup", "2",
-        "--out", str(out),
+        "--profile", str(traces), "--out", str(out),
     )  # fmt: skip
     result = json.loads(out.read_text())
     assert result["ep"] == 2
@@ -361,6 +363,13 @@ def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
         assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0
     assert result["floor"] == {}  # the GEMM floor is taken on a GPU only
     assert "EP 2" in proc.stdout and "keep 0.5: fwd" in proc.stdout
+    assert sorted(p.name for p in traces.iterdir()) == [
+        f"trace_k{k}_rank{r}.json" for k in ("0.5", "1") for r in (0, 1)
+    ]
+    for row in result["rows"]:
+        parts = ("op_fwd_gpu_ms", "rest_fwd_gpu_ms", "op_bwd_gpu_ms", "rest_bwd_gpu_ms")
+        assert [row[k] for k in parts] == [0.0] * 4
+    assert "GPU busy (profiled): op fwd 0.000" in proc.stdout
 
 
 @pytest.mark.skipif(

@@ -59,6 +59,38 @@ def test_summary_of_a_hand_made_trace(tmp_path):
     assert "late" not in s["kernels"]
 
 
+def test_model_bench_phases_get_what_the_op_does_not(tmp_path):
+    """model_bench.py --profile's phase ranges: the op's activities stay the op's, the rest of
+    each phase (here a router kernel in either) goes to bench_fwd_rest / bench_bwd_rest."""
+    ev = []
+
+    def cpu(name, ts, dur, cat="cpu_op"):
+        ev.append(dict(ph="X", cat=cat, name=name, ts=ts, dur=dur))
+
+    def launch(corr, ts, kernel, start, dur):
+        ev.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1,
+                       args=dict(correlation=corr)))
+        ev.append(dict(ph="X", cat="kernel", name=kernel, ts=start, dur=dur,
+                       args=dict(correlation=corr)))
+
+    cpu("ProfilerStep#1", 0, 1000, cat="user_annotation")
+    cpu("model_bench.forward", 10, 200, cat="user_annotation")
+    launch(1, 20, "router_fwd", 30, 15)
+    cpu("ExactMoEFunction", 50, 50)
+    launch(2, 60, "fwd_gemm", 70, 40)
+    cpu("model_bench.backward", 300, 400, cat="user_annotation")
+    cpu("autograd::engine::evaluate_function: ExactMoEFunctionBackward", 310, 100)
+    launch(3, 320, "wgrad", 330, 60)
+    launch(4, 450, "router_bwd", 460, 25)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(traceEvents=ev)))
+    owners = trace_summary.summarize(str(path), top=5)["owners"]
+    assert owners["moe_fwd"]["busy_ms"] == pytest.approx(0.04)
+    assert owners["bench_fwd_rest"]["busy_ms"] == pytest.approx(0.015)
+    assert owners["moe_bwd"]["busy_ms"] == pytest.approx(0.06)
+    assert owners["bench_bwd_rest"]["busy_ms"] == pytest.approx(0.025)
+
+
 def test_two_traces_side_by_side(tmp_path):
     a = trace_summary.summarize(_trace(tmp_path), top=10)
     b = trace_summary.summarize(_trace(tmp_path, shift=5.0), top=10)
