@@ -10,17 +10,22 @@ import pytest
 from benchmarks import trace_summary
 
 
+class _Events(list):
+    """A hand-made trace's events: host ranges and kernels with their launches."""
+
+    def cpu(self, name, ts, dur, cat="cpu_op"):
+        self.append(dict(ph="X", cat=cat, name=name, ts=ts, dur=dur))
+
+    def launch(self, corr, ts, kernel, start, dur):
+        self.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1,
+                         args=dict(correlation=corr)))
+        self.append(dict(ph="X", cat="kernel", name=kernel, ts=start, dur=dur,
+                         args=dict(correlation=corr)))
+
+
 def _trace(tmp_path, shift: float = 0.0) -> str:
-    ev = []
-
-    def cpu(name, ts, dur, cat="cpu_op"):
-        ev.append(dict(ph="X", cat=cat, name=name, ts=ts, dur=dur))
-
-    def launch(corr, ts, kernel, start, dur):
-        ev.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1,
-                       args=dict(correlation=corr)))
-        ev.append(dict(ph="X", cat="kernel", name=kernel, ts=start, dur=dur,
-                       args=dict(correlation=corr)))
+    ev = _Events()
+    cpu, launch = ev.cpu, ev.launch
 
     for step in range(2):
         t0 = 1000.0 * step
@@ -62,17 +67,8 @@ def test_summary_of_a_hand_made_trace(tmp_path):
 def test_model_bench_phases_get_what_the_op_does_not(tmp_path):
     """model_bench.py --profile's phase ranges: the op's activities stay the op's, the rest of
     each phase (here a router kernel in either) goes to bench_fwd_rest / bench_bwd_rest."""
-    ev = []
-
-    def cpu(name, ts, dur, cat="cpu_op"):
-        ev.append(dict(ph="X", cat=cat, name=name, ts=ts, dur=dur))
-
-    def launch(corr, ts, kernel, start, dur):
-        ev.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1,
-                       args=dict(correlation=corr)))
-        ev.append(dict(ph="X", cat="kernel", name=kernel, ts=start, dur=dur,
-                       args=dict(correlation=corr)))
-
+    ev = _Events()
+    cpu, launch = ev.cpu, ev.launch
     cpu("ProfilerStep#1", 0, 1000, cat="user_annotation")
     cpu("model_bench.forward", 10, 200, cat="user_annotation")
     launch(1, 20, "router_fwd", 30, 15)
