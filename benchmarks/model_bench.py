@@ -55,6 +55,9 @@ both orders. Reported:
         range that launched it; the traces stay in DIR for ``trace_summary.py A B``, which
         lists the kernels of two side by side). The rest of the backward is the same code at
         every keep ratio; the op's backward ratio is what the trimmed path changes.
+    op_bwd_by_kind_ms (``--profile DIR``): the op's backward per layer by kind of kernel
+        (``trace_summary.KINDS``: grouped GEMMs, weight gradients, activation backward,
+        gradient rows, gather-sum, scores and selection, other), summed kernel time.
     tokens_cv, tokens_max: the tokens per expert that the first layer's router sends in one
         forward (all ranks' tokens summed; outside the rounds): their coefficient of variation
         (std / mean over the experts) and the largest expert's count.
@@ -246,15 +249,18 @@ def _profiled(
         for _ in range(3):
             _round(layers, x, up, annotate=True)
             prof.step()
-    owners = trace_summary.summarize(path, top=0)["owners"]
-    n = len(layers)
+    summary = trace_summary.summarize(path, top=0)
+    owners, n = summary["owners"], len(layers)
     parts = dict(
-        op_fwd_gpu_ms=owners["moe_fwd"]["busy_ms"],
-        rest_fwd_gpu_ms=owners["bench_fwd_rest"]["busy_ms"],
-        op_bwd_gpu_ms=owners["moe_bwd"]["busy_ms"],
-        rest_bwd_gpu_ms=owners["bench_bwd_rest"]["busy_ms"],
+        op_fwd_gpu_ms=owners["moe_fwd"]["busy_ms"] / n,
+        rest_fwd_gpu_ms=owners["bench_fwd_rest"]["busy_ms"] / n,
+        op_bwd_gpu_ms=owners["moe_bwd"]["busy_ms"] / n,
+        rest_bwd_gpu_ms=owners["bench_bwd_rest"]["busy_ms"] / n,
     )
-    return dict(zip(parts, _max_over_ranks([v / n for v in parts.values()], x.device)))
+    kinds = summary["by_kind"]  # per op call: per layer
+    out: dict[str, Any] = dict(zip(parts, _max_over_ranks(list(parts.values()), x.device)))
+    out["op_bwd_by_kind_ms"] = dict(zip(kinds, _max_over_ranks(list(kinds.values()), x.device)))
+    return out
 
 
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
@@ -409,6 +415,9 @@ def main() -> None:
             f"; host fwd {row['host_fwd_ms']:.3f}, bwd {row['host_bwd_ms']:.3f};{parts} tokens "
             f"per expert cv {row['tokens_cv']:.3f}, max {row['tokens_max']};{memory}"
         )
+        if "op_bwd_by_kind_ms" in row:
+            kinds = ", ".join(f"{k} {v:.3f}" for k, v in row["op_bwd_by_kind_ms"].items())
+            print(f"    op bwd by kind of kernel (ms, profiled): {kinds}")
     if floor and keep1 is not None:
         total = keep1["fwd_ms"] + keep1["bwd_ms"]
         print(

@@ -19,8 +19,10 @@ Per trace, per step on average (ms): the step's host time, the GPU's span (first
 to the last one's end), busy time (the union of the activities) and idle time; per owner the
 summed activity time, its union, and its "span" (first start to last end of each call's
 activities, summed over the calls) minus its union = the GPU's gaps inside the owner's calls
-(the host late with the next launch, or a wait); and the kernels with the most time. With two
-traces the kernel table puts them side by side with the difference (B - A).
+(the host late with the next launch, or a wait); the op's backward per call by kind of kernel
+(``KINDS``: grouped GEMMs, weight gradients, activation backward, gradient rows, gather-sum,
+scores and selection, other); and the kernels with the most time. With two traces the kernel
+table puts them side by side with the difference (B - A).
 
 Reads only the trace: no GPU, no Megatron.
 """
@@ -47,6 +49,22 @@ OWNERS = {
     "bench_fwd_rest": re.compile(r"^model_bench\.forward$"),
 }
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
+# The op's backward kernels by kind (``by_kind``), the first pattern that matches a kernel's name
+# wins; LRMoE's Triton kernels by their function names, the grouped GEMMs as CUTLASS 3 names them.
+KINDS = (
+    ("grouped GEMMs", re.compile(r"cutlass13device_kernel")),
+    ("weight gradients", re.compile(r"_wgrad_")),
+    ("activation backward", re.compile(r"_act_bwd")),
+    ("gradient rows", re.compile(r"_scale_rows|_row_dot|_pack_pairs|_row_of")),
+    ("gather-sum", re.compile(r"_gather_sum")),
+    (
+        "scores and selection",
+        re.compile(
+            r"_row_norms|_pair_scores|_merge_rank|_tile_sort|_units|_capping|_draw|_weights_"
+            r"|_uncapped|_sort_key|_finalize|_repair"
+        ),
+    ),
+)
 
 
 @dataclass
@@ -162,9 +180,20 @@ def summarize(path: str, top: int) -> dict[str, Any]:
             if id(a) in in_bwd:
                 k[1] += (a.end - a.start) / n / 1e3
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
-    return dict(path=path, steps=step_rows, owners=owner_rows,
-                kernels={name: dict(ms=v[0], moe_bwd_ms=v[1]) for name, v in ranked},
-                top=top)
+    kernel_rows = {name: dict(ms=v[0], moe_bwd_ms=v[1]) for name, v in ranked}
+    return dict(path=path, steps=step_rows, owners=owner_rows, kernels=kernel_rows,
+                by_kind=by_kind(kernel_rows, owner_rows["moe_bwd"]["calls_per_step"]), top=top)
+
+
+def by_kind(kernels: dict[str, dict[str, float]], calls_per_step: float) -> dict[str, float]:
+    """The op's backward per call, ms, summed by :data:`KINDS` (the rest under ``other``)."""
+    out = {name: 0.0 for name, _ in KINDS}
+    out["other"] = 0.0
+    for name, k in kernels.items():
+        if k["moe_bwd_ms"] and calls_per_step:
+            kind = next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+            out[kind] += k["moe_bwd_ms"] / calls_per_step
+    return out
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
@@ -187,6 +216,8 @@ def report(summaries: list[dict[str, Any]], names: list[str]) -> str:
                 continue  # a training trace has no model_bench phases
             lines.append(f"  {owner}: {o['calls_per_step']:.1f} calls/step, activities {o['summed_ms']:.2f} ms,"
                          f" busy {o['busy_ms']:.2f}, span {o['span_ms']:.2f}, gaps {o['gaps_ms']:.2f}")
+        kinds = ", ".join(f"{kind} {ms:.3f}" for kind, ms in s["by_kind"].items())
+        lines.append(f"  moe_bwd per call by kind (ms): {kinds}")
     top = summaries[0]["top"]
     if len(summaries) == 1:
         lines.append("  top kernels, ms per step (of it in moe_bwd):")

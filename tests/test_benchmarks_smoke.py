@@ -369,6 +369,7 @@ def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
     for row in result["rows"]:
         parts = ("op_fwd_gpu_ms", "rest_fwd_gpu_ms", "op_bwd_gpu_ms", "rest_bwd_gpu_ms")
         assert [row[k] for k in parts] == [0.0] * 4
+        assert set(row["op_bwd_by_kind_ms"]) >= {"grouped GEMMs", "weight gradients", "other"}
     assert "GPU busy (profiled): op fwd 0.000" in proc.stdout
 
 

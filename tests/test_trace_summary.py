@@ -87,6 +87,46 @@ def test_model_bench_phases_get_what_the_op_does_not(tmp_path):
     assert owners["bench_bwd_rest"]["busy_ms"] == pytest.approx(0.025)
 
 
+def test_the_op_backward_by_kind_of_kernel(tmp_path):
+    """by_kind sums the op's backward kernels per call by their names (KINDS), in order: a
+    weight-gradient kernel is not a selection kernel for containing "_weights"; kernels outside
+    the op count nothing; an unknown kernel goes to "other"."""
+    ev = _Events()
+    for step, t0 in enumerate((0.0, 1000.0)):
+        ev.cpu(f"ProfilerStep#{step}", t0, 900, cat="user_annotation")
+        for call, c0 in enumerate((t0 + 100, t0 + 400)):
+            ev.cpu("autograd::engine::evaluate_function: TrimmedMoEFunctionBackward", c0, 200)
+            kernels = (
+                ("_ZN7cutlass13device_kernelIN2at4cuda6detail", 40),
+                ("_wgrad_kernel", 30),
+                ("_weights_kernel", 2),
+                ("_row_dot_pack_args_kernel", 8),
+                ("_act_bwd_args_kernel", 6),
+                ("_gather_sum_args_kernel", 4),
+                ("some_fill_kernel", 1),
+            )
+            for i, (name, dur) in enumerate(kernels):
+                corr = 1000 * step + 100 * call + i
+                ev.launch(corr, c0 + 1 + i, name, c0 + 10 + 20 * i, dur)
+        ev.launch(1000 * step + 999, t0 + 700, "_wgrad_kernel", t0 + 710, 50)  # not the op's
+    path = tmp_path / "kinds.json"
+    path.write_text(json.dumps(dict(traceEvents=ev)))
+    s = trace_summary.summarize(str(path), top=5)
+    assert s["owners"]["moe_bwd"]["calls_per_step"] == 2
+    assert s["by_kind"] == {
+        "grouped GEMMs": pytest.approx(0.040),
+        "weight gradients": pytest.approx(0.030),
+        "activation backward": pytest.approx(0.006),
+        "gradient rows": pytest.approx(0.008),
+        "gather-sum": pytest.approx(0.004),
+        "scores and selection": pytest.approx(0.002),
+        "other": pytest.approx(0.001),
+    }
+    assert "moe_bwd per call by kind (ms): grouped GEMMs 0.040, weight gradients 0.030" in (
+        trace_summary.report([s], ["k"])
+    )
+
+
 def test_two_traces_side_by_side(tmp_path):
     a = trace_summary.summarize(_trace(tmp_path), top=10)
     b = trace_summary.summarize(_trace(tmp_path, shift=5.0), top=10)
