@@ -6,9 +6,9 @@
 A trace is what Megatron's ``--profile --use-pytorch-profiler --profile-step-start S
 --profile-step-end E --tensorboard-dir DIR`` writes (``DIR/../torch_profile/rank-0.json.gz``),
 one per run, or ``model_bench.py --profile DIR`` (``DIR/trace_k<keep>_rank<r>.json``, one per
-keep ratio and rank). Each GPU activity (kernel, memcpy, memset; a CUDA graph's kernels included) is
-put in the profiled step whose host range holds its launch (the runtime call with the same
-correlation id) and, within it, in the one of these host ranges that holds the launch:
+keep ratio and rank). Each GPU activity (kernel, memcpy, memset; a CUDA graph's kernels
+included) is put in the profiled step whose host range holds its launch (the runtime call with
+the same correlation id) and, within it, in the one of these host ranges that holds the launch:
 
     moe_fwd   the MoE experts' autograd function (ExactMoEFunction / TrimmedMoEFunction)
     moe_bwd   its backward (autograd::engine::evaluate_function: ...MoEFunctionBackward)
