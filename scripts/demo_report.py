@@ -171,7 +171,7 @@ seed {settings["seed"]}
 
 Timings come from one run on a shared CPU machine and are noisy; the losses and bytes do not
 depend on the machine's load. On CPU both runs use the same kind of expert math; GPU measurements are
-in `docs/benchmarks.md`.
+in `docs/results.md`.
 """
 
 

@@ -171,6 +171,10 @@ def test_quick_demo_end_to_end(quick: tuple[str, dict, Path]) -> None:
     assert len(rows) == 2, stdout
 
     assert (out_dir / "loss_vs_time.png").read_bytes()[:8] == PNG_MAGIC
+    # Where the results are, each file on a line of its own, and what the figures rest on.
+    lines = [line.strip() for line in stdout.splitlines()]
+    assert str(out_dir / "results.json") in lines and str(out_dir / "loss_vs_time.png") in lines
+    assert any(line.startswith("one seed, CPU:") for line in lines), stdout[-2000:]
     assert result["lrmoe"]["keep_ratio"] == KEEP and result["lrmoe"]["selection"] == "sample"
     assert [row["run"] for row in result["table"]] == ["stock", "lrmoe keep 0.5"]
     stock, lrmoe = result["runs"]["stock"], result["runs"]["lrmoe"]

@@ -429,7 +429,9 @@ def plot(runs: dict[str, list[dict]], target: float, labels: dict[str, str], pat
                 label=f"{labels[name]} (validation)",
             )
     for ax, xlabel in ((ax_time, "training wall time (s, mean of 2 ranks)"), (ax_step, "step")):
-        ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label="target")
+        ax.axhline(
+            target, color="gray", linestyle="--", linewidth=0.8, label=f"target {target:.4f}"
+        )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss (nats/byte)")
         ax.grid(alpha=0.3)
@@ -441,8 +443,8 @@ def plot(runs: dict[str, list[dict]], target: float, labels: dict[str, str], pat
         for ax in (ax_time, ax_step):
             ax.set_ylim(bottom, first_evals[0] + 0.2)
     ax_time.legend(fontsize=8)
-    ax_time.set_title("loss vs time (thin: training loss)", fontsize=10)
-    ax_step.set_title("loss vs step", fontsize=10)
+    ax_time.set_title("loss vs time (thin: training loss; one seed, CPU)", fontsize=10)
+    ax_step.set_title("loss vs step (one seed, CPU)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -548,7 +550,13 @@ def _run(args: argparse.Namespace) -> int:
     path = os.path.join(args.out_dir, "results.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, default=_json_default)
-    print(f"\nwrote {png} and {path} (demo wall time {wall:.0f}s)")
+    print(
+        f"\none seed, CPU: demo wall time {wall:.0f} s; the times come from one run on this "
+        "machine and are noisy (GPU figures: docs/results.md)"
+    )
+    print("results:")
+    print(f"  {path}")
+    print(f"  {png}")
     return 0
 
 
