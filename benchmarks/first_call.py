@@ -5,7 +5,7 @@ from a cold cache, and what is left with a warm one.
         [--keep 1.0 0.5 0.25] [--calls 5] [--out first_call.json]
 
 Training logs show keep k < 1 spending 11-17 s of MoE-layer time in its first iteration (docs/
-benchmarks.md sections 12, 15, 22, 23), against 0.3-4 s for a keep-1.0 run that came second
+history/notebook.md sections 12, 15, 22, 23), against 0.3-4 s for a keep-1.0 run that came second
 on the same machine. That one-off cost counts in a time-to-target comparison with
 its overheads included, so this measures it, apart from everything else a training run starts.
 

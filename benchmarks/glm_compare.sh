@@ -77,7 +77,7 @@
 #     vocabulary cross-entropies (main + MTP), 2 x 2.3 GiB, until their backward
 #     -> ~104 + 3 + 9 + 2-5 = ~118-121 GiB
 # -> >= 15 GiB headroom at the worst point; expandable segments against fragmentation. Same
-# arithmetic for the earlier 4-layer proxy without recomputation (docs/benchmarks.md: 119 GB
+# arithmetic for the earlier 4-layer proxy without recomputation (docs/history/notebook.md: 119 GB
 # after iteration 1, out of memory in iteration 2): 56 GiB weights, grads and main weights +
 # 40 GiB Adam + ~50 GiB activations = ~147 GiB > 140 GiB, as observed.
 set -u

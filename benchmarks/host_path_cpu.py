@@ -11,7 +11,7 @@ measured on the CPU (no GPU).
 At EP 1 with the weight gradients fused into ``main_grad`` the whole trimmed backward is one
 replayed CUDA graph per layer (``experts/backward_graph.py``). What the host does around that
 replay (the uniforms, the checks, the argument block, the kept plan, the statistics) bounds the
-layer at 4096-8192 tokens per GPU, where the GPU waits for it (docs/benchmarks.md section 15).
+layer at 4096-8192 tokens per GPU, where the GPU waits for it (docs/history/notebook.md section 15).
 This script times that host code where no GPU is lent: the layer runs on the CPU (the CPU shim,
 fp32, one process) with ``megatron_lrmoe/testing/host_graphs.py``'s switches, so the graphs'
 kernels run once, in Triton's interpreter, when a graph is captured, and a replay does nothing.
@@ -20,7 +20,7 @@ Prints, and writes as JSON (``--out``), the median microseconds per call of each
 op's backward, from ``host_trace.py``'s stage clock (``perf_counter`` around the op's stage
 functions, inclusive): ``_graphed_backward`` is everything up to the queued replay and the kept
 plan, its parts are listed below it, and ``_record_trimmed`` (statistics) follows it. As on
-the GPU host, a call costs several times what it costs in a loop (docs/benchmarks.md section
+the GPU host, a call costs several times what it costs in a loop (docs/history/notebook.md section
 14). This machine's CPU is not the GPU host's: compare stages and code changes between runs of
 this script on one machine (alternate them), not with ``host_trace.py``'s numbers.
 

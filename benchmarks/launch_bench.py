@@ -2,7 +2,7 @@
 
     python3 benchmarks/launch_bench.py [--calls 2000]
 
-The trimmed backward is host-bound (docs/benchmarks.md section 4), so what a launch costs on
+The trimmed backward is host-bound (docs/history/notebook.md section 4), so what a launch costs on
 the host decides how many kernels it can afford. Tiny tensors, so the GPU never limits the loop;
 the queue is drained before each timed loop. Prints microseconds of host time per launch.
 """

@@ -6,7 +6,7 @@ After the activation backward the tail runs three products that read what is alr
 fc2's weight gradient (``g``, ``act``), fc1's (``dh``, ``x``), both added into the fp32
 ``main_grad`` in the GEMM's epilogue (Triton), and fc1's input gradient ``dx = dh @ w1``
 (torch's CUTLASS grouped GEMM). The weight gradients' epilogues move fp32 ``main_grad`` (memory
-bound, docs/benchmarks.md section 11); the input gradient is compute bound. Variants:
+bound, docs/history/notebook.md section 11); the input gradient is compute bound. Variants:
 
 * ``serial``: dw2, dw1, dx on one stream (the order of ``expert_backward``);
 * ``dw1_side``: dw2 then dx on the current stream, dw1 on a second stream of lower priority;

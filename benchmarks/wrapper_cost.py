@@ -2,7 +2,7 @@
 
     PYTHONPATH=<tree> python benchmarks/wrapper_cost.py [--calls 20000]
 
-The trimmed backward is host-bound at 4096 tokens per GPU (docs/benchmarks.md section 11), and
+The trimmed backward is host-bound at 4096 tokens per GPU (docs/history/notebook.md section 11), and
 part of each launch's host time is the Python wrapper around it: checks, shape reads, output
 allocation, argument marshalling. This replaces the compiled kernels by no-ops and times the
 wrappers on small host tensors, so what remains is the wrapper's own Python (and a CPU

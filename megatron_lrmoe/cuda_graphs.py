@@ -28,7 +28,7 @@ def capture(
     The eager run (it does this call's work and warms the allocator's and Triton's caches) runs
     on the current stream, so what it frees goes back to the cache the caller allocates from (on
     the side stream it stayed reserved for that stream: 982 MiB at 4 layers of 128 experts and
-    16384 tokens, docs/benchmarks.md section 18). The recording happens on a side stream ordered
+    16384 tokens, docs/history/notebook.md section 18). The recording happens on a side stream ordered
     after it, which the current stream then waits for; no synchronisation (capture only
     records). ``pool`` is a memory pool shared with other graphs that are never replayed
     concurrently (``torch.cuda.graph_pool_handle()``), else the graph gets its own.

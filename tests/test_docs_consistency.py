@@ -18,7 +18,9 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPTS = [*sorted((ROOT / "examples").rglob("*.sh")), *sorted((ROOT / "benchmarks").glob("*.sh"))]
 CODE_DIRS = ("megatron_lrmoe", "benchmarks", "scripts", "tests", "examples", ".ci")
 # Scripts the docs name on purpose though they are not in the tree (the measurement's branch).
-NOT_IN_TREE = {"benchmarks/wgrad_gather_bench.py": "docs/benchmarks.md section 17: branch only"}
+NOT_IN_TREE = {
+    "benchmarks/wgrad_gather_bench.py": "docs/history/notebook.md section 17: branch only"
+}
 SCRIPT = re.compile(r"(benchmarks|scripts|examples/\w+)/(\w+)\.py")
 
 

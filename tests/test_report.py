@@ -1,4 +1,4 @@
-"""``benchmarks/report.py``: the training summary that docs/benchmarks.md quotes and the
+"""``benchmarks/report.py``: the training summary that docs/history/notebook.md quotes and the
 comparison with keep 1.0 by seed, on synthetic logs in Megatron's format (what
 ``benchmarks/train_compare.sh`` writes)."""
 

@@ -234,7 +234,7 @@ def test_arg_block_kernels_vectorise_like_direct_ones() -> None:
     """The ``*_args`` kernels read their tensors at addresses loaded from the argument block;
     unless the 16-byte alignment reaches the pointers, Triton loads and stores one bf16 at a
     time (it did: the packing inside the graph took twice the time of the direct kernel on an
-    H200, docs/benchmarks.md section 13). Their PTX must use the direct kernels' 16-byte
+    H200, docs/history/notebook.md section 13). Their PTX must use the direct kernels' 16-byte
     accesses."""
     pytest.importorskip("triton")
     kernels = triton_kernels._kernels()

@@ -225,7 +225,7 @@ class _LayerGraph:
                     args, da, dh, act, h_meta[0], h_meta[1], spec.gated, spec.kind
                 )
             # Each intermediate is released once read, as in expert_backward, so that a later
-            # one may reuse its memory: dx takes g's (docs/benchmarks.md section 17); da, dh
+            # one may reuse its memory: dx takes g's (docs/history/notebook.md section 17); da, dh
             # and act stay segments of their own (section 14).
             del da
             grouped_wgrad_triton(g, act, offs, acc2, accumulate=accumulate, config=config)

@@ -18,7 +18,7 @@ nor written (``accumulate``: a layer's ``main_grad`` slice of an expert without 
 memory traffic), or zero it. Added into an fp32 ``out`` (``main_grad``), the tiles
 :func:`config_for` picks use fire-and-forget atomics (``WgradConfig.atomic_epilogue``): a
 load-add-store epilogue waits for ``out``'s read after the main loop, which no tile shape, TMA
-load or register prefetch hid on an H200 (docs/benchmarks.md sections 10-11, 24). The grid has
+load or register prefetch hid on an H200 (docs/history/notebook.md sections 10-11, 24). The grid has
 one program per tile, or (``programs_per_sm``) is persistent: a few programs per SM stride over
 all tiles.
 :func:`grouped_wgrad_reference` is the slow twin (one fp32 matmul per group).
@@ -82,7 +82,7 @@ DEFAULT_CONFIG = WgradConfig()
 # (call 7, two runs: 1024 rows 1.887 / 0.935 and 1.860 / 0.918 against 3 stages' 2.003 / 1.085
 # and 1.971 / 1.082; 2048 rows 3.136 / 1.623 and 3.281 / 1.647 against 3.276 / 1.675 and
 # 3.413 / 1.665). Holding the fp32 tile of `main_grad` for the load-add-store epilogue left its
-# read exposed after the main loop (sections 10-11 of docs/benchmarks.md); with atomics the
+# read exposed after the main loop (sections 10-11 of docs/history/notebook.md); with atomics the
 # program moves on and L2 does the add.
 # The large tile from 512 rows per group (768 before): with evenly sized groups the 64 x 128
 # tile is 3-4 % ahead at 512 rows, but a trained router's groups are not even, and there the

@@ -859,7 +859,7 @@ class MergeTile(NamedTuple):
 # The merge sort's launch by the largest segment's rows, up to the last bound; larger segments
 # take torch.sort. Each row searches every tile of its segment, so the time grows with the
 # largest segment; larger tiles shorten the searches there. Measured on an H200 at 32768-262144
-# rows, 8-128 segments (docs/benchmarks.md section 21): 6-18 us where cub's radix sort takes
+# rows, 8-128 segments (docs/history/notebook.md section 21): 6-18 us where cub's radix sort takes
 # 69-82, 35-48 us at 8192-16384 rows in one segment, 189 us against cub's 92 at 32768. (512-row
 # tiles were within a microsecond of 256-row ones up to 4096 rows, 1.8 us slower at 1024.)
 MERGE_TILES: tuple[tuple[int, MergeTile], ...] = (
