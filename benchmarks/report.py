@@ -1,8 +1,8 @@
 """Markdown tables from the committed GPU results (``benchmarks/results/``).
 
-    python benchmarks/report.py benchmarks/results/gpu_run2            # layer tables + training
-    python benchmarks/report.py benchmarks/results/gpu_run1 --no-train
-    python benchmarks/report.py R/gpu_run25/call2/train R/gpu_run20/call5/train --vs-keep1
+    python benchmarks/report.py benchmarks/results/gpu_run1            # layer tables
+    python benchmarks/report.py benchmarks/results/gpu_run26/call9/train --vs-keep1
+    python benchmarks/report.py --results-md docs/results.md           # the current figures
 
 Layer tables come from ``layer_ep*.json`` (``benchmarks/layer_bench.py``); the training summary
 from ``train_*.log`` (``benchmarks/train_compare.sh``): median time per iteration after
@@ -12,6 +12,10 @@ time to a target validation loss (linear interpolation between evaluations). Sev
 than one. ``--vs-keep1`` adds each run's ratios to the keep-1.0 run of the same seed (both read
 from Megatron's argument dump at the top of the log: ``seed``, ``lrmoe``,
 ``lrmoe_keep_ratio``) and, per keep ratio, the MoE time to the target summed over the seeds.
+
+``--results-md`` writes docs/results.md: one section per function in ``SECTIONS``, each a table
+read from committed files under ``benchmarks/results/`` with the run, the code and the command
+that made them (tests/test_report.py checks the committed page is exactly what this writes).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| consumed samples.*?per iteration \(ms\): ([\d.]+)")
 _MOE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| moe layers: ([\d.]+) ms/iter \| moe layers cumulative: ([\d.]+) s")
@@ -133,16 +137,21 @@ def run_stats(log: Path, target: float, name: Optional[str] = None) -> RunStats:
     )
 
 
-def _logs(paths: Sequence[Path]) -> list[tuple[Path, str]]:
-    """``train_*.log`` files of the given folders and files, with their row labels."""
+def _logs(paths: Sequence[Path], root: Optional[Path] = None) -> list[tuple[Path, str]]:
+    """``train_*.log`` files of the given folders and files, with their row labels (folders
+    written relative to ``root`` when given)."""
     found = []
     for path in paths:
         logs = [path] if path.is_file() else sorted(path.glob("train_*.log"))
-        found += [(log, f"{log.parent}/{log.stem}" if len(paths) > 1 else log.stem) for log in logs]
+        for log in logs:
+            folder = log.parent.relative_to(root) if root is not None else log.parent
+            found.append((log, f"{folder.as_posix()}/{log.stem}" if len(paths) > 1 else log.stem))
     return found
 
 
-def train_summary(run: Path | Sequence[Path], target: float) -> str:
+def train_summary(
+    run: Path | Sequence[Path], target: float, root: Optional[Path] = None
+) -> str:
     """One row per ``train_*.log``. The MoE layers' cumulative time is also given without
     iteration 1 ("from it 2"), which carries one-off work (Triton compiling into a cold cache,
     allocator warm-up) that depends on what ran before in the same machine, not on the run."""
@@ -153,7 +162,7 @@ def train_summary(run: Path | Sequence[Path], target: float) -> str:
         "|---|---|---|---|---|",
     ]
     paths = [run] if isinstance(run, Path) else list(run)
-    for log, name in _logs(paths):
+    for log, name in _logs(paths, root):
         r = run_stats(log, target, name)
         to_target = "not reached"
         if r.cross is not None:
@@ -221,10 +230,341 @@ def versus_keep1(runs: Sequence[RunStats]) -> str:
     return "\n".join(out)
 
 
+# -- docs/results.md ------------------------------------------------------------------------------
+# Each section is a function: the repository root -> a markdown section (a "## " title, where its
+# data come from, one table). SECTIONS lists them in page order; add one by writing a function
+# and listing it where it belongs.
+
+RESULTS = Path("benchmarks/results")
+RESULTS_MD = Path("docs/results.md")
+REGENERATE = "python benchmarks/report.py --results-md docs/results.md"
+TARGET_LOSS = 1.75  # the Qwen3 proxy's target validation loss (train_compare.sh's runs)
+
+
+def _source(run: str, code: str, command: str, files: Sequence[Path]) -> str:
+    """Where a section's numbers come from: the run, the code that ran, the command, the files."""
+    listed = ", ".join(f"`{f.as_posix()}`" for f in files)
+    return f"Run `{run}`, code {code}; made by `{command}`. Files: {listed}."
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x"
+
+
+def section_layer(root: Path) -> str:
+    """One MoE layer against stock Megatron's (``layer_bench.py``, gpu_run1)."""
+    files = [RESULTS / "gpu_run1" / f"layer_ep{ep}.json" for ep in (1, 2)]
+    out = [
+        "## One MoE layer against stock Megatron",
+        "",
+        "The Qwen3-30B-A3B MoE layer shape (hidden 2048, 128 experts, top-8, expert FFN 768), "
+        "bf16; stock runs its experts as `SequentialMLP` (no Transformer Engine). The only "
+        "measurement of a layer against stock, on the first GPU run's code (the sections above "
+        "compare keep ratios on the current code).",
+        "",
+        _source(
+            "gpu_run1",
+            (root / RESULTS / "gpu_run1" / "commit.txt").read_text().split()[0],
+            "torchrun --nproc_per_node={1,2} benchmarks/layer_bench.py --tokens 4096 16384 "
+            "--iters 15",
+            files,
+        ),
+        "",
+        "| file | tokens per GPU | stock fwd + bwd ms | keep 1.0 fwd + bwd ms | keep 1.0 speed-up "
+        "| saved for backward MiB: stock / keep 1.0 / keep 0.5 `recompute` |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in files:
+        data = json.loads((root / path).read_text())
+        for tokens in sorted({r["tokens"] for r in data["rows"]}):
+            rows = {r["variant"]: r for r in data["rows"] if r["tokens"] == tokens}
+            stock, keep1 = rows["stock MoELayer (SequentialMLP)"], rows["LRMoE keep 1.0"]
+            recompute = rows["LRMoE keep 0.5 sample recompute"]
+            s_ms, k_ms = stock["fwd_ms"] + stock["bwd_ms"], keep1["fwd_ms"] + keep1["bwd_ms"]
+            out.append(
+                f"| `{path.name}` (EP {data['ep']}) | {tokens} | {s_ms:.1f} | {k_ms:.1f} | "
+                f"{s_ms / k_ms:.1f}x | "
+                f"{stock['saved_mib']:.0f} / {keep1['saved_mib']:.0f} / "
+                f"{recompute['saved_mib']:.0f} |"
+            )
+    return "\n".join(out)
+
+
+# gpu_run32: 8 layers stacked as in a model (model_bench.py), EP 1, current code.
+_STACKED = [
+    RESULTS / "gpu_run32" / call / f"model_{shape}.json"
+    for call in ("call1", "call2")
+    for shape in ("e16_t16384", "e128_t16384", "e16_t4096", "e16_t16384_topk")
+    if not (call == "call1" and shape.endswith("topk"))
+]
+_STACKED_SOURCE = (
+    "gpu_run32 calls 1-2",
+    "deda9b2 (call 1), 7e39742 (call 2)",
+    "torchrun --nproc_per_node=1 benchmarks/model_bench.py --layers 8 --experts E --tokens T "
+    "--keep 1.0 0.75 0.5 0.25 --selection S --profile DIR --out FILE",
+)
+
+
+def _tree_hash(root: Path, folder: Path) -> str:
+    """The tree hash a device call printed first (``benchmarks/tree_hash.sh``)."""
+    return (root / folder / "run.log").read_text().split("\n", 1)[0].strip()
+
+
+def _stacked_rows(root: Path) -> list[tuple[Path, dict, dict[float, dict]]]:
+    found = []
+    for path in _STACKED:
+        data = json.loads((root / path).read_text())
+        found.append((path, data["args"], {r["keep"]: r for r in data["rows"]}))
+    return found
+
+
+def section_stacked(root: Path) -> str:
+    """Backward and forward time of 8 stacked layers at each keep ratio (gpu_run32)."""
+    hashes = ", ".join(
+        f"{c}: `{_tree_hash(root, RESULTS / 'gpu_run32' / c)}`" for c in ("call1", "call2")
+    )
+    out = [
+        "## Layers stacked as in a model: time per keep ratio",
+        "",
+        "Eight LRMoE layers stacked as in a model (the host queues layer after layer), one H200, "
+        "EP 1, the weight gradients accumulated into `main_grad` in the GEMM. Milliseconds per "
+        "layer call; the ratios are to keep 1.0 in the same process. What does not shrink with "
+        "the keep ratio: Megatron's router backward, the exact router gradient's read of every "
+        "pair's expert output, the scoring and selection, and at 128 experts the fp32 "
+        "`main_grad` traffic. At 4096 tokens and 16 experts the host, not the GPU, bounds the "
+        "stack (noisy ratios).",
+        "",
+        _source(*_STACKED_SOURCE[:2], _STACKED_SOURCE[2], _STACKED)
+        + f" Tree hashes (first line of each call's `run.log`): {hashes}.",
+        "",
+        "| file | experts, tokens, selection | keep 1.0 fwd / bwd ms | bwd at keep 0.75 / 0.5 / "
+        "0.25 | fwd at keep 0.75 / 0.5 / 0.25 |",
+        "|---|---|---|---|---|",
+    ]
+    for path, args, rows in _stacked_rows(root):
+        base = rows[1.0]
+        keeps = (0.75, 0.5, 0.25)
+        out.append(
+            f"| `{path.relative_to(RESULTS).as_posix()}` | {args['experts']}, {args['tokens']}, "
+            f"`{args['selection']}` | {base['fwd_ms']:.2f} / {base['bwd_ms']:.2f} | "
+            + " / ".join(_ratio(rows[k]["bwd_ms"], base["bwd_ms"]) for k in keeps)
+            + " | "
+            + " / ".join(_ratio(rows[k]["fwd_ms"], base["fwd_ms"]) for k in keeps)
+            + " |"
+        )
+    return "\n".join(out)
+
+
+def section_memory(root: Path) -> str:
+    """Peak memory of the stacked layers per keep ratio (gpu_run32, the same files)."""
+    out = [
+        "## Memory per keep ratio",
+        "",
+        "Peak allocated memory of the same 8 stacked layers (weights and fp32 `main_grad` "
+        "included) and the memory the replayed backward graphs hold (once per process, on top of "
+        "the peak's allocations), in MiB; the ratio is the peak's to keep 1.0's. The trimmed "
+        "backward saves and exchanges only the kept pairs' rows.",
+        "",
+        _source(*_STACKED_SOURCE, _STACKED),
+        "",
+        "| file | experts, tokens, selection | peak MiB at keep 1.0 | peak at keep 0.75 / 0.5 / "
+        "0.25 | graphs MiB at keep 0.75 / 0.5 / 0.25 |",
+        "|---|---|---|---|---|",
+    ]
+    for path, args, rows in _stacked_rows(root):
+        base = rows[1.0]
+        keeps = (0.75, 0.5, 0.25)
+        out.append(
+            f"| `{path.relative_to(RESULTS).as_posix()}` | {args['experts']}, {args['tokens']}, "
+            f"`{args['selection']}` | {base['peak_mib']:.0f} | "
+            + " / ".join(
+                f"{rows[k]['peak_mib']:.0f} ({_ratio(rows[k]['peak_mib'], base['peak_mib'])})"
+                for k in keeps
+            )
+            + " | "
+            + " / ".join(f"{rows[k]['graphs_mib']:.0f}" for k in keeps)
+            + " |"
+        )
+    return "\n".join(out)
+
+
+def _training(root: Path, title: str, text: str, source: tuple[str, str], logs: Sequence[Path]):
+    paths = [root / log for log in logs]
+    stats = [run_stats(log, TARGET_LOSS, name) for log, name in _logs(paths, root / RESULTS)]
+    command = f"python benchmarks/report.py {' '.join(p.as_posix() for p in logs)} --vs-keep1"
+    return "\n".join(
+        [
+            f"## {title}",
+            "",
+            text,
+            "",
+            _source(*source, command, logs),
+            "",
+            train_summary(paths, TARGET_LOSS, root / RESULTS),
+            "",
+            versus_keep1(stats),
+        ]
+    )
+
+
+_PROXY = (
+    "The Qwen3 proxy (`benchmarks/train_compare.sh`): 4 MoE layers of 128 experts at the "
+    "Qwen3-30B-A3B shape, one H200 (EP 1), real text, 300 iterations, 16384 tokens per "
+    "micro-batch, the weight gradients accumulated into `main_grad`, `sample` selection. "
+    "The MoE layers are about a tenth to a fifth of this proxy's iteration (attention without "
+    "flash kernels, the 151936-word output layer and the optimizer take the rest), which bounds "
+    f"what they can save of it. Target validation loss {TARGET_LOSS}; \"from it 2\" leaves out "
+    "iteration 1 (Triton compiling into a cold cache)."
+)
+
+
+def section_training_half(root: Path) -> str:
+    """Keep 0.5 against keep 1.0 in training, three seeds (gpu_run28 and its keep-1.0 runs)."""
+    return _training(
+        root,
+        "Training: keep 0.5 against keep 1.0, three seeds",
+        _PROXY + " Keep 1.0 at seed 1234 is gpu_run26 call 9's run, at 2024 gpu_run24 call 3's.",
+        ("gpu_run28 calls 1-2 (keep 1.0 also gpu_run26 call 9, gpu_run24 call 3)",
+         "5c830a7 (gpu_run28)"),
+        [
+            RESULTS / "gpu_run28/call1/train/train_keep1.0.log",
+            RESULTS / "gpu_run28/call2/train",
+            RESULTS / "gpu_run26/call9/train",
+            RESULTS / "gpu_run24/call3/train/train_keep1.0.log",
+        ],
+    )
+
+
+def section_training_quarter(root: Path) -> str:
+    """Keep 0.25 against keep 1.0 in training, three seeds (gpu_run25)."""
+    return _training(
+        root,
+        "Training: keep 0.25 against keep 1.0, three seeds",
+        _PROXY + " Keep 0.25 ran on the code before the weight gradient's atomic accumulation "
+        "(gpu_run26), so its ratios are to keep 1.0 runs of that time: seed 1234 in the same "
+        "call, 4321 gpu_run20 call 5's, 2024 gpu_run24 call 3's.",
+        ("gpu_run25 calls 2-3 (keep 1.0 also gpu_run20 call 5, gpu_run24 call 3)",
+         "e839766, 7e6804c, f707273 (gpu_run25)"),
+        [
+            RESULTS / "gpu_run25/call2/train",
+            RESULTS / "gpu_run25/call3/train",
+            RESULTS / "gpu_run20/call5/train/train_keep1.0.log",
+            RESULTS / "gpu_run24/call3/train/train_keep1.0.log",
+        ],
+    )
+
+
+# Memory-bound training (a separate section, planned) goes after the training sections.
+
+
+def section_glm(root: Path) -> str:
+    """The GLM-4.5-Air proxy, stock against LRMoE keep 0.5 (gpu_run29 calls 2-3)."""
+    files = [RESULTS / f"gpu_run29/call{c}/glm/summary.json" for c in (2, 3)]
+    out = [
+        "## Training: the GLM-4.5-Air proxy against stock Megatron",
+        "",
+        "1 dense + 1 MoE layer + the MTP layer at GLM-4.5-Air's shapes (shared expert, sigmoid "
+        "router with expert bias), full recompute, one H200, 100 iterations; stock runs its "
+        "experts as `SequentialMLP` (no Transformer Engine). Stock stopped at its timeout in "
+        "call 2 and ran again alone in call 3, whose keep 0.5 row is call 2's log, copied.",
+        "",
+        _source(
+            "gpu_run29 calls 2-3",
+            "e550189",
+            "TRAIN_ITERS=100 EVAL_INTERVAL=50 TIMEOUT_S=285 bash benchmarks/glm_compare.sh OUT",
+            files,
+        ),
+        "",
+        "| file | run | iterations | s/iter (median) | MoE ms/iter (median) | validation loss "
+        "(iteration) | max allocated GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path in files:
+        for r in json.loads((root / path).read_text()):
+            val = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f} ({r['val_iteration']})"
+            out.append(
+                f"| `{path.relative_to(RESULTS).as_posix()}` | {r['run']} | {r['iterations']} | "
+                f"{r['s_per_iter_median']:.3f} | {r['moe_ms_per_iter_median']:.1f} | {val} | "
+                f"{r['max_allocated_gib']:.1f} |"
+            )
+    return "\n".join(out)
+
+
+def section_planner(root: Path) -> str:
+    """The per-call controller's planning time and quality (planner_bench.json)."""
+    path = RESULTS / "planner_bench.json"
+    data = json.loads((root / path).read_text())
+    settings, machine, small = data["settings"], data["machine"], data["small_cases"]
+    out = [
+        "## The quota controller's planner",
+        "",
+        f"`plan_call` alone on synthetic Zipf loads ({settings['pairs_per_rank']} pairs per "
+        f"rank, keep {settings['keep_ratio']:g}, up to {settings['max_replicas_per_rank']} "
+        f"replicas per rank, the {settings['planner_path']} planner), host CPU time per plan "
+        f"(median of {settings['repeats']}) on a {machine['cpus']}-core {machine['processor']} "
+        "machine; forward peak: the busiest rank's pairs, against the lower bound no placement "
+        f"can beat. On {small['cases']} small cases the controller's peak over the brute-force "
+        f"optimum is at most {small['controller_over_optimum_max']:.3f}. Rows: EP 64.",
+        "",
+        _source("planner_bench.json", "1f57882 (the file's commit)",
+                "python benchmarks/planner_bench.py", [path]),
+        "",
+        "| experts | Zipf | quotas only us | with replicas us | memory budget binding us | "
+        "forward peak: no replicas / controller / lower bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        if r["ep"] != 64:
+            continue
+        out.append(
+            f"| {r['experts']} | {r['zipf']:g} | {r['quotas_us']:.0f} | "
+            f"{r['replicas_save_us']:.0f} | {r['replicas_budget_us']:.0f} | "
+            f"{r['fwd_no_replicas']} / {r['fwd_controller']} / {r['lower_bound']} |"
+        )
+    return "\n".join(out)
+
+
+SECTIONS: list[Callable[[Path], str]] = [
+    section_stacked,
+    section_memory,
+    section_training_half,
+    section_training_quarter,
+    # section_memory_bound_training goes here
+    section_glm,
+    section_layer,
+    section_planner,
+]
+
+
+def results_md(root: Path) -> str:
+    """docs/results.md: a short header, then every section of SECTIONS."""
+    header = "\n".join(
+        [
+            "# Results: the current figures",
+            "",
+            f"<!-- Generated by `{REGENERATE}` from committed files under benchmarks/results/: "
+            "do not edit by hand. -->",
+            "",
+            "GPU: NVIDIA H200, torch 2.11.0+cu130, megatron-core 0.19.2, no Transformer Engine, "
+            "no Apex, bf16. Each section names the run, the code and the command behind its "
+            "table, and each row its file (paths under `benchmarks/results/`). How the figures "
+            "came about, and older ones: [history/notebook.md](history/notebook.md); the "
+            "benchmark scripts: [../benchmarks/README.md](../benchmarks/README.md).",
+        ]
+    )
+    return "\n\n".join([header, *(section(root) for section in SECTIONS)]) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
-        "run", type=Path, nargs="+", help="benchmarks/results/gpu_run* folders or train_*.log files"
+        "run", type=Path, nargs="*", help="benchmarks/results/gpu_run* folders or train_*.log files"
+    )
+    parser.add_argument(
+        "--results-md",
+        type=Path,
+        metavar="PATH",
+        help="write the current figures (docs/results.md) from this checkout's committed results",
     )
     parser.add_argument("--no-train", action="store_true")
     parser.add_argument("--target", type=float, default=1.75, help="target validation loss")
@@ -232,6 +572,13 @@ def main() -> None:
         "--vs-keep1", action="store_true", help="ratios to the keep-1.0 run of the same seed"
     )
     args = parser.parse_args()
+    if args.results_md is not None:
+        args.results_md.write_text(results_md(Path(__file__).resolve().parents[1]), "utf-8")
+        print(f"wrote {args.results_md}")
+        if not args.run:
+            return
+    elif not args.run:
+        parser.error("give result folders or train_*.log files, or --results-md PATH")
     for run in args.run:
         for path in sorted(run.glob("layer_ep*.json")) if run.is_dir() else []:
             print(layer_table(path))

@@ -1,9 +1,10 @@
-"""``benchmarks/report.py``: the training summary that docs/history/notebook.md quotes and the
-comparison with keep 1.0 by seed, on synthetic logs in Megatron's format (what
-``benchmarks/train_compare.sh`` writes)."""
+"""``benchmarks/report.py``: the training summary and the comparison with keep 1.0 by seed, on
+synthetic logs in Megatron's format (what ``benchmarks/train_compare.sh`` writes), and
+docs/results.md, which it generates from the committed results."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from benchmarks.report import run_stats, train_summary, versus_keep1
@@ -114,3 +115,18 @@ def test_a_run_stopped_early_says_so(tmp_path: Path) -> None:
     (tmp_path / "train_full.log").write_text(text)
     names = {run_stats(log, 1.75).name for log in tmp_path.glob("train_*.log")}
     assert names == {"train_cut (stopped at iteration 120 of 150)", "train_full"}
+
+
+def test_results_md_is_what_report_py_writes() -> None:
+    """docs/results.md is generated from the committed results (regenerate it with the command
+    its first lines name, never edit it by hand): the committed page is byte for byte what
+    ``report.py --results-md`` writes, and each section names its run and command."""
+    from benchmarks import report
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / report.RESULTS_MD).read_text(encoding="utf-8")
+    assert page == report.results_md(root), f"regenerate: {report.REGENERATE}"
+    sections = page.split("\n## ")[1:]
+    assert len(sections) == len(report.SECTIONS)
+    assert all("Run `" in s and "made by `" in s for s in sections)
+    assert not re.search(r"\bsections? \d", page), "cite runs and files, not notebook sections"
