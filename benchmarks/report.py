@@ -411,9 +411,9 @@ _PROXY = (
     "The Qwen3 proxy (`benchmarks/train_compare.sh`): 4 MoE layers of 128 experts at the "
     "Qwen3-30B-A3B shape, one H200 (EP 1), real text, 300 iterations, 16384 tokens per "
     "micro-batch, the weight gradients accumulated into `main_grad`, `sample` selection. "
-    "The MoE layers are about a tenth to a fifth of this proxy's iteration (attention without "
-    "flash kernels, the 151936-word output layer and the optimizer take the rest), which bounds "
-    f"what they can save of it. Target validation loss {TARGET_LOSS}; \"from it 2\" leaves out "
+    "The MoE layers are a small part of this proxy's iteration (compare the MoE ms/iter and "
+    "s/iter columns; attention without flash kernels, the 151936-word output layer and the "
+    f"optimizer take the rest), which bounds what they can save of it. Target validation loss {TARGET_LOSS}; \"from it 2\" leaves out "
     "iteration 1 (Triton compiling into a cold cache)."
 )
 
