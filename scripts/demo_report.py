@@ -1,6 +1,6 @@
 """Render docs/demo.md from a committed run of ``lrmoe-demo`` (and optionally make that run).
 
-Regenerate the page with a fresh run (about 2 minutes on 2 CPU cores), from the repository root::
+Regenerate the page with a fresh run (about 3 minutes on 2 CPU cores), from the repository root::
 
     "$(bash scripts/env.sh)" scripts/demo_report.py --run
 
@@ -184,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--run",
         action="store_true",
-        help="run the demo into docs/runs/demo/ first (about 2 minutes on 2 CPU cores)",
+        help="run the demo into docs/runs/demo/ first (about 3 minutes on 2 CPU cores)",
     )
     parser.add_argument("demo_args", nargs="*", help="after --: extra arguments for lrmoe-demo")
     args = parser.parse_args(argv)
