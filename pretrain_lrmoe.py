@@ -85,10 +85,11 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from megatron_lrmoe.training import compat
+from megatron_lrmoe.training import compat, memory_cap
 from megatron_lrmoe.training.args import add_lrmoe_args, validate_lrmoe_args
 from megatron_lrmoe.training.model import gpt_model_config_from_args
 from megatron_lrmoe.training.hooks import install_lrmoe_training_log
+from megatron_lrmoe.training.validation_spread import ValidationSpread
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,10 @@ def loss_func(
         the data-parallel-averaged report.
     """
     args = get_args()
+    if not torch.is_grad_enabled():  # an evaluation micro-batch: its per-sequence losses
+        spread = _validation_spread(args)
+        if spread is not None:
+            spread.record(output_tensor.view(loss_mask.shape), loss_mask)
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
@@ -224,6 +229,32 @@ def loss_func(
             fatal=False,
         )
     return loss, num_tokens, report
+
+
+_VALIDATION_SPREAD: Optional[ValidationSpread] = None
+
+
+def _validation_spread(args: argparse.Namespace) -> Optional[ValidationSpread]:
+    """The process's :class:`ValidationSpread` (None with context parallelism, where a rank
+    sees only part of each sequence)."""
+    global _VALIDATION_SPREAD
+    if args.context_parallel_size > 1:
+        return None
+    if _VALIDATION_SPREAD is None:
+        from megatron.training.utils import print_rank_last
+
+        group = mpu.get_data_parallel_group()
+
+        def micro_batches() -> int:
+            per_step = args.eval_micro_batch_size * args.data_parallel_size
+            return int(args.eval_iters) * max(1, args.eval_global_batch_size // per_step)
+
+        _VALIDATION_SPREAD = ValidationSpread(
+            micro_batches,
+            print_rank_last,
+            lambda t: torch.distributed.all_reduce(t, group=group),
+        )
+    return _VALIDATION_SPREAD
 
 
 def forward_step(data_iterator: Any, model: GPTModel, return_schedule_plan: bool = False):
@@ -381,6 +412,8 @@ def main() -> None:
     compat.use_prebuilt_dataset_helpers()
     try:
         check_args(args)
+        # Before Megatron's initialisation allocates anything on the GPU.
+        memory_cap.apply_memory_cap(args.memory_cap_gib)
     except ValueError as e:
         raise SystemExit(f"pretrain_lrmoe.py: error: {e}") from e
     # --lrmoe only: LRMoE statistics at --log-interval, in a line after Megatron's iteration line

@@ -37,6 +37,10 @@ if [ -n "$TOKENIZER_MODEL" ]; then
 else
     DATA_ARGS+=(--tokenizer-type NullTokenizer --null-tokenizer-eod-id 256 --vocab-size "$VOCAB_SIZE")
 fi
+if [ -n "${MEMORY_CAP_GIB:-}" ]; then
+    # Each process's GPU memory capped (PyTorch's allocator), e.g. 78 for an 80 GB card.
+    TRAIN_ARGS+=(--memory-cap-gib "$MEMORY_CAP_GIB")
+fi
 LRMOE_ARGS=()
 if [ "$LRMOE" = 1 ]; then
     LRMOE_ARGS=(--lrmoe --lrmoe-keep-ratio "$KEEP_RATIO" --lrmoe-selection "$SELECTION"

@@ -84,9 +84,11 @@ def test_every_config_field_has_a_flag() -> None:
     group = next(g for g in parser._action_groups if g.title == "LRMoE")
     assert "--lrmoe-help" in options  # prints the group and exits: stores nothing
     assert "--moe-layer-timing" in options  # not a config field: logging, stock runs too
+    assert "--memory-cap-gib" in options  # not a config field: comparison runs, stock too
     assert {a.dest for a in group._group_actions if a.dest != argparse.SUPPRESS} == {
         "lrmoe",
         "moe_layer_timing",
+        "memory_cap_gib",
     } | {f"lrmoe_{f.name}" for f in dataclasses.fields(LRMoEConfig)}
 
 

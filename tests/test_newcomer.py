@@ -44,7 +44,13 @@ def test_lrmoe_help_lists_exactly_the_lrmoe_flags() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     options = {m.group(1) for line in lines if (m := re.match(r"^  (-[-\w]+)", line))}
-    wanted = {"--lrmoe", LRMOE_HELP_FLAG, "--moe-layer-timing", *LRMOE_FLAGS.values()}
+    wanted = {
+        "--lrmoe",
+        LRMOE_HELP_FLAG,
+        "--moe-layer-timing",
+        "--memory-cap-gib",
+        *LRMOE_FLAGS.values(),
+    }
     # --lrmoe-record-stats shares its line with --no-lrmoe-record-stats.
     assert options == wanted, sorted(options ^ wanted)
     assert "--no-lrmoe-record-stats" in proc.stdout

@@ -208,7 +208,19 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "Log the time spent in the MoE layers (forward + backward, CUDA events, every "
             "overhead included) per iteration and since the start, summed over the pipeline "
             "stages, for stock and LRMoE layers alike (a line after Megatron's, and moe/layer_* "
-            "scalars). Does not need --lrmoe."
+            "scalars), with the peak allocated GPU memory. Does not need --lrmoe."
+        ),
+    )
+    group.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help=(
+            "Cap each process's GPU memory (PyTorch's caching allocator) at GIB GiB, so that a "
+            "large GPU behaves as a smaller one in comparison runs (78 for an 80 GB card, 38 "
+            "for a 40 GB one; megatron_lrmoe/training/memory_cap.py). Logged at start. Stock "
+            "runs too; does not need --lrmoe. Default: no cap."
         ),
     )
     for name, default in _DEFAULTS.items():

@@ -31,7 +31,8 @@ functions, and that ``pretrain`` / ``train`` still call them by global name), in
 or not at all, and idempotent. Nothing happens on import, and nothing is installed without
 ``--lrmoe`` or ``--moe-layer-timing``. ``--moe-layer-timing`` (stock runs too) adds a line with
 the time spent in the MoE layers (forward and backward, CUDA events, every overhead included)
-per iteration and since the start, summed over the pipeline stages, and ``moe/layer_*`` scalars.
+per iteration and since the start, summed over the pipeline stages, with this process's peak
+allocated GPU memory (``max allocated``, on CUDA), and ``moe/layer_*`` scalars.
 """
 
 from __future__ import annotations
@@ -196,6 +197,16 @@ def _sum_over_pipeline(value: float) -> float:
     return float(total.item())
 
 
+def _max_allocated_fragment() -> str:
+    """`` max allocated: N MiB |``, this process's peak allocated GPU memory since the start
+    (PyTorch's allocator statistics, read on the host), or nothing without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return ""
+    return f" max allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB |"
+
+
 class LRMoETrainingLog:
     """The two wrappers and their shared state (the ``LRMoEMetrics`` of the running ``train``).
 
@@ -336,7 +347,7 @@ class LRMoETrainingLog:
             wandb.log(values, iteration)
         fragment = (
             f" moe layers: {ms:.1f} ms/iter | moe layers cumulative: "
-            f"{self._timed_seconds:.3f} s |"
+            f"{self._timed_seconds:.3f} s |{_max_allocated_fragment()}"
         )
         self.last_line = lrmoe_log_line(iteration, train_iters, fragment)
         _print_rank_last(self.last_line)
