@@ -79,9 +79,8 @@ from megatron_lrmoe.select.kernels import (
     front_triton,
     scored_call,
 )
+from megatron_lrmoe.select.contract import PairScores, Selection
 from megatron_lrmoe.select.scoring import (
-    PairScores,
-    Selection,
     draw_uniforms,
     pair_scores,
     score_and_select,

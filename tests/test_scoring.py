@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megatron_lrmoe.select import scoring
+from megatron_lrmoe.select.contract import Selection
 from megatron_lrmoe.select.scoring import (
     PROB_BITS,
-    Selection,
     draw_uniforms,
     inclusion_probabilities,
     lrm_scores,

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megatron_lrmoe import triton_kernels
-from megatron_lrmoe.select import kernels, scoring
+from megatron_lrmoe.select import contract, kernels, scoring
 from megatron_lrmoe.testing.interpreter import run_interpreter_tests
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -104,7 +104,7 @@ def _adversarial_cases() -> dict[str, Case]:
     }
 
 
-def _reference(policy: str, case: Case) -> scoring.Selection:
+def _reference(policy: str, case: Case) -> contract.Selection:
     """The torch reference selection of ``case`` on the host."""
     scores, counts, quota, uniforms = (t.cpu() for t in case)
     if policy == "topk":
@@ -112,7 +112,7 @@ def _reference(policy: str, case: Case) -> scoring.Selection:
     return scoring.select_sample(scores, counts, quota, uniforms)
 
 
-def _check(policy: str, case: Case, **kwargs) -> scoring.Selection:
+def _check(policy: str, case: Case, **kwargs) -> contract.Selection:
     scores, counts, quota, uniforms = case
     got = kernels.select_triton(policy, scores, counts, quota, uniforms, **kwargs)
     ref = _reference(policy, case)
@@ -168,7 +168,7 @@ def test_select_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="needs uniforms"):
         scoring.select("sample", scores, counts, quota)
     monkeypatch.setattr(scoring, "use_triton", lambda *tensors: False)
-    assert isinstance(scoring.select("topk", scores, counts, quota), scoring.Selection)
+    assert isinstance(scoring.select("topk", scores, counts, quota), contract.Selection)
 
 
 def test_select_triton_rejects_host_tensors_without_the_interpreter() -> None:
@@ -788,15 +788,15 @@ def test_interp_rejects_what_the_reference_rejects() -> None:
 def test_planned_segments_accept_and_reject_like_host_segments(
     counts: list[int], quota: list[int], n: int, dtype: torch.dtype
 ) -> None:
-    """The short check of the planner's segments (``scoring._host_segments``, one combined
-    test) takes what the check-by-check path (``scoring._checked_segments``) takes, returns the
+    """The short check of the planner's segments (``contract.host_segments``, one combined
+    test) takes what the check-by-check path (``contract.checked_segments``) takes, returns the
     same int64 host tensors and rejects the rest with its message."""
     c, q = torch.tensor(counts, dtype=dtype), torch.tensor(quota, dtype=dtype)
     try:
-        want = scoring._checked_segments(c, q, n)
+        want = contract.checked_segments(c, q, n)
     except ValueError as err:
         with pytest.raises(ValueError, match=f"^{re.escape(str(err))}$"):
-            scoring._host_segments(c, q, n)
+            contract.host_segments(c, q, n)
         return
-    got = scoring._host_segments(c, q, n)
+    got = contract.host_segments(c, q, n)
     assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(got, want))

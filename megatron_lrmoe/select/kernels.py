@@ -87,7 +87,7 @@ import torch
 
 from megatron_lrmoe import triton_kernels
 from megatron_lrmoe.cuda_graphs import GraphCache, capture as capture_graph
-from megatron_lrmoe.select import scoring
+from megatron_lrmoe.select import contract
 from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available
 
 __all__ = [
@@ -716,7 +716,7 @@ def select_triton(
     *,
     block: int | None = None,
     owned: bool = True,
-) -> scoring.Selection:
+) -> contract.Selection:
     """``scoring.select_topk`` / ``scoring.select_sample`` as a few row-parallel Triton kernels.
 
     Same contract and bit-identical results as the torch functions (same ``kept_index``,
@@ -741,18 +741,18 @@ def select_triton(
         ValueError: unknown policy, ``"sample"`` without uniforms, malformed shapes, counts not
             adding up to N, a quota out of range, or host tensors without the interpreter.
     """
-    sample = scoring._check_policy(policy, uniforms)
+    sample = contract.check_policy(policy, uniforms)
     block = _BLOCK if block is None else block
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
-    scores = scoring._check_scores(scores).contiguous()
+    scores = contract.check_scores(scores).contiguous()
     n = scores.numel()
     device = scores.device
-    counts_h, quota_h = scoring._host_segments(counts, quota, n)
+    counts_h, quota_h = contract.host_segments(counts, quota, n)
     num_segments = counts_h.numel()
     host_uniforms = None
     if sample:
-        scoring._check_uniforms(uniforms, num_segments)
+        contract.check_uniforms(uniforms, num_segments)
         if uniforms.device.type == "cpu":
             host_uniforms = uniforms
     kernels = _kernels()
@@ -766,7 +766,7 @@ def select_triton(
         table = _segment_table(counts_h, quota_h, host_uniforms, device)
         empty = torch.empty(0, dtype=torch.int64, device=device)
         # Nothing to write (and N == 0 has nothing to sort).
-        return scoring.Selection(empty, empty.float(), table[_QUOTA])
+        return contract.Selection(empty, empty.float(), table[_QUOTA])
     if (sample and host_uniforms is None) or not _graphs_wanted(device):
         return _select_eager(
             kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block,
@@ -787,7 +787,7 @@ def _select_eager(
     sample: bool,
     block: int,
     sort: MergeTile | None,
-) -> scoring.Selection:
+) -> contract.Selection:
     """One selection, every kernel launched from Python (``sort``: :func:`merge_tile`)."""
     device = scores.device
     table = _segment_table(counts_h, quota_h, host_uniforms, device)
@@ -801,7 +801,7 @@ def _select_eager(
     else:
         u = scores  # unread placeholder
     _launch(kernels, scores, table, kept, weight, u, sample, block, sort)
-    return scoring.Selection(kept, weight, table[_QUOTA])
+    return contract.Selection(kept, weight, table[_QUOTA])
 
 
 def _launch(
@@ -985,7 +985,7 @@ class FrontBuffers(NamedTuple):
 class Front(NamedTuple):
     """What :func:`front_triton` hands out besides the caller's buffers."""
 
-    scored: scoring.Scored
+    scored: contract.Scored
     row_of_pair: torch.Tensor | None  # [N + 1] int64 packed row of each pair, -1 if not kept
     # (None from a graph without a front: score_select_triton)
 
@@ -1037,7 +1037,7 @@ def score_select_triton(
     *,
     kept_total: bool = False,
     owned: bool = True,
-) -> scoring.Scored | None:
+) -> contract.Scored | None:
     """``scoring.score_and_select`` as one replayed CUDA graph, or ``None`` where it cannot be.
 
     The token norms, their maxima, the pair scores with their poison and total, and the
@@ -1159,15 +1159,15 @@ def scored_call(
     """The checks and the argument block of a replayed scoring (and ``front``) of ``inputs``;
     ``None`` where a graph cannot take them in place (the caller runs the stages eagerly).
     The caller has checked that graphs may run on the device (:func:`front_graphs_wanted`)."""
-    sample = scoring._check_policy(policy, uniforms)
+    sample = contract.check_policy(policy, uniforms)
     if not _graph_scorable(inputs):
         return None
     g, x, probs, token = inputs
     n = probs.numel()
-    counts_h, quota_h = scoring._host_segments(counts, quota, n)
+    counts_h, quota_h = contract.host_segments(counts, quota, n)
     num_segments = counts_h.numel()
     if sample:
-        scoring._check_uniforms(uniforms, num_segments)
+        contract.check_uniforms(uniforms, num_segments)
         if uniforms.device.type != "cpu":
             return None
     tk = triton_kernels
@@ -1276,16 +1276,16 @@ class _Captured:
         self.scores.copy_(scores)
         self.table[:_HOST_ROWS].copy_(host, non_blocking=True)
 
-    def outputs(self, num_kept: int, owned: bool = True) -> scoring.Selection:
+    def outputs(self, num_kept: int, owned: bool = True) -> contract.Selection:
         """The last run's outputs: copies, or (``owned=False``) the buffers themselves."""
         kept, weight, quota = self.kept[:num_kept], self.weight[:num_kept], self.table[_QUOTA]
         if owned:
             kept, weight, quota = kept.clone(), weight.clone(), quota.clone()
-        return scoring.Selection(kept, weight, quota)
+        return contract.Selection(kept, weight, quota)
 
     def run(
         self, scores: torch.Tensor, host: torch.Tensor, num_kept: int, owned: bool
-    ) -> scoring.Selection:
+    ) -> contract.Selection:
         self._load(scores, host)
         self.graph.replay()
         return self.outputs(num_kept, owned)
@@ -1383,7 +1383,7 @@ class FrontWork(_Captured):
     def load_host(self, host: torch.Tensor) -> None:
         self._host_part.copy_(host, non_blocking=True)
 
-    def scored(self, owned: bool) -> tuple[scoring.PairScores, torch.Tensor | None]:
+    def scored(self, owned: bool) -> tuple[contract.PairScores, torch.Tensor | None]:
         """The last run's scores, poison and score total, and (``kept_total``) the kept scores'
         finite sum: copies unless ``owned=False``."""
         if owned:
@@ -1391,9 +1391,9 @@ class FrontWork(_Captured):
             poison, total, kept = sums[0], sums[1], sums[2]
         else:
             scores, (poison, total, kept, _) = self.scores, self._sum_views
-        return scoring.PairScores(scores, poison, total), kept if self.kept_total else None
+        return contract.PairScores(scores, poison, total), kept if self.kept_total else None
 
-    def outputs(self, num_kept: int, owned: bool = True) -> scoring.Selection:
+    def outputs(self, num_kept: int, owned: bool = True) -> contract.Selection:
         if owned:
             return super().outputs(num_kept, owned)
         views = self._kept_views.get(num_kept)
@@ -1403,7 +1403,7 @@ class FrontWork(_Captured):
             views = self._kept_views[num_kept] = (
                 self.kept[:num_kept], self.weight[:num_kept]
             )
-        return scoring.Selection(*views, self._sum_views[3])
+        return contract.Selection(*views, self._sum_views[3])
 
     def front(self, num_kept: int, owned: bool) -> Front:
         """The last run's outputs (copies unless ``owned=False``: then views made once);
@@ -1412,7 +1412,7 @@ class FrontWork(_Captured):
         row_of = self.row_of_pair
         if owned and row_of is not None:
             row_of = row_of.clone()
-        return Front(scoring.Scored(scored, self.outputs(num_kept, owned), kept_total), row_of)
+        return Front(contract.Scored(scored, self.outputs(num_kept, owned), kept_total), row_of)
 
 
 class _CapturedScored(FrontWork):
@@ -1445,7 +1445,7 @@ class _GraphCache(GraphCache[_Captured]):
         block: int,
         num_kept: int,
         owned: bool,
-    ) -> scoring.Selection:
+    ) -> contract.Selection:
         device = scores.device
         sort = merge_tile(counts_h)
         key = (device.index, scores.numel(), counts_h.numel(), sample, block, scores.dtype, sort)

@@ -36,19 +36,25 @@ them and to size the outputs (marked ``NOTE: device-to-host sync``).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from megatron_lrmoe import triton_kernels
+from megatron_lrmoe.select import kernels
+from megatron_lrmoe.select.contract import (
+    PairScores,
+    Scored,
+    Selection,
+    check_policy,
+    check_scores,
+    check_uniforms,
+    host_segments,
+)
 from megatron_lrmoe.triton_kernels import use_triton
 
 __all__ = [
     "PROB_BITS",
-    "PairScores",
-    "Scored",
-    "Selection",
     "draw_uniforms",
     "inclusion_probabilities",
     "lrm_scores",
@@ -68,10 +74,6 @@ PROB_BITS = 32
 _PROB_ONE = 1 << PROB_BITS
 # sqrt-score weights are rounded to integers in units of 2**-32 of a reference weight per segment.
 _WEIGHT_ONE = float(1 << 32)
-# Keeps every int64 product and prefix sum below 2**63: N * 2**32, quota * 2**32 and
-# quota * (weight <= 2**32) all stay under 2**63 when N < 2**31.
-_MAX_ROWS = 1 << 31
-_POLICIES = ("topk", "sample")
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -151,14 +153,6 @@ def token_norms(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(t, ord=2, dim=-1, dtype=acc) for t in (g, x)])
 
 
-class PairScores(NamedTuple):
-    """Scores of one call's pairs (:func:`pair_scores`)."""
-
-    scores: torch.Tensor  # [N] fp32
-    poison: torch.Tensor  # 0-dim fp32: 0, or NaN when a score is not finite
-    total: torch.Tensor  # 0-dim fp32: sum of the finite scores (statistics)
-
-
 def pair_scores(
     probs: torch.Tensor, token: torch.Tensor, norms: torch.Tensor, top: torch.Tensor
 ) -> PairScores:
@@ -228,56 +222,6 @@ def sanitize(scores: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- #
-# Selection result
-# --------------------------------------------------------------------------------------------- #
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Rows kept for the backward and the gradient multiplier of each.
-
-    Attributes:
-        kept_index: ``[K]`` int64 positions of the kept rows, strictly ascending.
-        weight: ``[K]`` float32 gradient multiplier of each kept row: 1 for ``topk`` and for rows
-            kept with probability 1, ``1 / inclusion_probability`` for sampled rows.
-        kept_per_segment: ``[G]`` int64 number of kept rows per segment (always equal to quota).
-    """
-
-    kept_index: torch.Tensor
-    weight: torch.Tensor
-    kept_per_segment: torch.Tensor
-
-    @property
-    def num_kept(self) -> int:
-        """Number of kept rows K (a host int: the shape is known without a sync)."""
-        return self.kept_index.numel()
-
-    def kept_mask(self, n: int) -> torch.Tensor:
-        """``[n]`` bool mask, True at kept rows.
-
-        Args:
-            n: number of rows N of the selection's input.
-
-        Returns:
-            ``[n]`` bool tensor on the selection's device.
-        """
-        mask = torch.zeros(n, dtype=torch.bool, device=self.kept_index.device)
-        return mask.index_fill_(0, self.kept_index, True)
-
-    def dense_weight(self, n: int) -> torch.Tensor:
-        """``[n]`` float32 weights: the kept rows' weight, 0 for dropped rows.
-
-        Args:
-            n: number of rows N of the selection's input.
-
-        Returns:
-            ``[n]`` float32 tensor on the selection's device.
-        """
-        dense = torch.zeros(n, dtype=torch.float32, device=self.kept_index.device)
-        return dense.index_copy_(0, self.kept_index, self.weight)
-
-
-# --------------------------------------------------------------------------------------------- #
 # Segment bookkeeping (private)
 # --------------------------------------------------------------------------------------------- #
 
@@ -292,108 +236,9 @@ class _Segments(NamedTuple):
     total_quota: int  # K = sum(quota), on the host
 
 
-def _host_segments(
-    counts: torch.Tensor, quota: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checks ``counts`` / ``quota`` against ``n`` rows; returns both as host int64 tensors.
-
-    Shared by the torch path and the Triton path (``select/kernels.py``), so both reject the same
-    inputs with the same messages. What the planner hands the backward (host int64 ``[G]``
-    tensors) takes one combined test, since this runs in every backward before the first GEMM;
-    anything else, and anything that test rejects, goes through :func:`_checked_segments`, whose
-    checks name what is wrong.
-    """
-    planned = (
-        counts.dtype == torch.int64
-        and quota.dtype == torch.int64
-        and counts.device.type == "cpu"
-        and quota.device.type == "cpu"
-        and counts.dim() == 1
-        and quota.shape == counts.shape
-        and n < _MAX_ROWS
-    )
-    if planned:
-        c, q = counts.numpy(), quota.numpy()
-        # A negative count fails the quota test too (0 <= quota <= count).
-        if int(c.sum()) == n and not bool(((q < 0) | (q > c)).any()):
-            return counts, quota
-    return _checked_segments(counts, quota, n)
-
-
-def _checked_segments(
-    counts: torch.Tensor, quota: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_host_segments` check by check, each failure with its own message."""
-    if counts.dim() != 1 or quota.shape != counts.shape:
-        raise ValueError(
-            "counts and quota must be [G] tensors of one shape, got "
-            f"{tuple(counts.shape)} and {tuple(quota.shape)}"
-        )
-    for name, t in (("counts", counts), ("quota", quota)):
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-    if n >= _MAX_ROWS:
-        raise ValueError(f"at most {_MAX_ROWS - 1} rows are supported, got {n}")
-    if counts.device.type == "cpu" and quota.device.type == "cpu":
-        # The usual case (the planner's host tensors): numpy checks cost ~1 us each where
-        # torch CPU ops cost ~5 us, and this runs in the backward before the first GEMM.
-        counts_h = counts if counts.dtype == torch.int64 else counts.to(torch.int64)
-        quota_h = quota if quota.dtype == torch.int64 else quota.to(torch.int64)
-        c, q = counts_h.numpy(), quota_h.numpy()
-        if c.size and c.min() < 0:
-            g = int((c < 0).argmax())
-            raise ValueError(f"segment {g}: count {int(c[g])} is negative")
-        bad = (q < 0) | (q > c)
-        if bad.any():
-            g = int(bad.argmax())
-            raise ValueError(f"segment {g}: quota {int(q[g])} is outside [0, count={int(c[g])}]")
-        total = int(c.sum())
-        if total != n:
-            raise ValueError(f"segment counts add up to {total}, but there are {n} rows")
-        return counts_h, quota_h
-    else:
-        # NOTE: device-to-host sync: validating the segments and sizing the kept-row outputs need
-        # the values on the host; pass CPU counts/quota (as the planner produces them) to avoid it.
-        where = counts.device if counts.device.type != "cpu" else quota.device
-        host = torch.stack([counts.to(where, torch.int64), quota.to(where, torch.int64)]).cpu()
-    counts_h, quota_h = host[0], host[1]
-    bad = torch.nonzero(counts_h < 0).flatten()
-    if bad.numel():
-        g = int(bad[0])
-        raise ValueError(f"segment {g}: count {int(counts_h[g])} is negative")
-    bad = torch.nonzero((quota_h < 0) | (quota_h > counts_h)).flatten()
-    if bad.numel():
-        g = int(bad[0])
-        raise ValueError(
-            f"segment {g}: quota {int(quota_h[g])} is outside [0, count={int(counts_h[g])}]"
-        )
-    total = int(counts_h.sum())
-    if total != n:
-        raise ValueError(f"segment counts add up to {total}, but there are {n} rows")
-    return counts_h, quota_h
-
-
-def _check_policy(policy: str, uniforms: torch.Tensor | None) -> bool:
-    """Rejects an unknown policy and ``"sample"`` without uniforms; returns whether it samples.
-    Shared by :func:`select` and the fused paths (``select/kernels.py``)."""
-    if policy not in _POLICIES:
-        raise ValueError(f"unknown selection policy {policy!r}; expected one of {_POLICIES}")
-    if policy == "sample" and uniforms is None:
-        raise ValueError("policy 'sample' needs uniforms (see draw_uniforms)")
-    return policy == "sample"
-
-
-def _check_uniforms(uniforms: torch.Tensor, num_segments: int) -> None:
-    if uniforms.shape != (num_segments,) or not uniforms.is_floating_point():
-        raise ValueError(
-            f"uniforms must be a [G] = [{num_segments}] floating tensor, got "
-            f"{uniforms.dtype} {tuple(uniforms.shape)}"
-        )
-
-
 def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.device) -> _Segments:
     """Checks ``counts`` / ``quota`` against ``n`` rows and lays the segments out on ``device``."""
-    _, quota_h = _host_segments(counts, quota, n)
+    _, quota_h = host_segments(counts, quota, n)
 
     # A blocking host-to-device copy would wait for the whole stream; a non-blocking one from
     # pageable memory stages the source before returning. No copy when already on the device.
@@ -406,16 +251,6 @@ def _segments(counts: torch.Tensor, quota: torch.Tensor, n: int, device: torch.d
     )
     start = torch.cumsum(counts_d, 0) - counts_d
     return _Segments(seg, start, counts_d, quota_d, int(quota_h.sum()))
-
-
-def _check_scores(scores: torch.Tensor) -> torch.Tensor:
-    if scores.dim() != 1 or not scores.is_floating_point():
-        raise ValueError(
-            f"scores must be a [N] floating tensor, got {scores.dtype} {tuple(scores.shape)}"
-        )
-    # Scores are fp32 by contract (lrm_scores); ordering and probabilities work at fp32 resolution
-    # so that the sort key and the weights agree.
-    return scores.detach().to(torch.float32)
 
 
 def _order_within_segments(clean: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
@@ -583,7 +418,7 @@ def select_topk(scores: torch.Tensor, counts: torch.Tensor, quota: torch.Tensor)
     Raises:
         ValueError: malformed shapes, counts not adding up to N, or a quota out of range.
     """
-    scores = _check_scores(scores)
+    scores = check_scores(scores)
     n = scores.numel()
     device = scores.device
     lay = _segments(counts, quota, n, device)
@@ -620,7 +455,7 @@ def inclusion_probabilities(
     Raises:
         ValueError: malformed shapes, counts not adding up to N, or a quota out of range.
     """
-    scores = _check_scores(scores)
+    scores = check_scores(scores)
     lay = _segments(counts, quota, scores.numel(), scores.device)
     a = _fixed_point_probabilities(sanitize(scores), lay)
     return a.to(torch.float64) / float(_PROB_ONE)
@@ -654,11 +489,11 @@ def select_sample(
     Raises:
         ValueError: malformed shapes, counts not adding up to N, or a quota out of range.
     """
-    scores = _check_scores(scores)
+    scores = check_scores(scores)
     n = scores.numel()
     device = scores.device
     lay = _segments(counts, quota, n, device)
-    _check_uniforms(uniforms, lay.counts.numel())
+    check_uniforms(uniforms, lay.counts.numel())
     a = _fixed_point_probabilities(sanitize(scores), lay)
     # Each segment's a adds up to exactly quota * 2**32, so the segment offset of the global
     # running sum is known without another scan.
@@ -711,14 +546,6 @@ def draw_uniforms(
     return values.to(device, non_blocking=True)
 
 
-class Scored(NamedTuple):
-    """What :func:`score_and_select` returns."""
-
-    scores: PairScores
-    selection: Selection
-    kept_total: torch.Tensor | None  # 0-dim fp32 sum of the kept rows' finite scores, if asked
-
-
 def score_and_select(
     policy: str,
     g: torch.Tensor,
@@ -755,10 +582,7 @@ def score_and_select(
         owned: As in :func:`select` (for every output).
     """
     if use_triton(g, x, probs, token):
-        # Imported here: kernels.py imports this module.
-        from megatron_lrmoe.select.kernels import score_select_triton
-
-        fused = score_select_triton(
+        fused = kernels.score_select_triton(
             policy, g, x, probs, token, counts, quota, uniforms,
             kept_total=kept_total, owned=owned,
         )
@@ -809,12 +633,9 @@ def select(
         ValueError: unknown policy, ``"sample"`` without uniforms, or malformed inputs (see
             :func:`select_topk` / :func:`select_sample`).
     """
-    _check_policy(policy, uniforms)
+    check_policy(policy, uniforms)
     if use_triton(scores):
-        # Imported here: kernels.py imports this module.
-        from megatron_lrmoe.select.kernels import select_triton
-
-        return select_triton(policy, scores, counts, quota, uniforms, owned=owned)
+        return kernels.select_triton(policy, scores, counts, quota, uniforms, owned=owned)
     if policy == "sample" and uniforms.device != scores.device and scores.is_cuda:
         # Pinned, so the copy is queued instead of waiting for the stream to drain.
         uniforms = uniforms.pin_memory().to(scores.device, non_blocking=True)
