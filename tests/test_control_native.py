@@ -25,6 +25,7 @@ from megatron_lrmoe.control import controller, native, placement
 from megatron_lrmoe.control.balance import HolderGraph
 from megatron_lrmoe.control.controller import ControlPlan, plan_call
 from megatron_lrmoe.control.quota import quotas_np
+from megatron_lrmoe.control.slots import LinearSlots
 
 from test_control_balance import _graph_case
 from test_control_controller import COST, zipf_counts
@@ -109,7 +110,7 @@ def test_greedy_runs_match_python(lib, best_fit: bool) -> None:
 
 def test_place_replicas_matches_python(lib, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole search (and the local search after it on small layers) with fixed slots, per
-    rank slots and the controller's memory-budget rule (:class:`placement.LinearSlots`)."""
+    rank slots and the controller's memory-budget rule (:class:`LinearSlots`)."""
     rng = random.Random(22)
     replicated = 0
     for case in range(600):
@@ -123,7 +124,7 @@ def test_place_replicas_matches_python(lib, monkeypatch: pytest.MonkeyPatch) -> 
         else:
             room = np.array([rng.randint(-5, 60) for _ in range(num_ranks)], dtype=np.int64)
             limit = rng.choice([0, 1, 2, 3])
-            slots = placement.LinearSlots(1000 * room, rng.choice([0, 1, 3]), 1000, limit)
+            slots = LinearSlots(1000 * room, rng.choice([0, 1, 3]), 1000, limit)
         tolerance = rng.choice([0.0, 1 / 512, 0.05])
         got = placement.place_replicas(load, num_ranks, slots, tolerance)
         args = (load, num_ranks, slots, tolerance)
@@ -133,7 +134,7 @@ def test_place_replicas_matches_python(lib, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_linear_slots_match_the_budget_formula() -> None:
-    """The slots rule the native search evaluates (:class:`placement.LinearSlots`, from
+    """The slots rule the native search evaluates (:class:`LinearSlots`, from
     ``_Call.slot_rule``) is the memory budget's: what the budget leaves after the source rows
     and ``T`` pairs of saved activations, in whole replicas, at most the limit."""
     rng = random.Random(23)
@@ -145,7 +146,7 @@ def test_linear_slots_match_the_budget_formula() -> None:
         w = counts.sum(0)
         call = controller._Call(counts, w, lrmoe, COST, mode, quotas_np(w, 0.5))
         rule = call.slot_rule()
-        linear += isinstance(rule, placement.LinearSlots)
+        linear += isinstance(rule, LinearSlots)
         for threshold in (0, 1, 100, 5000, 10**6):
             expected = [lrmoe.max_replicas_per_rank] * counts.shape[0]
             if lrmoe.memory_budget_bytes is not None:
@@ -159,7 +160,7 @@ def test_linear_slots_match_the_budget_formula() -> None:
                     for x in left
                 ]
             assert call.slots(threshold) == expected
-            if isinstance(rule, placement.LinearSlots):
+            if isinstance(rule, LinearSlots):
                 assert rule(threshold) == expected
     assert linear > 20
 

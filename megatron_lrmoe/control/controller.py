@@ -60,7 +60,7 @@ from megatron_lrmoe.control.balance import (
     min_max_lists,
 )
 from megatron_lrmoe.control.costs import CostModel
-from megatron_lrmoe.control.placement import LinearSlots, place_replicas
+from megatron_lrmoe.control.placement import place_replicas
 from megatron_lrmoe.control.quota import (
     _ABS_TOL,
     _REL_TOL,
@@ -70,6 +70,7 @@ from megatron_lrmoe.control.quota import (
     split_np,
     water_fill_np,
 )
+from megatron_lrmoe.control.slots import LinearSlots
 
 __all__ = [
     "ControlPlan",

@@ -20,7 +20,6 @@ entries. Every array crossing the boundary is C-contiguous int64 (or numpy bool 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
+
+from megatron_lrmoe.control.slots import LinearSlots
 
 __all__ = [
     "NativeError",
@@ -268,7 +269,7 @@ def slot_rule(slots: object, num_ranks: int) -> Optional[SlotRule]:
     arbitrary callable)."""
     if isinstance(slots, int):
         return None, 0, 1, slots, False  # ``slots`` on every rank
-    if isinstance(slots, _linear_slots()):
+    if isinstance(slots, LinearSlots):
         if slots.replica_bytes <= 0:
             return None  # numpy's division by zero, not worth mirroring
         return _i64(slots.room), slots.per_pair, slots.replica_bytes, slots.limit, True
@@ -277,14 +278,6 @@ def slot_rule(slots: object, num_ranks: int) -> Optional[SlotRule]:
     if isinstance(slots, np.integer):
         return None, 0, 1, int(slots), False
     return _i64([int(s) for s in slots]), 0, 1, 0, False
-
-
-@functools.cache
-def _linear_slots() -> type:
-    # Imported on first use: placement imports this module.
-    from megatron_lrmoe.control.placement import LinearSlots
-
-    return LinearSlots
 
 
 def max_moves(rule: SlotRule, num_ranks: int, num_experts: int) -> int:

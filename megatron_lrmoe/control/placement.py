@@ -41,14 +41,14 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import numpy as np
 
 from megatron_lrmoe.control import native
+from megatron_lrmoe.control.slots import Slots
 
 __all__ = [
-    "LinearSlots",
     "Placement",
     "best_fit_greedy",
     "place_replicas",
@@ -58,35 +58,6 @@ __all__ = [
     "reference_threshold_greedy",
     "threshold_greedy",
 ]
-
-
-
-@dataclass(frozen=True, eq=False)
-class LinearSlots:
-    """Replica slots that shrink as the threshold T grows (the controller's memory budget):
-    ``min(max((room[g] - per_pair * T) // replica_bytes, 0), limit)`` on rank g.
-
-    A callable like any slots function; the native search (native.py) recognises it and
-    evaluates the same rule in C.
-
-    Attributes:
-        room: ``[P]`` int64 bytes each rank has left for replicas and saved activations.
-        per_pair: Bytes each pair of forward load holds (saved activations), ``> 0`` or 0.
-        replica_bytes: Bytes of one replica, ``> 0``.
-        limit: Most replicas per rank (``max_replicas_per_rank``).
-    """
-
-    room: np.ndarray
-    per_pair: int
-    replica_bytes: int
-    limit: int
-
-    def __call__(self, threshold: int) -> list[int]:
-        room = self.room - self.per_pair * threshold
-        return np.minimum(np.maximum(room // self.replica_bytes, 0), self.limit).tolist()
-
-
-Slots = Union[int, Sequence[int], Callable[[int], Sequence[int]]]
 
 
 @dataclass(frozen=True)
