@@ -15,6 +15,7 @@ Selection = Literal["sample", "topk"]
 Scope = Literal["local", "global"]
 ActivationMode = Literal["save", "recompute", "auto"]
 GradAccumulationFusion = Literal["auto", "on", "off"]
+ActivationKind = Literal["silu", "gelu"]
 
 SELECTIONS: tuple[str, ...] = ("sample", "topk")
 SCOPES: tuple[str, ...] = ("local", "global")
@@ -215,6 +216,61 @@ def offloaded_expert_modules(config: Any) -> list[str]:
     return [m for m in listed if m in EXPERT_OFFLOAD_MODULES]
 
 
+def expert_activation(config: Any) -> tuple[bool, ActivationKind]:
+    """Reads ``(gated, kind)`` of the expert activation from a Megatron ``TransformerConfig``.
+
+    Supported: ``activation_func`` in {``F.silu``, ``F.gelu``}, gated or not, with
+    ``glu_linear_offset == 0``, no ``activation_func_clamp_value`` and no
+    ``moe_mlp_glu_interleave_size``. The experts build their ``GluSpec`` from it
+    (``experts.activation.activation_spec_from_config``).
+
+    Args:
+        config: A ``megatron.core.transformer.TransformerConfig`` (or any object with the same
+            attributes; missing optional ones count as their Megatron defaults).
+
+    Returns:
+        Whether the activation is gated, and ``"silu"`` or ``"gelu"``.
+
+    Raises:
+        ValueError: Naming the unsupported setting and how to change it.
+    """
+    # Imported here so the config module stays importable without torch-heavy imports.
+    import torch.nn.functional as F
+
+    func = getattr(config, "activation_func", None)
+    if func is F.silu:
+        kind: ActivationKind = "silu"
+    elif func is F.gelu:
+        kind = "gelu"
+    else:
+        name = getattr(func, "__qualname__", None) or repr(func)
+        raise ValueError(
+            f"activation_func={name} is not supported by the LRMoE expert ops; set "
+            "activation_func to torch.nn.functional.silu (SwiGLU with gated_linear_unit=True) "
+            "or torch.nn.functional.gelu"
+        )
+    gated = bool(getattr(config, "gated_linear_unit", False))
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    if clamp is not None:
+        raise ValueError(
+            f"activation_func_clamp_value={clamp} is not supported by the LRMoE expert ops; "
+            "set activation_func_clamp_value=None"
+        )
+    offset = getattr(config, "glu_linear_offset", 0.0)
+    if offset is not None and float(offset) != 0.0:
+        raise ValueError(
+            f"glu_linear_offset={offset} is not supported by the LRMoE expert ops; "
+            "set glu_linear_offset=0.0"
+        )
+    interleave = getattr(config, "moe_mlp_glu_interleave_size", None)
+    if gated and interleave is not None:
+        raise ValueError(
+            f"moe_mlp_glu_interleave_size={interleave} is not supported by the LRMoE expert "
+            "ops (they expect fc1 as [gate | up] halves); set moe_mlp_glu_interleave_size=None"
+        )
+    return gated, kind
+
+
 def validate_transformer_config(config: Any, layer_name: str = "LRMoELayer") -> None:
     """Reject Megatron settings that the LRMoE layer does not implement.
 
@@ -222,8 +278,6 @@ def validate_transformer_config(config: Any, layer_name: str = "LRMoELayer") -> 
     """
     # Imported here so the config module stays importable without torch-heavy imports.
     import torch.nn.functional as F
-
-    from megatron_lrmoe.experts.activation import activation_spec_from_config
 
     num_experts: Optional[int] = config.num_moe_experts
     if not num_experts:
@@ -355,6 +409,6 @@ def validate_transformer_config(config: Any, layer_name: str = "LRMoELayer") -> 
         if bad:
             _fail(layer_name, what, fix)
     try:
-        activation_spec_from_config(config)
+        expert_activation(config)
     except ValueError as e:
         raise ValueError(f"{layer_name}: {e}") from e

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_lrmoe import triton_kernels
+from megatron_lrmoe.config import ActivationKind, expert_activation
 
 __all__ = [
     "ActivationKind",
@@ -39,8 +40,6 @@ __all__ = [
     "act_forward",
     "activation_spec_from_config",
 ]
-
-ActivationKind = Literal["silu", "gelu"]
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -216,9 +215,7 @@ def act_backward(
 def activation_spec_from_config(config: Any) -> GluSpec:
     """Reads the expert activation from a Megatron ``TransformerConfig``.
 
-    Supported: ``activation_func`` in {``F.silu``, ``F.gelu``}, gated or not, with
-    ``glu_linear_offset == 0``, no ``activation_func_clamp_value`` and no
-    ``moe_mlp_glu_interleave_size``.
+    What is supported, and the errors, are those of ``megatron_lrmoe.config.expert_activation``.
 
     Args:
         config: A ``megatron.core.transformer.TransformerConfig`` (or any object with the same
@@ -230,35 +227,5 @@ def activation_spec_from_config(config: Any) -> GluSpec:
     Raises:
         ValueError: Naming the unsupported setting and how to change it.
     """
-    func = getattr(config, "activation_func", None)
-    if func is F.silu:
-        kind: ActivationKind = "silu"
-    elif func is F.gelu:
-        kind = "gelu"
-    else:
-        name = getattr(func, "__qualname__", None) or repr(func)
-        raise ValueError(
-            f"activation_func={name} is not supported by the LRMoE expert ops; set "
-            "activation_func to torch.nn.functional.silu (SwiGLU with gated_linear_unit=True) "
-            "or torch.nn.functional.gelu"
-        )
-    gated = bool(getattr(config, "gated_linear_unit", False))
-    clamp = getattr(config, "activation_func_clamp_value", None)
-    if clamp is not None:
-        raise ValueError(
-            f"activation_func_clamp_value={clamp} is not supported by the LRMoE expert ops; "
-            "set activation_func_clamp_value=None"
-        )
-    offset = getattr(config, "glu_linear_offset", 0.0)
-    if offset is not None and float(offset) != 0.0:
-        raise ValueError(
-            f"glu_linear_offset={offset} is not supported by the LRMoE expert ops; "
-            "set glu_linear_offset=0.0"
-        )
-    interleave = getattr(config, "moe_mlp_glu_interleave_size", None)
-    if gated and interleave is not None:
-        raise ValueError(
-            f"moe_mlp_glu_interleave_size={interleave} is not supported by the LRMoE expert "
-            "ops (they expect fc1 as [gate | up] halves); set moe_mlp_glu_interleave_size=None"
-        )
+    gated, kind = expert_activation(config)
     return GluSpec(gated=gated, kind=kind)

@@ -127,10 +127,16 @@ def _format_bytes(value: float) -> str:
 
 
 def _stats_layers(model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> list[Any]:
-    from megatron_lrmoe.layer import LRMoELayer
-
+    """The model's LRMoE layers: the modules whose class defines ``add_stats_listener``
+    (``LRMoELayer``; found by that method rather than by class, so that observe/ does not import
+    the layer; looked up on the class so that a wrapper forwarding attributes does not count)."""
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, LRMoELayer)]
+    return [
+        m
+        for chunk in chunks
+        for m in chunk.modules()
+        if callable(getattr(type(m), "add_stats_listener", None))
+    ]
 
 
 class LRMoEMetrics:
