@@ -1,4 +1,4 @@
-"""Tests for megatron_lrmoe.control.planner: quotas, their split over sources, replica balancing.
+"""Tests for megatron_lrmoe.control.quota and .balance: quotas, their split over sources, balancing.
 
 Shapes: E experts, P ranks.
 """
@@ -14,13 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.control.planner import (
-    balance_over_replicas,
-    expert_quotas,
-    greedy_balance_over_replicas,
-    split_quota_over_sources,
-)
-from megatron_lrmoe.control.quota import split_np
+from megatron_lrmoe.control.balance import balance_over_replicas, greedy_balance_over_replicas
+from megatron_lrmoe.control.quota import expert_quotas, split_np, split_quota_over_sources
 
 # --------------------------------------------------------------------------------------------- #
 # Quotas
