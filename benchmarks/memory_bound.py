@@ -278,19 +278,34 @@ def picks(rows: Sequence[dict]) -> dict[str, Optional[str]]:
 
 
 def search(args: argparse.Namespace) -> dict:
-    arms = arms_named(args.arms or list(ARMS))
-    rows = []
-    for arm in arms:
+    """Run the arms not yet in ``search.json`` (all of them with ``--redo``) and merge: the
+    search can be spread over several calls."""
+    path = args.out / "search.json"
+    done: dict[str, dict] = {}
+    if path.exists() and not args.redo:
+        previous = json.loads(path.read_text())
+        if (previous["cap_gib"], previous["layers"]) != (args.cap_gib, args.layers):
+            raise SystemExit(
+                f"memory_bound.py: {path} was searched at cap {previous['cap_gib']} GiB and "
+                f"{previous['layers']} layers, not {args.cap_gib} and {args.layers}; use another "
+                "--out or --redo"
+            )
+        done = {row["arm"]["name"]: row for row in previous["arms"]}
+    for arm in arms_named(args.arms or list(ARMS)):
+        if arm.name in done:
+            print(f"kept {arm.name} (in {path})")
+            continue
         run = Run(arm, args.seeds[0], args.search_iters, args.out / "search" / f"{arm.name}.log",
                   args.cap_gib, args.layers, evaluate=False)
         parsed = launch(run, args.timeout_s, args.dry_run)
         if parsed is not None:
-            rows.append(search_row(arm, parsed))
-            print(json.dumps(rows[-1]), flush=True)
+            done[arm.name] = search_row(arm, parsed)
+            print(json.dumps(done[arm.name]), flush=True)
+    rows = list(done.values())
     result = {"cap_gib": args.cap_gib, "layers": args.layers, "proxy": PROXY,
               "proxy_flags": list(PROXY_FLAGS), "arms": rows, "picks": picks(rows)}
     if not args.dry_run:
-        (args.out / "search.json").write_text(json.dumps(result, indent=2) + "\n")
+        path.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -465,6 +480,8 @@ def parser() -> argparse.ArgumentParser:
                    help="report: target validation loss (default: 1 %% above the baseline's mean "
                    "final validation loss)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per launch")
+    p.add_argument("--redo", action="store_true",
+                   help="search: run every arm again (default: keep the arms in search.json)")
     p.add_argument("--dry-run", action="store_true", help="print the launch commands only")
     return p
 

@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=1 benchmarks/model_bench.py [--layers 8] [--experts 16]
         [--hidden 2048] [--ffn 768] [--tokens 8192] [--keep 1.0 0.75 0.5] [--selection sample]
-        [--skew 0] [--rounds 10] [--warmup 3] [--profile DIR] [--out model_bench.json]
+        [--skew 0] [--rounds 10] [--warmup 3] [--profile DIR] [--recompute none|moe]
+        [--out model_bench.json]
 
 One process per GPU; expert parallelism over all of them (EP = number of processes),
 ``--tokens`` per GPU; times and memory are the largest over the ranks.
@@ -37,6 +38,10 @@ both orders. Reported:
     host_fwd_ms, host_bwd_ms: host time per layer to queue them (below the GPU time: the GPU is
         the bound, as it is in a model whose host runs ahead).
     bwd_vs_keep1: bwd_ms over keep 1.0's (wherever 1.0 is in ``--keep``; absent without it).
+    layer_ms, layer_vs_keep1: fwd_ms + bwd_ms, and its ratio to keep 1.0's.
+``--recompute moe`` runs every layer under Megatron's MoE-layer recompute (the layer keeps its
+input only and runs its forward again inside the backward, which bwd_ms then includes): the
+stock arm a memory-bound run falls back to, and LRMoE at keep < 1 under the same recompute.
     peak_mib: peak memory allocated during one round above what the layers hold before it.
     graphs_mib: what the expert graphs hold (``backward_graph.graph_memory_bytes``).
     stale_layers: layers of the previous keep ratio still alive when this one's were built
@@ -133,8 +138,17 @@ def _build(
     ``skew > 0`` biases each layer's router (:func:`_skew_router`)."""
     from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
 
+    recompute = (
+        dict(recompute_granularity="selective", recompute_modules=["moe"])
+        if args.recompute == "moe"
+        else {}
+    )
     cfg = moe_config(
-        ep, num_moe_experts=args.experts, hidden_size=args.hidden, moe_ffn_hidden_size=args.ffn
+        ep,
+        num_moe_experts=args.experts,
+        hidden_size=args.hidden,
+        moe_ffn_hidden_size=args.ffn,
+        **recompute,
     )
     lrmoe = LRMoEConfig(keep_ratio=keep, selection=args.selection, grad_accumulation_fusion="on")
     torch.manual_seed(1234)  # the same weights at every keep ratio
@@ -301,6 +315,11 @@ def main() -> None:
         help="after the rounds, profile three more per keep ratio and write each rank's trace "
         "to DIR (made if missing) as trace_k<keep>_rank<r>.json",
     )  # fmt: skip
+    parser.add_argument(
+        "--recompute", choices=("none", "moe"), default="none",
+        help="moe: Megatron's MoE-layer recompute (recompute_modules=['moe']): each layer keeps "
+        "only its input and runs its forward again inside the backward",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.skew < 0:
@@ -389,12 +408,14 @@ def main() -> None:
     keep1 = next((r for r in rows if r["keep"] == 1.0), None)
     print(
         f"{args.layers} layers, {args.experts} experts, EP {ep}, {args.tokens} tokens per GPU, "
-        f"{args.selection}, router skew {args.skew:g}, per layer (medians of {args.rounds} "
-        "rounds):"
+        f"{args.selection}, router skew {args.skew:g}, recompute {args.recompute}, per layer "
+        f"(medians of {args.rounds} rounds):"
     )
     for row in rows:
+        row["layer_ms"] = row["fwd_ms"] + row["bwd_ms"]
         if keep1 is not None:
             row["bwd_vs_keep1"] = row["bwd_ms"] / keep1["bwd_ms"]
+            row["layer_vs_keep1"] = row["layer_ms"] / (keep1["fwd_ms"] + keep1["bwd_ms"])
         memory = (
             f" peak {row['peak_mib']:.0f} MiB, reserved {row['reserved_mib']:.0f} MiB (allocated "
             f"{row['allocated_mib']:.0f}, inactive split {row['inactive_split_mib']:.0f}, "
@@ -402,7 +423,11 @@ def main() -> None:
             if "peak_mib" in row
             else ""
         )
-        ratio = f" (bwd/keep1 {row['bwd_vs_keep1']:.3f})" if "bwd_vs_keep1" in row else ""
+        ratio = (
+            f" (bwd/keep1 {row['bwd_vs_keep1']:.3f}, fwd+bwd/keep1 {row['layer_vs_keep1']:.3f})"
+            if "bwd_vs_keep1" in row
+            else ""
+        )
         parts = (
             f" GPU busy (profiled): op fwd {row['op_fwd_gpu_ms']:.3f}, rest of fwd "
             f"{row['rest_fwd_gpu_ms']:.3f}, op bwd {row['op_bwd_gpu_ms']:.3f}, rest of bwd "

@@ -373,6 +373,23 @@ def test_model_bench_runs_a_stack_on_the_cpu(tmp_path: Path) -> None:
     assert "GPU busy (profiled): op fwd 0.000" in proc.stdout
 
 
+def test_model_bench_recompute_moe_runs_on_the_cpu(tmp_path: Path) -> None:
+    """``model_bench.py --recompute moe`` (Megatron's MoE-layer recompute), tiny, EP 2: both keep
+    ratios run and report the whole layer's time against keep 1.0's."""
+    out = tmp_path / "model.json"
+    proc = _torchrun(
+        2, "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--hidden", "64",
+        "--ffn", "32", "--tokens", "8", "--keep", "1.0", "0.5", "--rounds", "1", "--warmup", "2",
+        "--recompute", "moe", "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["args"]["recompute"] == "moe" and "recompute moe" in proc.stdout
+    keep1, keep_half = result["rows"]
+    assert keep1["layer_vs_keep1"] == 1.0
+    assert keep_half["layer_ms"] == keep_half["fwd_ms"] + keep_half["bwd_ms"]
+    assert keep_half["layer_vs_keep1"] == keep_half["layer_ms"] / keep1["layer_ms"]
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
 )

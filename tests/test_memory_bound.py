@@ -316,3 +316,30 @@ def test_validation_spread_matches_a_direct_computation() -> None:
     assert float(found.group(3)) == pytest.approx(std / math.sqrt(n), rel=1e-6)
     spread.record(*batches[0])  # the next evaluation starts afresh
     assert spread.report()[0] == 4
+
+
+def test_search_merges_calls_and_picks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search spread over two calls: the second keeps the first's arms, the picks cover
+    both, and a search at another cap into the same folder is refused."""
+    launched = []
+
+    def fake_launch(run: memory_bound.Run, timeout_s: float, dry_run: bool):
+        launched.append(run.arm.name)
+        run.log.parent.mkdir(parents=True, exist_ok=True)
+        oom = 3 if run.arm.name == "stock" else None
+        run.log.write_text(fake_log(iter_ms=100.0 + len(launched), oom_at=oom))
+        return train_logs.parse_log(run.log)
+
+    monkeypatch.setattr(memory_bound, "launch", fake_launch)
+    common = ["search", "--out", str(tmp_path), "--cap-gib", "78", "--arms"]
+    memory_bound.main([*common, "stock", "stock+moe"])
+    memory_bound.main([*common, "stock+moe", "k0.5+moe"])
+    assert launched == ["stock", "stock+moe", "k0.5+moe"]
+    result = json.loads((tmp_path / "search.json").read_text())
+    rows = {row["arm"]["name"]: row for row in result["arms"]}
+    assert not rows["stock"]["fits"] and rows["stock"]["oom"] and rows["stock+moe"]["fits"]
+    assert rows["k0.5+moe"]["max_allocated_gib"] == pytest.approx(70000 / 1024)
+    assert rows["k0.5+moe"]["moe_share"] == pytest.approx(40.0 / 103.0)
+    assert result["picks"] == {"baseline": "stock+moe", "keep 0.5": "k0.5+moe"}
+    with pytest.raises(SystemExit, match="searched at cap 78"):
+        memory_bound.main(["search", "--out", str(tmp_path), "--cap-gib", "38", "--arms", "stock"])
