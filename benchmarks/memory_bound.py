@@ -86,7 +86,6 @@ PROXY: dict[str, str] = {
     "TRANSFORMER_IMPL": "local",
     "LR": "5e-4",
     "MIN_LR": "5e-5",
-    "WARMUP_ITERS": "30",
     "LOG_INTERVAL": "1",
 }
 PROXY_FLAGS: tuple[str, ...] = ("--num-experts", "16", "--vocab-size", "512", "--moe-layer-timing")
@@ -173,6 +172,8 @@ class Run:
             NUM_LAYERS=str(self.layers),
             TRAIN_ITERS=str(self.iters),
             SEED=str(self.seed),
+            # Megatron needs the warm-up shorter than the run (30 of 600 iterations).
+            WARMUP_ITERS=str(max(1, min(30, self.iters // 20))),
             DATA_PREFIX=str(DATA_PREFIX),
             DATA_CACHE="/tmp/lrmoe_memory_bound_cache",
         )
@@ -301,11 +302,15 @@ def search(args: argparse.Namespace) -> dict:
         if parsed is not None:
             done[arm.name] = search_row(arm, parsed)
             print(json.dumps(done[arm.name]), flush=True)
+            _write_search(path, args, done)  # after every arm: a stopped call keeps its arms
+    return _write_search(path, args, done) if not args.dry_run else {}
+
+
+def _write_search(path: Path, args: argparse.Namespace, done: dict[str, dict]) -> dict:
     rows = list(done.values())
     result = {"cap_gib": args.cap_gib, "layers": args.layers, "proxy": PROXY,
               "proxy_flags": list(PROXY_FLAGS), "arms": rows, "picks": picks(rows)}
-    if not args.dry_run:
-        path.write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

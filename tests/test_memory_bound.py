@@ -185,6 +185,8 @@ def test_arm_flags() -> None:
     assert "--full-validation" in run.flags()
     quick = memory_bound.Run(arms["stock"], 7, 10, Path("x.log"), None, 24, evaluate=False)
     assert "MEMORY_CAP_GIB" not in quick.env() and "--full-validation" not in quick.flags()
+    # Megatron's scheduler needs the warm-up shorter than the run, short runs included.
+    assert int(quick.env()["WARMUP_ITERS"]) < 10 and env["WARMUP_ITERS"] == "30"
     for bad in ("attn", "moe_act"):
         with pytest.raises(ValueError, match=f"recompute '{bad}'"):
             memory_bound.Arm("bad", recompute=bad).flags()
