@@ -34,7 +34,7 @@ def main() -> None:
 
     import triton
 
-    from megatron_lrmoe import triton_kernels as tk
+    from megatron_lrmoe.dispatch import rows_triton as tk
     from megatron_lrmoe.dispatch import rows
 
     rows_t = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)

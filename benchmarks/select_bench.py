@@ -22,8 +22,8 @@ and both policies (``topk``, ``sample``):
 
 Each part runs in its own ``try``: a failure prints ``FAIL`` with the error and the script goes
 on. Every check prints one ``PASS`` / ``FAIL`` line; the exit status is 1 if any check failed.
-Runs without megatron-core installed (only ``megatron_lrmoe.select`` and
-``megatron_lrmoe.triton_kernels`` are needed).
+Runs without megatron-core installed (only ``megatron_lrmoe.select``, ``megatron_lrmoe.triton_common``
+and ``megatron_lrmoe.dispatch.rows_triton`` are needed).
 """
 
 from __future__ import annotations

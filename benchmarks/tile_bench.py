@@ -3,7 +3,7 @@
     python3 benchmarks/tile_bench.py --case walk|gather|rowdot [--experts 128] [--tokens 16384]
         [--keep 0.5] [--iters 50] [--out tile_bench.json]
 
-``--case walk``: the trimmed backward's one walk, ``triton_kernels.row_dot_pack_from_args``:
+``--case walk``: the trimmed backward's one walk, ``rows_triton.row_dot_pack_from_args``:
 for every pair the dot of its token's gradient row with the pair's fc2 output row (the router
 gradient, which keep 1.0 needs too), and for the kept pairs their scaled gradient row and their
 input row written to packed rows, launched through an argument block as the replayed front
@@ -84,15 +84,16 @@ class Case(NamedTuple):
 
 
 def _walk_case(t: dict, topk: int) -> Case:
-    from megatron_lrmoe import triton_kernels as tk
+    from megatron_lrmoe import triton_common as tc
+    from megatron_lrmoe.dispatch import rows_triton as tk
 
     n_tokens, width = t["g"].shape
-    block = torch.zeros(tk.ARG_SLOTS, dtype=torch.int64)
-    for slot, name in ((tk.ARG_G, "g"), (tk.ARG_X, "x"), (tk.ARG_PROBS, "probs"),
-                       (tk.ARG_Z, "z"), (tk.ARG_SLOT_PLAN, "slots"), (tk.ARG_D_PROBS, "d_probs"),
-                       (tk.ARG_G_OUT, "g_out"), (tk.ARG_X_OUT, "x_out")):
+    block = torch.zeros(tc.ARG_SLOTS, dtype=torch.int64)
+    for slot, name in ((tc.ARG_G, "g"), (tc.ARG_X, "x"), (tc.ARG_PROBS, "probs"),
+                       (tc.ARG_Z, "z"), (tc.ARG_SLOT_PLAN, "slots"), (tc.ARG_D_PROBS, "d_probs"),
+                       (tc.ARG_G_OUT, "g_out"), (tc.ARG_X_OUT, "x_out")):
         block[slot] = t[name].data_ptr()
-    block[tk.ARG_COUNT] = t["kept_pairs"].numel()
+    block[tc.ARG_COUNT] = t["kept_pairs"].numel()
     block = block.cuda()
     strides = (t["g"].stride(0), t["z"].stride(0), t["x"].stride(0))
     dtypes = (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)
@@ -106,11 +107,11 @@ def _walk_case(t: dict, topk: int) -> Case:
         )
 
     def tile(block_m: int, block_h: int, warps: int, stages: int) -> Callable[[], object]:
-        return lambda: kernels.row_dot_pack_args[(tk._cdiv(n_walk, block_m),)](
+        return lambda: kernels.row_dot_pack_args[(tc._cdiv(n_walk, block_m),)](
             block, t["row_of"], t["weight"], t["poison"], n_walk, width, *strides, topk,
-            OUT_TY=tk._tl_dtype(dtypes[0]), G_TY=tk._tl_dtype(dtypes[1]),
-            Z_TY=tk._tl_dtype(dtypes[2]), X_TY=tk._tl_dtype(dtypes[3]),
-            P_TY=tk._tl_dtype(dtypes[4]), HAS_X=True, BLOCK_M=block_m, BLOCK_H=block_h,
+            OUT_TY=tc._tl_dtype(dtypes[0]), G_TY=tc._tl_dtype(dtypes[1]),
+            Z_TY=tc._tl_dtype(dtypes[2]), X_TY=tc._tl_dtype(dtypes[3]),
+            P_TY=tc._tl_dtype(dtypes[4]), HAS_X=True, BLOCK_M=block_m, BLOCK_H=block_h,
             num_warps=warps, num_stages=stages,
         )
 
@@ -129,7 +130,8 @@ def _walk_case(t: dict, topk: int) -> Case:
 
 
 def _gather_case(t: dict) -> Case:
-    from megatron_lrmoe import triton_kernels as tk
+    from megatron_lrmoe import triton_common as tc
+    from megatron_lrmoe.dispatch import rows_triton as tk
 
     x, token = t["x"], t["token_of_pair"]
     n_out, width = token.numel(), x.shape[1]
@@ -137,7 +139,7 @@ def _gather_case(t: dict) -> Case:
     kernels = tk._kernels()
 
     def tile(block_m: int, block_h: int, warps: int, stages: int) -> Callable[[], object]:
-        grid = (tk._cdiv(n_out, block_m), tk._cdiv(width, block_h))
+        grid = (tc._cdiv(n_out, block_m), tc._cdiv(width, block_h))
         return lambda: kernels.scale_rows[grid](
             out, x, token, token, n_out, width, x.stride(0), out.stride(0), HAS_INDEX=True,
             BLOCK_M=block_m, BLOCK_H=block_h, HAS_SCALE=False, num_warps=warps,
@@ -152,7 +154,8 @@ def _gather_case(t: dict) -> Case:
 
 
 def _rowdot_case(t: dict) -> Case:
-    from megatron_lrmoe import triton_kernels as tk
+    from megatron_lrmoe import triton_common as tc
+    from megatron_lrmoe.dispatch import rows_triton as tk
 
     g, z, slots = t["g"], t["z"], t["slots"]
     n_walk, width = slots.numel(), g.shape[1]
@@ -164,7 +167,7 @@ def _rowdot_case(t: dict) -> Case:
         out.copy_(tk.row_dot_triton(g, z, torch.float32, slots=slots))
 
     def tile(block_m: int, block_h: int, warps: int, stages: int) -> Callable[[], object]:
-        return lambda: kernels.row_dot[(tk._cdiv(n_walk, block_m),)](
+        return lambda: kernels.row_dot[(tc._cdiv(n_walk, block_m),)](
             out, g, z, index, n_walk, width, g.stride(0), z.stride(0), slots.shape[1],
             A_INDEX=False, SLOTS=True, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps,
             num_stages=stages,

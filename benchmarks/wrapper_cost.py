@@ -42,13 +42,16 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20000)
     args = parser.parse_args()
 
-    from megatron_lrmoe import triton_kernels as tk
+    from megatron_lrmoe.dispatch import rows_triton
+    from megatron_lrmoe.experts import activation_triton
+    from megatron_lrmoe.select import scores_triton
 
     stubs = types.SimpleNamespace(interpreted=True)  # "interpreted": host tensors are accepted
     for name in ("scale_rows", "row_dot", "gather_sum", "act_fwd", "act_bwd", "row_norms",
                  "pair_scores", "pack_pairs"):
         setattr(stubs, name, _NoLaunch())
-    tk._kernels = lambda: stubs
+    for module in (rows_triton, scores_triton, activation_triton):
+        module._kernels = lambda: stubs
 
     bf16 = torch.bfloat16
     g, z = torch.randn(64, 256, dtype=bf16), torch.randn(128, 256, dtype=bf16)
@@ -57,14 +60,14 @@ def main() -> None:
     d, h_rows = torch.randn(64, 256, dtype=bf16), torch.arange(64)
     cases = {
         "torch.empty (for scale)": lambda: torch.empty(64, 256, dtype=bf16),
-        "row_dot_triton (slots)": lambda: tk.row_dot_triton(g, z, torch.float32, slots=slots),
-        "gather_sum_triton": lambda: tk.gather_sum_triton(z, slots),
-        "row_norms_triton": lambda: tk.row_norms_triton(g, g),
-        "act_backward_triton (probs, store_act, h_rows)": lambda: tk.act_backward_triton(
+        "row_dot_triton (slots)": lambda: rows_triton.row_dot_triton(g, z, torch.float32, slots=slots),
+        "gather_sum_triton": lambda: rows_triton.gather_sum_triton(z, slots),
+        "row_norms_triton": lambda: scores_triton.row_norms_triton(g, g),
+        "act_backward_triton (probs, store_act, h_rows)": lambda: activation_triton.act_backward_triton(
             d, h, True, "silu", probs, True, h_rows
         ),
     }
-    print(f"{tk.__file__}; torch {torch.__version__}; launches stubbed; us per call, "
+    print(f"{rows_triton.__file__}; torch {torch.__version__}; launches stubbed; us per call, "
           f"{args.calls} calls")
     for name, fn in cases.items():
         print(f"{name:48s} {_us_per_call(fn, args.calls):7.2f}")

@@ -87,7 +87,7 @@ from megatron_lrmoe.select.scoring import (
     select,
     token_norms,
 )
-from megatron_lrmoe.triton_kernels import use_triton
+from megatron_lrmoe.triton_common import use_triton
 
 __all__ = ["ExactMoEFunction", "ExpertCall", "TrimmedMoEFunction", "lrmoe_experts"]
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megatron_lrmoe import triton_kernels
+from megatron_lrmoe import triton_common
 from megatron_lrmoe.dispatch import pair_plan_kernels
 from megatron_lrmoe.dispatch.permutation import PairPermutation, _build_torch
 from megatron_lrmoe.testing.interpreter import run_interpreter_tests
@@ -27,7 +27,7 @@ interp = pytest.mark.skipif(
     not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess of this module"
 )
 cuda = pytest.mark.skipif(
-    INTERPRETING or not HAS_CUDA or not triton_kernels.triton_available(),
+    INTERPRETING or not HAS_CUDA or not triton_common.triton_available(),
     reason="needs a CUDA device and triton",
 )
 
@@ -200,7 +200,7 @@ def test_interp_build_takes_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> 
         calls.append(args[1:])
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(triton_kernels, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(triton_common, "use_triton", lambda *tensors: True)
     monkeypatch.setattr(pair_plan_kernels, "pair_plan_triton", counted)
     for drop, k in (("none", 3), ("some", 3)):
         routing_map = _routing(17, 8, k, seed=6, drop=drop)
@@ -224,7 +224,7 @@ def test_interp_build_takes_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("drop", ["none", "some"])
 @pytest.mark.parametrize("t, e, k", [(4096, 128, 8), (1000, 160, 8), (3000, 256, 8), (77, 512, 6)])
 def test_cuda_matches_torch(monkeypatch: pytest.MonkeyPatch, t: int, e: int, k: int, drop: str):
-    monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
+    monkeypatch.delenv(triton_common.TRITON_ENV, raising=False)
     routing_map = _routing(t, e, k, seed=t + e, drop=drop).cuda()
     assert pair_plan_kernels.use_pair_plan_kernels(routing_map)
     s = int(routing_map.sum())

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe import triton_kernels
-from megatron_lrmoe.select import contract, kernels, scoring
+from megatron_lrmoe import triton_common
+from megatron_lrmoe.dispatch import rows_triton
+from megatron_lrmoe.select import contract, kernels, scores_triton, scoring
 from megatron_lrmoe.testing.interpreter import run_interpreter_tests
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -37,7 +38,7 @@ interp = pytest.mark.skipif(
     not INTERPRETING,
     reason="runs in the TRITON_INTERPRET=1 subprocess of the test below",
 )
-cuda = pytest.mark.skipif(not (HAS_CUDA and triton_kernels.triton_available()), reason="needs CUDA")
+cuda = pytest.mark.skipif(not (HAS_CUDA and triton_common.triton_available()), reason="needs CUDA")
 
 Case = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -172,7 +173,7 @@ def test_select_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_select_triton_rejects_host_tensors_without_the_interpreter() -> None:
-    if INTERPRETING or not triton_kernels.triton_available():
+    if INTERPRETING or not triton_common.triton_available():
         pytest.skip("needs triton, outside the interpreter")
     scores, counts, quota, uniforms = _case([torch.rand(6)], [2])
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
@@ -432,12 +433,12 @@ def test_gpu_front_graph_matches_steps(monkeypatch: pytest.MonkeyPatch, policy: 
         got = tuple(v.clone() for v in got)  # queued before the next call, as in the backward
         with monkeypatch.context() as eager:
             eager.setenv("LRMOE_SELECT_GRAPHS", "0")
-            d_probs = triton_kernels.row_dot_triton(g, z, probs.dtype, slots=slots)
+            d_probs = rows_triton.row_dot_triton(g, z, probs.dtype, slots=slots)
             scored, sel, _ = scoring.score_and_select(
                 policy, g, x, probs, token, counts, quota, uniforms
             )
             row_of = torch.full((t * k + 1,), -1, dtype=torch.int64, device=g.device)
-            g_kept, x_kept = triton_kernels.pack_pairs_triton(
+            g_kept, x_kept = rows_triton.pack_pairs_triton(
                 g, token, sel.kept_index, probs, sel.weight, x=x, poison=scored.poison,
                 row_of_pair=row_of,
             )
@@ -482,7 +483,7 @@ def test_interp_scored_graph_body_matches_steps(
         return block(counts, quota, uniforms, False, lead)  # no pinned memory without CUDA
 
     monkeypatch.setattr(kernels, "_host_block", host_block)
-    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 16)
+    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
     gen = torch.Generator().manual_seed(9)
     t, h, k, e = 30, 24, 3, 5
     for call in range(4):
@@ -499,7 +500,7 @@ def test_interp_scored_graph_body_matches_steps(
         assert (got is None) == (call == 0)  # the first sighting of a shape runs eagerly
         if got is None:
             continue
-        norms = triton_kernels.row_norms_triton(g, x)
+        norms = scores_triton.row_norms_triton(g, x)
         ref = scoring.pair_scores(probs, token, norms, norms.amax(1))
         ref_sel = scoring.select(policy, ref.scores, counts, quota, uniforms)
         assert torch.equal(got.scores.scores, ref.scores)
@@ -532,7 +533,7 @@ def test_interp_front_graph_body_matches_steps(
     monkeypatch.setattr(
         kernels, "_host_block", lambda c, q, u, _pin, lead: block(c, q, u, False, lead)
     )
-    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 16)
+    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
     gen = torch.Generator().manual_seed(10)
     t, h, k = 30, 24, 4
     counts = torch.tensor([20, 0, 31, 17, 22])  # 90 pairs, 3 per token, in 4 slots each
@@ -557,15 +558,15 @@ def test_interp_front_graph_body_matches_steps(
         assert (got is None) == (call == 0)  # the first sighting of a shape runs eagerly
         if got is None:
             continue
-        ref_d_probs = triton_kernels.row_dot_triton(g, z, probs.dtype, slots=slots)
+        ref_d_probs = rows_triton.row_dot_triton(g, z, probs.dtype, slots=slots)
         assert torch.equal(buffers.d_probs, ref_d_probs)
-        norms = triton_kernels.row_norms_triton(g, x)
+        norms = scores_triton.row_norms_triton(g, x)
         ref = scoring.pair_scores(probs, token, norms, norms.amax(1))
         ref_sel = scoring.select(policy, ref.scores, counts, quota, uniforms)
         assert torch.equal(got.scored.selection.kept_index, ref_sel.kept_index)
         assert torch.equal(got.scored.selection.weight, ref_sel.weight)
         row_of = torch.full((token.numel() + 1,), -1, dtype=torch.int64)
-        ref_g, ref_x = triton_kernels.pack_pairs_triton(
+        ref_g, ref_x = rows_triton.pack_pairs_triton(
             g, token, ref_sel.kept_index, probs, ref_sel.weight, x=x, poison=ref.poison,
             row_of_pair=row_of,
         )

@@ -1,4 +1,5 @@
-"""Fused Triton kernels (``triton_kernels.py``) against the torch paths they replace.
+"""Fused Triton kernels (``dispatch/rows_triton.py``, ``select/scores_triton.py``,
+``experts/activation_triton.py``) against the torch paths they replace.
 
 Shape legend: N rows, K gathered rows (``len(index)``), H row width, F activation width,
 F1 = 2F if gated.
@@ -36,11 +37,12 @@ import types
 import pytest
 import torch
 
-from megatron_lrmoe import triton_kernels
+from megatron_lrmoe import triton_common
 from megatron_lrmoe.dispatch import rows as rowwise
+from megatron_lrmoe.dispatch import rows_triton
 from megatron_lrmoe.dispatch.permutation import PairPermutation
-from megatron_lrmoe.experts import GluSpec, act_backward, act_forward
-from megatron_lrmoe.select import scoring
+from megatron_lrmoe.experts import GluSpec, act_backward, act_forward, activation_triton
+from megatron_lrmoe.select import scores_triton, scoring
 from megatron_lrmoe.testing.interpreter import run_interpreter_tests
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -113,16 +115,16 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def test_use_triton_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
+    monkeypatch.delenv(triton_common.TRITON_ENV, raising=False)
     x = torch.zeros(2, 3)
-    assert not triton_kernels.use_triton(x)  # host tensors always take the torch path
-    assert not triton_kernels.use_triton()
-    if HAS_CUDA and triton_kernels.triton_available():
+    assert not triton_common.use_triton(x)  # host tensors always take the torch path
+    assert not triton_common.use_triton()
+    if HAS_CUDA and triton_common.triton_available():
         y = x.cuda()
-        assert triton_kernels.use_triton(y)
-        assert not triton_kernels.use_triton(y, x)
-        monkeypatch.setenv(triton_kernels.TRITON_ENV, "0")
-        assert not triton_kernels.use_triton(y)
+        assert triton_common.use_triton(y)
+        assert not triton_common.use_triton(y, x)
+        monkeypatch.setenv(triton_common.TRITON_ENV, "0")
+        assert not triton_common.use_triton(y)
 
 
 class _BrokenTritonFinder:
@@ -144,19 +146,20 @@ def test_missing_or_broken_triton_falls_back(monkeypatch: pytest.MonkeyPatch, ho
             monkeypatch.delitem(sys.modules, name)
     if how == "broken":
         monkeypatch.setattr(sys, "meta_path", [_BrokenTritonFinder(), *sys.meta_path])
-    triton_kernels.triton_available.cache_clear()
+    triton_common.triton_available.cache_clear()
     try:
-        assert not triton_kernels.triton_available()
-        # The kernels module itself imports nothing from triton at module level.
-        spec = importlib.util.spec_from_file_location("tk_copy", triton_kernels.__file__)
-        assert spec is not None and spec.loader is not None
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        assert not triton_common.triton_available()
+        # The kernel modules themselves import nothing from triton at module level.
+        for module in (triton_common, rows_triton, scores_triton, activation_triton):
+            spec = importlib.util.spec_from_file_location("tk_copy", module.__file__)
+            assert spec is not None and spec.loader is not None
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
         rows = torch.randn(5, 4)
         s = torch.rand(5)
         ref = (rows * s[:, None]).to(rows.dtype)
         assert torch.equal(rowwise.scale_rows(rows, s), ref)
     finally:
-        triton_kernels.triton_available.cache_clear()
+        triton_common.triton_available.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -185,7 +188,7 @@ def test_assert_within_can_fail() -> None:
         assert_within(torch.tensor([float("nan")]), torch.tensor([1.0]), ulps=1)
 
 
-@pytest.mark.skipif(not triton_kernels.triton_available(), reason="needs triton")
+@pytest.mark.skipif(not triton_common.triton_available(), reason="needs triton")
 def test_interpreter_scalars_index_as_their_element() -> None:
     """Triton 3.6's interpreter (torch 2.11's) took ``int()`` of a scalar's one-element 1-d
     array, which NumPy 2.5 rejects, so a loop over a runtime bound failed in every interpreted
@@ -196,7 +199,7 @@ def test_interpreter_scalars_index_as_their_element() -> None:
     from triton.runtime import interpreter
 
     assert getattr(interpreter._patch_lang_tensor, "lrmoe_scalar_index", False)
-    tl = triton_kernels.tl
+    tl = triton_common.tl
     scope = interpreter._LangPatchScope()
     interpreter._patch_lang_tensor(tl.core.tensor, scope)
     try:
@@ -237,10 +240,10 @@ def test_arg_block_kernels_vectorise_like_direct_ones() -> None:
     H200, docs/history/notebook.md section 13). Their PTX must use the direct kernels' 16-byte
     accesses."""
     pytest.importorskip("triton")
-    kernels = triton_kernels._kernels()
+    kernels = scores_triton._kernels()
     if kernels.interpreted:
         pytest.skip("triton runs interpreted in this process")
-    tl = triton_kernels.tl
+    tl = triton_common.tl
     ints = dict.fromkeys(
         ("n_out", "n_rows", "width", "g_stride", "x_stride", "g_out_stride", "x_out_stride",
          "a_stride", "b_stride", "slots_per_a"), "i32",
@@ -267,7 +270,7 @@ def test_arg_block_kernels_vectorise_like_direct_ones() -> None:
     # The row-dot and the packing in one walk (the graph's only launch of either) has no direct
     # twin: its loads of g, z, x and stores of the packed rows must be 16-byte ones.
     walk = {**types, **dict.fromkeys(("n_walk", "z_stride", "slots_per_token"), "i32")}
-    got = _hopper_ptx(kernels.row_dot_pack_args, walk, dict(
+    got = _hopper_ptx(rows_triton._kernels().row_dot_pack_args, walk, dict(
         OUT_TY=tl.float32, G_TY=tl.bfloat16, Z_TY=tl.bfloat16, X_TY=tl.bfloat16,
         P_TY=tl.float32, HAS_X=True, BLOCK_M=8, BLOCK_H=512,
     ))  # fmt: skip
@@ -284,7 +287,7 @@ def test_arg_block_kernels_vectorise_like_direct_ones() -> None:
 def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     # 512-element tiles: with 64-wide column blocks a program covers 8 rows, so the small N
     # below span several row blocks with a ragged last one (as 4096-element tiles do at scale).
-    monkeypatch.setattr(triton_kernels, "_TILE", 512)
+    monkeypatch.setattr(triton_common, "_TILE", 512)
 
 
 def _rows_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -317,7 +320,7 @@ def test_interp_scale_rows(small_tiles, dtype, n: int, block_h, layout: str) -> 
     h = 200  # not a multiple of 64 (4 column blocks, the last one ragged)
     rows = _rows_layout(torch.randn(n, h, generator=g).to(dtype), layout)
     scale = torch.rand(n, generator=g)  # fp32, like the router probs
-    got = triton_kernels.scale_rows_triton(rows, scale, block_h=block_h)
+    got = rows_triton.scale_rows_triton(rows, scale, block_h=block_h)
     ref = rowwise.scale_rows(rows, scale)
     if dtype == torch.float32:
         assert torch.equal(got, ref)
@@ -325,7 +328,7 @@ def test_interp_scale_rows(small_tiles, dtype, n: int, block_h, layout: str) -> 
         assert_within(got, ref, ulps=1, what="scale_rows")
     # Same-dtype scale (bf16 x bf16 multiplies in bf16 on the torch side).
     scale_lp = scale.to(dtype)
-    got = triton_kernels.scale_rows_triton(rows, scale_lp, block_h=block_h)
+    got = rows_triton.scale_rows_triton(rows, scale_lp, block_h=block_h)
     assert_within(got, rowwise.scale_rows(rows, scale_lp), ulps=1, what="same-dtype scale")
 
 
@@ -342,7 +345,7 @@ def test_interp_scale_rows_gather(small_tiles, dtype, k: int, index_dtype) -> No
     rows = _rows_layout(torch.randn(n, h, generator=g).to(dtype), "row_strided")
     index = torch.randint(0, n, (k,), generator=g).to(index_dtype)  # repeats, any order
     scale = torch.rand(k, generator=g)
-    got = triton_kernels.scale_rows_triton(rows, scale, index, block_h=64)
+    got = rows_triton.scale_rows_triton(rows, scale, index, block_h=64)
     ref = rowwise.scale_rows(rows, scale, index.long())
     assert got.shape == (k, h)
     if dtype == torch.float32:
@@ -351,7 +354,7 @@ def test_interp_scale_rows_gather(small_tiles, dtype, k: int, index_dtype) -> No
         assert_within(got, ref, ulps=1, what="gathered scale_rows")
     # A non-contiguous index (every other element of a longer one).
     long_index = torch.randint(0, n, (2 * k,), generator=g).to(index_dtype)
-    got = triton_kernels.scale_rows_triton(rows, scale, long_index[::2], block_h=64)
+    got = rows_triton.scale_rows_triton(rows, scale, long_index[::2], block_h=64)
     ref = rowwise.scale_rows(rows, scale, long_index[::2].long())
     assert_within(got, ref, ulps=0 if dtype == torch.float32 else 1, what="strided index")
 
@@ -370,17 +373,17 @@ def test_interp_gather_rows(
     """The gather kernel copies the bits of ``index_select``: repeated and unordered rows,
     int32 and int64 and non-contiguous indices, strided and transposed rows, ragged row and
     column blocks (8 rows x 16 columns at H = 200), no rows at all."""
-    monkeypatch.setattr(triton_kernels, "_TILE", 64)
+    monkeypatch.setattr(triton_common, "_TILE", 64)
     g = _gen(250 + k)
     n, h = 23, 200
     rows = _rows_layout(torch.randn(n, h, generator=g).to(dtype), layout)
     index = torch.randint(0, n, (2 * k,), generator=g).to(index_dtype)
     for idx in (index[:k], index[::2]):
-        got = triton_kernels.gather_rows_triton(rows, idx)
+        got = rows_triton.gather_rows_triton(rows, idx)
         assert got.shape == (k, h) and got.is_contiguous()
         assert torch.equal(got, rows.index_select(0, idx))
     with pytest.raises(ValueError, match="gather_rows_triton"):
-        triton_kernels.gather_rows_triton(rows, index.float())
+        rows_triton.gather_rows_triton(rows, index.float())
 
 
 @interp
@@ -391,7 +394,7 @@ def test_interp_row_dot(small_tiles, dtype, n: int, block_h, layout: str, out_dt
     g = _gen(300 + n)
     a = _rows_layout(torch.randn(n, 200, generator=g).to(dtype), layout)
     b = _rows_layout(torch.randn(n, 200, generator=g).to(dtype), "row_strided")
-    got = triton_kernels.row_dot_triton(a, b, out_dtype, block_h=block_h)
+    got = rows_triton.row_dot_triton(a, b, out_dtype, block_h=block_h)
     _check_row_dot(got, a, b, rowwise.row_dot(a, b, out_dtype))
 
 
@@ -413,10 +416,10 @@ def test_interp_activation(small_tiles, spec: GluSpec, dtype, block_f, shape) ->
     d_a = torch.randn(*shape, f, generator=g).to(dtype)
     ulps, rel = _act_ulps(dtype), 16 * FP32_EPS
 
-    got = triton_kernels.act_forward_triton(h, spec.gated, spec.kind, block_f=block_f)
+    got = activation_triton.act_forward_triton(h, spec.gated, spec.kind, block_f=block_f)
     assert_within(got, act_forward(h, spec), ulps, rel, what="act_forward")
 
-    got, act, dp = triton_kernels.act_backward_triton(
+    got, act, dp = activation_triton.act_backward_triton(
         d_a, h, spec.gated, spec.kind, store_act=True, block_f=block_f
     )
     ref, ref_act, _ = act_backward(d_a, h, spec, store_act=True)
@@ -427,9 +430,9 @@ def test_interp_activation(small_tiles, spec: GluSpec, dtype, block_f, shape) ->
     # Megatron's order: the routing weight scales the activation before fc2.
     rows = h.reshape(-1, h.shape[-1]).shape[0]
     probs = torch.rand(rows, generator=g) + 0.05
-    got = triton_kernels.act_forward_triton(h, spec.gated, spec.kind, probs, block_f=block_f)
+    got = activation_triton.act_forward_triton(h, spec.gated, spec.kind, probs, block_f=block_f)
     assert_within(got, act_forward(h, spec, probs), ulps, rel, what="act_forward probs")
-    got, act, dp = triton_kernels.act_backward_triton(
+    got, act, dp = activation_triton.act_backward_triton(
         d_a, h, spec.gated, spec.kind, probs, store_act=True, block_f=block_f
     )
     ref, ref_act, ref_dp = act_backward(d_a, h, spec, probs, store_act=True)
@@ -456,7 +459,7 @@ def test_interp_activation_backward_reads_kept_rows(small_tiles, spec, dtype, ke
     ulps, rel = _act_ulps(dtype), 16 * FP32_EPS
     gathered = h.index_select(0, h_rows)
     for p in (None, probs):
-        got, act, dp = triton_kernels.act_backward_triton(
+        got, act, dp = activation_triton.act_backward_triton(
             d_a, h, spec.gated, spec.kind, p, store_act=True, h_rows=h_rows, block_f=32
         )
         ref, ref_act, ref_dp = act_backward(d_a, gathered, spec, p, store_act=True)
@@ -475,11 +478,11 @@ def test_activation_backward_h_rows_errors() -> None:
     spec = GluSpec(gated=True, kind="silu")
     h = torch.randn(5, 8)
     with pytest.raises(ValueError, match="h_rows"):
-        triton_kernels.act_backward_triton(
+        activation_triton.act_backward_triton(
             torch.randn(2, 4), h, True, "silu", h_rows=torch.tensor([0, 1], dtype=torch.int32)
         )
     with pytest.raises(ValueError, match="does not match"):
-        triton_kernels.act_backward_triton(
+        activation_triton.act_backward_triton(
             torch.randn(3, 4), h, True, "silu", h_rows=torch.tensor([0, 1])
         )
     with pytest.raises(ValueError, match="without a saved h"):
@@ -499,7 +502,7 @@ def test_interp_row_dot_gathered(small_tiles, dtype, n: int, block_h, layout: st
     a = _rows_layout(torch.randn(9, 200, generator=g).to(dtype), layout)
     b = _rows_layout(torch.randn(n, 200, generator=g).to(dtype), "row_strided")
     a_index = torch.randint(0, 9, (n,), generator=g)
-    got = triton_kernels.row_dot_triton(a, b, torch.float32, a_index, block_h=block_h)
+    got = rows_triton.row_dot_triton(a, b, torch.float32, a_index, block_h=block_h)
     _check_row_dot(got, a[a_index], b, rowwise.row_dot(a, b, torch.float32, a_index))
 
 
@@ -518,7 +521,7 @@ def test_interp_row_dot_slots(small_tiles, dtype, n: int, block_h, layout: str) 
     slots = slots.view(tokens, k)
     a_index = rowwise.slots_to_rows(slots, n)
     assert bool((a_index >= 0).all())
-    got = triton_kernels.row_dot_triton(a, b, torch.float32, slots=slots, block_h=block_h)
+    got = rows_triton.row_dot_triton(a, b, torch.float32, slots=slots, block_h=block_h)
     ref = rowwise.row_dot(a, b, torch.float32, a_index)
     _check_row_dot(got, a[a_index], b, ref)
     via = rowwise.row_dot(a, b, torch.float32, slots=slots)
@@ -535,13 +538,13 @@ def test_interp_gather_sum(small_tiles, dtype, slots: int, scaled: bool) -> None
     rows = _rows_layout(torch.randn(r, h, generator=g).to(dtype), "row_strided")
     index = torch.randint(-1, r, (t, slots), generator=g)  # -1: empty slot; repeats allowed
     scale = torch.rand(r, generator=g) if scaled else None
-    got = triton_kernels.gather_sum_triton(rows, index, scale, block_h=64)
+    got = rows_triton.gather_sum_triton(rows, index, scale, block_h=64)
     ref = rowwise.gather_sum(rows, index, scale)
     if dtype == torch.float32:
         assert torch.equal(got, ref)
     else:
         assert_within(got, ref, ulps=1, what="gather_sum")
-    empty = triton_kernels.gather_sum_triton(rows, torch.full((3, slots), -1), scale)
+    empty = rows_triton.gather_sum_triton(rows, torch.full((3, slots), -1), scale)
     assert torch.count_nonzero(empty) == 0 and empty.shape == (3, h)
 
 
@@ -552,7 +555,7 @@ def test_interp_row_norms(small_tiles, dtype, n: int, block_h, layout: str) -> N
     g = _gen(700 + n)
     a = _rows_layout(torch.randn(n, 200, generator=g).to(dtype), layout)
     b = _rows_layout((3 * torch.randn(n, 200, generator=g)).to(dtype), "row_strided")
-    got = triton_kernels.row_norms_triton(a, b, block_h=block_h)
+    got = scores_triton.row_norms_triton(a, b, block_h=block_h)
     ref = scoring.token_norms(a, b)  # host tensors: the torch reference
     assert got.shape == (2, n) and got.dtype == torch.float32
     # fp32 sums of the same squares in another order.
@@ -561,9 +564,9 @@ def test_interp_row_norms(small_tiles, dtype, n: int, block_h, layout: str) -> N
 
 def _arg_block(**tensors: torch.Tensor) -> torch.Tensor:
     """The int64 argument block of the ``*_args`` kernels, addresses in their named slots."""
-    args = torch.zeros(triton_kernels.ARG_SLOTS, dtype=torch.int64)
+    args = torch.zeros(triton_common.ARG_SLOTS, dtype=torch.int64)
     for name, t in tensors.items():
-        args[getattr(triton_kernels, f"ARG_{name.upper()}")] = t.data_ptr()
+        args[getattr(triton_common, f"ARG_{name.upper()}")] = t.data_ptr()
     return args
 
 
@@ -574,7 +577,7 @@ def test_interp_scoring_from_arg_block(monkeypatch: pytest.MonkeyPatch, dtype, n
     """The kernels a replayed graph launches read ``g``, ``x``, ``probs``, ``token`` at the
     addresses of the argument block and give the bits of the direct launchers; a row-strided
     ``x`` keeps its stride; ``args_ready`` refuses what they cannot read."""
-    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 16)
+    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
     gen = _gen(900 + n)
     h, pairs = 72, 3 * n + 1
     g = torch.randn(n, h, generator=gen).to(dtype)
@@ -583,24 +586,24 @@ def test_interp_scoring_from_arg_block(monkeypatch: pytest.MonkeyPatch, dtype, n
     x = wide[:, :h]
     probs = torch.rand(pairs, generator=gen)
     token = torch.randint(0, n, (pairs,), generator=gen)
-    assert triton_kernels.args_ready(g, x, probs, token)
+    assert triton_common.args_ready(g, x, probs, token)
     args = _arg_block(g=g, x=x, probs=probs, token=token)
     norms = torch.full((2, n), float("nan"))
-    triton_kernels.row_norms_from_args(
+    scores_triton.row_norms_from_args(
         norms, args, (n, h), (g.stride(0), x.stride(0)), (g.dtype, x.dtype)
     )
-    assert torch.equal(norms, triton_kernels.row_norms_triton(g, x))
+    assert torch.equal(norms, scores_triton.row_norms_triton(g, x))
     top = norms.amax(1)
-    blocks = triton_kernels.pair_blocks(pairs)
+    blocks = scores_triton.pair_blocks(pairs)
     scores, partial = torch.empty(pairs), torch.empty(2, blocks)
-    triton_kernels.pair_scores_from_args(
+    scores_triton.pair_scores_from_args(
         scores, partial, args, norms, top, (probs.dtype, token.dtype)
     )
-    ref_scores, ref_partial = triton_kernels.pair_scores_triton(probs, token, norms, top)
+    ref_scores, ref_partial = scores_triton.pair_scores_triton(probs, token, norms, top)
     assert torch.equal(scores, ref_scores) and torch.equal(partial, ref_partial)
-    assert not triton_kernels.args_ready(wide[:, 1 : h + 1])  # base off 16 bytes
-    assert not triton_kernels.args_ready(torch.zeros(n, 3))  # 12-byte rows
-    assert not triton_kernels.args_ready(g.t())  # column-strided
+    assert not triton_common.args_ready(wide[:, 1 : h + 1])  # base off 16 bytes
+    assert not triton_common.args_ready(torch.zeros(n, 3))  # 12-byte rows
+    assert not triton_common.args_ready(g.t())  # column-strided
 
 
 def _token_walk_case(gen: torch.Generator, n: int, h: int, k: int, dtype: torch.dtype) -> tuple:
@@ -632,9 +635,9 @@ def test_interp_row_dot_and_packing_in_one_walk(
     the packing launched apart: the router gradient of every pair, the kept pairs' scaled
     gradient rows (and input rows) in packed order, the map from pairs to packed rows; rows
     past the count are not touched, nor the map's trailing entry."""
-    monkeypatch.setattr(triton_kernels, "_STRIDING_PROGRAMS", programs)
-    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 4)  # several blocks of kept rows
-    monkeypatch.setattr(triton_kernels, "_TILE", 256)  # several walk rows per program
+    monkeypatch.setattr(triton_common, "_STRIDING_PROGRAMS", programs)
+    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 4)  # several blocks of kept rows
+    monkeypatch.setattr(triton_common, "_TILE", 256)  # several walk rows per program
     gen = _gen(1700 + n)
     h, k = 72, 3
     g, x, slots, token, z, probs = _token_walk_case(gen, n, h, k, dtype)
@@ -654,14 +657,14 @@ def test_interp_row_dot_and_packing_in_one_walk(
         g=g, x=x, probs=probs, token=token, z=z, slot_plan=slots, d_probs=d_probs, g_out=g_out,
         **outs,
     )
-    args[triton_kernels.ARG_COUNT] = kept
-    triton_kernels.row_dot_pack_from_args(
+    args[triton_common.ARG_COUNT] = kept
+    rows_triton.row_dot_pack_from_args(
         args, room, weight, poison, row_of, (n, h), k, (g.stride(0), z.stride(0), x.stride(0)),
         (d_probs.dtype, g.dtype, z.dtype, x.dtype, probs.dtype), has_x,
     )
-    assert torch.equal(d_probs, triton_kernels.row_dot_triton(g, z, probs.dtype, slots=slots))
+    assert torch.equal(d_probs, rows_triton.row_dot_triton(g, z, probs.dtype, slots=slots))
     ref_row_of = torch.full((pairs + 1,), -1, dtype=torch.int64)
-    ref_g, ref_x = triton_kernels.pack_pairs_triton(
+    ref_g, ref_x = rows_triton.pack_pairs_triton(
         g, token, room[:kept], probs, weight[:kept], x=x if has_x else None, poison=poison,
         row_of_pair=ref_row_of,
     )
@@ -682,8 +685,8 @@ def test_interp_act_backward_from_arg_block(
     (``h``, its kept rows, the slot plan, the map to packed rows and the output at the argument
     block's addresses, the row count in the block, programs striding up to it) give the bits of
     the direct launchers; rows past the count are left alone."""
-    monkeypatch.setattr(triton_kernels, "_STRIDING_PROGRAMS", programs)
-    monkeypatch.setattr(triton_kernels, "_TILE", 128)  # 2-row blocks at F = 24 + 8 padding
+    monkeypatch.setattr(triton_common, "_STRIDING_PROGRAMS", programs)
+    monkeypatch.setattr(triton_common, "_TILE", 128)  # 2-row blocks at F = 24 + 8 padding
     gen = _gen(990)
     f, saved, kept, room = 24, 40, 13, 17
     f1 = 2 * f if spec.gated else f
@@ -693,11 +696,11 @@ def test_interp_act_backward_from_arg_block(
     dh = torch.full((room, f1), 7.0, dtype=dtype)
     act = torch.full((room, f), 7.0, dtype=dtype)
     args = _arg_block(h=h, h_rows=h_rows)
-    args[triton_kernels.ARG_COUNT] = kept
-    triton_kernels.act_backward_from_args(
+    args[triton_common.ARG_COUNT] = kept
+    activation_triton.act_backward_from_args(
         args, d, dh, act, h.stride(0), h.dtype, spec.gated, spec.kind
     )
-    ref_dh, ref_act, _ = triton_kernels.act_backward_triton(
+    ref_dh, ref_act, _ = activation_triton.act_backward_triton(
         d[:kept], h, spec.gated, spec.kind, None, True, h_rows=h_rows
     )
     assert torch.equal(dh[:kept], ref_dh) and torch.equal(act[:kept], ref_act)
@@ -707,8 +710,8 @@ def test_interp_act_backward_from_arg_block(
     row_of = torch.tensor([4, -1, 0, 16, -1, 6, -1, -1])
     out = torch.full((4, f), 7.0, dtype=dtype)
     args = _arg_block(slot_plan=slot_plan, row_of=row_of, out=out)
-    triton_kernels.gather_sum_from_args(args, d, 4, 2, out.dtype)
-    assert torch.equal(out, triton_kernels.gather_sum_triton(d, slot_plan, row_of=row_of))
+    rows_triton.gather_sum_from_args(args, d, 4, 2, out.dtype)
+    assert torch.equal(out, rows_triton.gather_sum_triton(d, slot_plan, row_of=row_of))
 
 
 @interp
@@ -842,14 +845,14 @@ def _reaches(root: object, targets: tuple[torch.Tensor, ...], skip: tuple[object
 @pytest.mark.parametrize("n", [0, 1, 37, 100])
 @pytest.mark.parametrize("probs_dtype", [torch.float32, torch.bfloat16], ids=["p32", "p16"])
 def test_interp_pair_scores(monkeypatch: pytest.MonkeyPatch, n: int, probs_dtype) -> None:
-    monkeypatch.setattr(triton_kernels, "_PAIR_BLOCK", 16)  # several blocks, a ragged last one
+    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)  # several blocks, a ragged last one
     g = _gen(800 + n)
     t = 11
     norms = torch.rand(2, t, generator=g) * 50
     token = torch.randint(0, t, (n,), generator=g)
     probs = torch.rand(n, generator=g).to(probs_dtype)
     for top in (norms.amax(1), torch.tensor([0.0, 7.0])):  # a zero scale counts as 1
-        scores, partial = triton_kernels.pair_scores_triton(probs, token, norms, top)
+        scores, partial = scores_triton.pair_scores_triton(probs, token, norms, top)
         ref = scoring.pair_scores(probs, token, norms, top)
         assert torch.equal(scores, ref.scores)  # same fp32 operations in the same order
         assert partial.shape == (2, max(1, -(-n // 16)))
@@ -858,7 +861,7 @@ def test_interp_pair_scores(monkeypatch: pytest.MonkeyPatch, n: int, probs_dtype
     if n:
         bad = norms.clone()
         bad[1, token[n // 2]] = float("inf")
-        scores, partial = triton_kernels.pair_scores_triton(probs, token, bad, bad.amax(1))
+        scores, partial = scores_triton.pair_scores_triton(probs, token, bad, bad.amax(1))
         ref = scoring.pair_scores(probs, token, bad, bad.amax(1))
         assert torch.equal(scores.isfinite(), ref.scores.isfinite())
         assert math.isnan(float(partial[0].sum())) and math.isnan(float(ref.poison))
@@ -880,7 +883,7 @@ def test_interp_pack_pairs(small_tiles, dtype, k: int, with_x: bool) -> None:
     probs = torch.rand(s, generator=g)
     weight = 1.0 + 3 * torch.rand(k, generator=g)
     for poison in (None, torch.tensor(0.0), torch.tensor(float("nan"))):
-        got_g, got_x = triton_kernels.pack_pairs_triton(
+        got_g, got_x = rows_triton.pack_pairs_triton(
             grad, token_of_pair, pairs, probs, weight, x=x, poison=poison, block_h=64
         )
         ref_g, ref_x = rowwise.pack_pairs(grad, token_of_pair, pairs, probs, weight, x, poison)
@@ -915,11 +918,11 @@ def test_interp_pack_pairs_row_of_pair(small_tiles, k: int, h: int) -> None:
         want[j] = i
     got_map = torch.full((s + 1,), -1, dtype=torch.int64)
     ref_map = got_map.clone()
-    got_g, _ = triton_kernels.pack_pairs_triton(
+    got_g, _ = rows_triton.pack_pairs_triton(
         grad, token_of_pair, pairs, probs, weight, row_of_pair=got_map, block_h=64
     )
     ref_g, _ = rowwise.pack_pairs(grad, token_of_pair, pairs, probs, weight, row_of_pair=ref_map)
-    plain_g, _ = triton_kernels.pack_pairs_triton(
+    plain_g, _ = rows_triton.pack_pairs_triton(
         grad, token_of_pair, pairs, probs, weight, block_h=64
     )
     assert torch.equal(got_map, want) and torch.equal(ref_map, want)
@@ -949,7 +952,7 @@ def test_interp_gather_sum_row_of(small_tiles, dtype, scaled: bool, incomplete: 
     scale = torch.rand(kept.numel(), generator=g) if scaled else None
     row_of = torch.full((s + 1,), -1, dtype=torch.int64)
     row_of[kept] = torch.arange(kept.numel())
-    got = triton_kernels.gather_sum_triton(rows, perm.slot_pair, scale, row_of, block_h=64)
+    got = rows_triton.gather_sum_triton(rows, perm.slot_pair, scale, row_of, block_h=64)
     ref = rowwise.gather_sum(rows, perm.slot_rows(kept), scale)
     via = rowwise.gather_sum(rows, perm.slot_pair, scale, row_of=row_of)  # the torch path
     assert torch.equal(via, ref)
@@ -964,38 +967,38 @@ def test_interp_gather_sum_row_of(small_tiles, dtype, scaled: bool, incomplete: 
 @interp
 def test_interp_launchers_reject_bad_inputs() -> None:
     with pytest.raises(ValueError, match="scale has"):
-        triton_kernels.scale_rows_triton(torch.randn(4, 8), torch.rand(3))
+        rows_triton.scale_rows_triton(torch.randn(4, 8), torch.rand(3))
     with pytest.raises(ValueError, match="index"):
-        triton_kernels.scale_rows_triton(torch.randn(4, 8), torch.rand(2), torch.zeros(2))
+        rows_triton.scale_rows_triton(torch.randn(4, 8), torch.rand(2), torch.zeros(2))
     with pytest.raises(TypeError, match="dtype"):
-        triton_kernels.row_dot_triton(
+        rows_triton.row_dot_triton(
             torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8), torch.float32
         )
     with pytest.raises(ValueError, match="does not match"):
-        triton_kernels.act_backward_triton(torch.randn(3, 5), torch.randn(3, 8), True, "silu")
+        activation_triton.act_backward_triton(torch.randn(3, 5), torch.randn(3, 8), True, "silu")
     with pytest.raises(ValueError, match="probs"):
-        triton_kernels.act_forward_triton(torch.randn(3, 8), True, "silu", torch.rand(2))
+        activation_triton.act_forward_triton(torch.randn(3, 8), True, "silu", torch.rand(2))
     with pytest.raises(ValueError, match="int64"):
-        triton_kernels.gather_sum_triton(torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int32))
+        rows_triton.gather_sum_triton(torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="row_of"):
-        triton_kernels.gather_sum_triton(
+        rows_triton.gather_sum_triton(
             torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int64), None, torch.zeros(5)
         )
     with pytest.raises(ValueError, match="power of two"):
-        triton_kernels.act_forward_triton(torch.randn(3, 8), False, "silu", block_f=24)
+        activation_triton.act_forward_triton(torch.randn(3, 8), False, "silu", block_f=24)
     with pytest.raises(ValueError, match="row_norms_triton"):
-        triton_kernels.row_norms_triton(torch.randn(4, 8), torch.randn(3, 8))
+        scores_triton.row_norms_triton(torch.randn(4, 8), torch.randn(3, 8))
     with pytest.raises(ValueError, match="pair_scores_triton"):
-        triton_kernels.pair_scores_triton(
+        scores_triton.pair_scores_triton(
             torch.rand(4), torch.zeros(3, dtype=torch.int64), torch.rand(2, 5), torch.ones(2)
         )
     with pytest.raises(ValueError, match="pack_pairs_triton"):
-        triton_kernels.pack_pairs_triton(
+        rows_triton.pack_pairs_triton(
             torch.randn(4, 8), torch.zeros(6, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
             torch.rand(6), torch.ones(2),
         )
     with pytest.raises(ValueError, match="row_of_pair"):
-        triton_kernels.pack_pairs_triton(
+        rows_triton.pack_pairs_triton(
             torch.randn(4, 8), torch.zeros(6, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
             torch.rand(6), torch.ones(2), row_of_pair=torch.full((14,), -1)[::2],
         )
@@ -1008,7 +1011,7 @@ def test_interp_launchers_reject_bad_inputs() -> None:
 
 def _torch_path(monkeypatch: pytest.MonkeyPatch, fn, *args):
     with monkeypatch.context() as m:
-        m.setenv(triton_kernels.TRITON_ENV, "0")
+        m.setenv(triton_common.TRITON_ENV, "0")
         return fn(*args)
 
 
@@ -1106,7 +1109,7 @@ def test_grouped_wgrad_host_path_adds_each_group() -> None:
 
 
 @cuda
-@pytest.mark.skipif(not triton_kernels.triton_available(), reason="needs triton")
+@pytest.mark.skipif(not triton_common.triton_available(), reason="needs triton")
 @pytest.mark.skipif(INTERPRETING, reason="compiled kernels only")
 def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 rows, fp32 accumulator (``main_grad``), both tiles the dispatcher picks, ragged
@@ -1121,7 +1124,7 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
         grouped_wgrad_triton,
     )
 
-    monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
+    monkeypatch.delenv(triton_common.TRITON_ENV, raising=False)
     torch.manual_seed(0)
     m, n = 1536, 2048
     # Small ragged groups (the default tile), then groups large enough for the larger tile
@@ -1159,10 +1162,10 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @cuda
-@pytest.mark.skipif(not triton_kernels.triton_available(), reason="needs triton")
+@pytest.mark.skipif(not triton_common.triton_available(), reason="needs triton")
 @pytest.mark.skipif(INTERPRETING, reason="compiled kernels only")
 def test_cuda_realistic_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(triton_kernels.TRITON_ENV, raising=False)
+    monkeypatch.delenv(triton_common.TRITON_ENV, raising=False)
     torch.manual_seed(0)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     n, hid, f = 131072, 2048, 768

@@ -29,7 +29,7 @@ host (that would be a sync).
 
 Kernel bodies are plain functions until :func:`_kernels` wraps them (``triton.jit``, or
 Triton's interpreter under ``TRITON_INTERPRET=1``, which runs them on host tensors; the tests
-do that in a subprocess), following ``megatron_lrmoe.triton_kernels``.
+do that in a subprocess), following ``megatron_lrmoe.triton_common``.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from megatron_lrmoe import triton_kernels
-from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx
+from megatron_lrmoe import triton_common
+from megatron_lrmoe.triton_common import _cdiv, _device_ctx
 
 __all__ = ["pair_plan_triton", "use_pair_plan_kernels"]
 
@@ -166,7 +166,7 @@ def _pair_write_kernel(
 def _kernels() -> SimpleNamespace:
     """The kernel bodies wrapped by ``triton.jit`` (or the interpreter), built once."""
     global tl
-    if not triton_kernels.triton_available():
+    if not triton_common.triton_available():
         raise RuntimeError("the pair plan kernels need an importable `triton` package")
     import triton
     import triton.language as language
@@ -192,14 +192,14 @@ MAX_KERNEL_MAP = 1 << 22
 
 def use_pair_plan_kernels(routing_map: torch.Tensor) -> bool:
     """Whether :func:`pair_plan_triton` serves this map: the Triton switch
-    (``triton_kernels.use_triton``: CUDA, triton, ``LRMOE_TRITON``), a non-empty bool map of at
+    (``triton_common.use_triton``: CUDA, triton, ``LRMOE_TRITON``), a non-empty bool map of at
     most ``MAX_KERNEL_MAP`` entries (which also keeps positions within the kernels' int32
     counts)."""
     num_tokens, num_experts = routing_map.shape
     return (
         routing_map.dtype == torch.bool
         and 0 < num_tokens * num_experts <= MAX_KERNEL_MAP
-        and triton_kernels.use_triton(routing_map)
+        and triton_common.use_triton(routing_map)
     )
 
 

@@ -4,7 +4,7 @@ Shape legend: N input rows, K output rows of a gathered :func:`scale_rows` (``le
 H hidden; for :func:`gather_sum` T output rows (tokens) with up to K slots each.
 
 On CUDA (with ``triton`` importable and ``LRMOE_TRITON != "0"``) both ops run one fused Triton
-kernel from ``triton_kernels.py``: one read of each input, one write of the output, fp32 math
+kernel from ``rows_triton.py``: one read of each input, one write of the output, fp32 math
 in registers. Elsewhere, and for cases those kernels do not take (fp64, inputs that need
 autograd, unusual shapes), the chunked torch code below runs; it is also the reference the
 kernels are tested against. Chunking bounds its fp32 temporaries to ``CHUNK_ROWS x H``; at
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lrmoe import triton_kernels
+from megatron_lrmoe import triton_common
+from megatron_lrmoe.dispatch import rows_triton
 
 CHUNK_ROWS = 16384
 
@@ -31,13 +32,13 @@ def _scale_rows_triton_ok(
     rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor | None
 ) -> bool:
     extra = () if index is None else (index,)
-    if not triton_kernels.use_triton(rows, scale, *extra):
+    if not triton_common.use_triton(rows, scale, *extra):
         return False
     n_out = rows.shape[0] if index is None else index.shape[0]
     return (
         rows.dim() == 2
-        and rows.dtype in triton_kernels.KERNEL_DTYPES
-        and scale.dtype in triton_kernels.KERNEL_DTYPES
+        and rows.dtype in triton_common.KERNEL_DTYPES
+        and scale.dtype in triton_common.KERNEL_DTYPES
         # Anything else (e.g. a broadcast [1] scale) keeps the torch path's semantics.
         and scale.shape == (n_out,)
         and (index is None or (index.dim() == 1 and index.dtype in _INDEX_DTYPES))
@@ -47,18 +48,18 @@ def _scale_rows_triton_ok(
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``rows.index_select(0, index)`` (the reference, and the path off CUDA): ``[N, H] ->
-    [K, H]``. On CUDA one Triton copy kernel (``triton_kernels.gather_rows_triton``), about
+    [K, H]``. On CUDA one Triton copy kernel (``rows_triton.gather_rows_triton``), about
     1.2-1.4x faster than ``index_select`` at the forward's pair gather on an H200. Like the
     other fast paths it does not range-check ``index``."""
     if (
-        triton_kernels.use_triton(rows, index)
+        triton_common.use_triton(rows, index)
         and rows.dim() == 2
-        and rows.dtype in triton_kernels.KERNEL_DTYPES
+        and rows.dtype in triton_common.KERNEL_DTYPES
         and index.dim() == 1
         and index.dtype in _INDEX_DTYPES
         and not _needs_autograd(rows)
     ):
-        return triton_kernels.gather_rows_triton(rows, index)
+        return rows_triton.gather_rows_triton(rows, index)
     return rows.index_select(0, index)
 
 
@@ -82,7 +83,7 @@ def scale_rows(
         ``[K, H]`` in ``rows.dtype``.
     """
     if _scale_rows_triton_ok(rows, scale, index):
-        return triton_kernels.scale_rows_triton(rows, scale, index)
+        return rows_triton.scale_rows_triton(rows, scale, index)
     return _scale_rows_torch(rows, scale, index)
 
 
@@ -119,7 +120,7 @@ def pack_pairs(
     Row ``i`` belongs to pair ``j = pairs[i]`` of token ``t = token_of_pair[j]``: ``g_out[i] =
     g[t] * (probs[j] * weight[i] (+ poison))`` with the scale in fp32 and one rounding into
     ``g``'s dtype (:func:`scale_rows`'s rounding), and ``x_out[i] = x[t]``. On CUDA this is one
-    Triton kernel (``triton_kernels.pack_pairs_triton``): the pair -> token lookup, both
+    Triton kernel (``rows_triton.pack_pairs_triton``): the pair -> token lookup, both
     gathers and the scale never materialise an index or an ``[S, H]`` tensor. The torch code
     below is the reference.
 
@@ -143,17 +144,17 @@ def pack_pairs(
     """
     extra = tuple(t for t in (x, poison, row_of_pair) if t is not None)
     if (
-        triton_kernels.use_triton(g, token_of_pair, pairs, probs, weight, *extra)
+        triton_common.use_triton(g, token_of_pair, pairs, probs, weight, *extra)
         and g.dim() == 2
-        and g.dtype in triton_kernels.KERNEL_DTYPES
-        and (x is None or (x.shape == g.shape and x.dtype in triton_kernels.KERNEL_DTYPES))
+        and g.dtype in triton_common.KERNEL_DTYPES
+        and (x is None or (x.shape == g.shape and x.dtype in triton_common.KERNEL_DTYPES))
         and weight.dtype == torch.float32
         and probs.dtype.is_floating_point
         and pairs.dtype in _INDEX_DTYPES
         and token_of_pair.dtype in _INDEX_DTYPES
         and not _needs_autograd(g, probs, *(() if x is None else (x,)))
     ):
-        return triton_kernels.pack_pairs_triton(
+        return rows_triton.pack_pairs_triton(
             g, token_of_pair, pairs, probs, weight, x=x, poison=poison, row_of_pair=row_of_pair
         )
     if row_of_pair is not None:
@@ -194,16 +195,16 @@ def row_dot(
         raise ValueError("row_dot: give a_index or slots, not both")
     index = a_index if slots is None else slots
     if (
-        triton_kernels.use_triton(a, b, *(() if index is None else (index,)))
+        triton_common.use_triton(a, b, *(() if index is None else (index,)))
         and a.dim() == 2
         and b.dim() == 2
         and (a.shape == b.shape if index is None else a.shape[1] == b.shape[1])
-        and a.dtype in triton_kernels.KERNEL_DTYPES
-        and b.dtype in triton_kernels.KERNEL_DTYPES
+        and a.dtype in triton_common.KERNEL_DTYPES
+        and b.dtype in triton_common.KERNEL_DTYPES
         and out_dtype.is_floating_point
         and not _needs_autograd(a, b)
     ):
-        return triton_kernels.row_dot_triton(a, b, out_dtype, a_index, slots=slots)
+        return rows_triton.row_dot_triton(a, b, out_dtype, a_index, slots=slots)
     if slots is not None:
         a_index = slots_to_rows(slots, b.shape[0])
     wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
@@ -254,15 +255,15 @@ def gather_sum(
     """
     extra = tuple(t for t in (scale, row_of) if t is not None)
     if (
-        triton_kernels.use_triton(rows, index, *extra)
+        triton_common.use_triton(rows, index, *extra)
         and rows.dim() == 2
-        and rows.dtype in triton_kernels.KERNEL_DTYPES
+        and rows.dtype in triton_common.KERNEL_DTYPES
         and index.dim() == 2
         and index.dtype == torch.int64
         and (scale is None or scale.shape == rows.shape[:1])
         and (row_of is None or (row_of.dim() == 1 and row_of.dtype == torch.int64))
     ):
-        return triton_kernels.gather_sum_triton(rows, index, scale, row_of)
+        return rows_triton.gather_sum_triton(rows, index, scale, row_of)
     if row_of is not None:
         index = torch.where(index < 0, -1, row_of[index.clamp(min=0)])
     wide = torch.promote_types(rows.dtype, torch.float32)

@@ -13,7 +13,7 @@ back to ``h``'s dtype, so bf16 inputs get one rounding per output instead of one
 intermediate.
 
 On CUDA (with ``triton`` importable and ``LRMOE_TRITON != "0"``) bf16/fp16/fp32 inputs go
-through one fused Triton kernel per call (``triton_kernels.py``): the torch code below
+through one fused Triton kernel per call (``activation_triton.py``): the torch code below
 materialises several fp32 ``[N, F1]`` temporaries, one kernel each, while the fused kernel reads
 ``h`` (and ``d_a``) once and writes the result once. Same formulas, fp32 in registers, one
 rounding, so results agree with the torch path to within one ulp of the output dtype (beyond
@@ -30,8 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_lrmoe import triton_kernels
+from megatron_lrmoe import triton_common
 from megatron_lrmoe.config import ActivationKind, expert_activation
+from megatron_lrmoe.experts import activation_triton
 
 __all__ = [
     "ActivationKind",
@@ -101,8 +102,8 @@ def _check_width(h: torch.Tensor, spec: GluSpec) -> None:
 def _use_kernels(*tensors: torch.Tensor) -> bool:
     """Whether the fused Triton kernels take these inputs (see the module docstring)."""
     return (
-        triton_kernels.use_triton(*tensors)
-        and all(t.dtype in triton_kernels.KERNEL_DTYPES for t in tensors)
+        triton_common.use_triton(*tensors)
+        and all(t.dtype in triton_common.KERNEL_DTYPES for t in tensors)
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
     )
 
@@ -123,7 +124,7 @@ def act_forward(
     """
     _check_width(h, spec)
     if _use_kernels(h, *(() if probs is None else (probs,))):
-        return triton_kernels.act_forward_triton(h, spec.gated, spec.kind, probs)
+        return activation_triton.act_forward_triton(h, spec.gated, spec.kind, probs)
     return _act_fp(h, spec, probs).to(h.dtype)
 
 
@@ -178,7 +179,7 @@ def act_backward(
     """
     _check_width(h, spec)
     if h_rows is not None and _use_kernels(d, h, *(() if probs is None else (probs,))):
-        return triton_kernels.act_backward_triton(
+        return activation_triton.act_backward_triton(
             d, h, spec.gated, spec.kind, probs, store_act, h_rows=h_rows
         )
     if h_rows is not None:
@@ -190,7 +191,7 @@ def act_backward(
             f"(gated={spec.gated})"
         )
     if _use_kernels(d, h, *(() if probs is None else (probs,))):
-        return triton_kernels.act_backward_triton(
+        return activation_triton.act_backward_triton(
             d, h, spec.gated, spec.kind, probs, store_act
         )
     cdt = _compute_dtype(h.dtype)

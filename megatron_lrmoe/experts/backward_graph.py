@@ -54,8 +54,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from megatron_lrmoe import triton_kernels
+from megatron_lrmoe import triton_common as tc
 from megatron_lrmoe.cuda_graphs import GraphCache, capture
+from megatron_lrmoe.dispatch import rows_triton
+from megatron_lrmoe.experts import activation_triton
 from megatron_lrmoe.experts.activation import GluSpec
 from megatron_lrmoe.experts.grouped_gemm import (
     GROUPED_MM_ENV,
@@ -196,16 +198,15 @@ class _LayerGraph:
         w1, w2, acc1, acc2, accumulate = weights
         h_meta = None if h is None else (h.stride(0), h.dtype)
         args, shape = front.args, rows.shape
-        tk = triton_kernels
 
         def launch() -> None:
             # The kept rows, in this graph's pool: g is free again once fc2's weight gradient
             # has read it, and dx (the same size) takes its place (x's, in recompute mode).
             g = torch.empty((rows.capacity, shape.width), dtype=shape.dtype, device=shape.device)
             x = torch.empty_like(g) if shape.pack_x else None
-            args[tk.ARG_G_OUT].fill_(g.data_ptr())  # after the call's block was loaded
+            args[tc.ARG_G_OUT].fill_(g.data_ptr())  # after the call's block was loaded
             if x is not None:
-                args[tk.ARG_X_OUT].fill_(x.data_ptr())
+                args[tc.ARG_X_OUT].fill_(x.data_ptr())
             front.launch()  # router gradient, scoring, selection, packing into g / x
             # The kept rows per expert are the front's quotas (device, loaded with the block):
             # offsets by a captured cumsum.
@@ -214,14 +215,14 @@ class _LayerGraph:
             da = grouped_mm_nn(g, w2, groups)
             if h_meta is None:  # recompute: fc1 again, on the kept rows
                 h_kept = grouped_mm_nt(x, w1, groups)
-                dh, act, _ = tk.act_backward_triton(
+                dh, act, _ = activation_triton.act_backward_triton(
                     da, h_kept, spec.gated, spec.kind, None, True
                 )
                 del h_kept
             else:
                 dh = torch.empty((rows.capacity, w1.shape[1]), dtype=g.dtype, device=g.device)
                 act = torch.empty_like(da)
-                tk.act_backward_from_args(
+                activation_triton.act_backward_from_args(
                     args, da, dh, act, h_meta[0], h_meta[1], spec.gated, spec.kind
                 )
             # Each intermediate is released once read, as in expert_backward, so that a later
@@ -234,7 +235,7 @@ class _LayerGraph:
             del x
             if need_dx:
                 dx = grouped_mm_nn(dh, w1, groups)
-                tk.gather_sum_from_args(args, dx, shape.tokens, shape.slots, shape.dtype)
+                rows_triton.gather_sum_from_args(args, dx, shape.tokens, shape.slots, shape.dtype)
 
         self.launch: Callable[[], None] | None = launch
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -292,7 +293,7 @@ def expert_graph_wanted(
     contiguous = into.fc1.is_contiguous() and into.fc2.is_contiguous()
     if not (contiguous and front_graphs_wanted(g.device)):
         return False
-    if h is not None and not (h.dtype == g.dtype and triton_kernels.args_ready(h)):
+    if h is not None and not (h.dtype == g.dtype and tc.args_ready(h)):
         return False
     return _kernels_take(g, *weights)
 
@@ -304,7 +305,7 @@ def _kernels_take(g: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     of every layer, where a dozen checks cost more host time than one lookup.
     """
     key = (
-        os.environ.get(GROUPED_MM_ENV), os.environ.get(triton_kernels.TRITON_ENV), g.dtype,
+        os.environ.get(GROUPED_MM_ENV), os.environ.get(tc.TRITON_ENV), g.dtype,
         g.device, g.shape[1], w1.dtype, w1.device, tuple(w1.shape), w2.dtype, tuple(w2.shape),
     )
     ok = _TAKES.get(key)
@@ -312,7 +313,7 @@ def _kernels_take(g: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
         ok = _TAKES[key] = (
             g.dtype in (torch.bfloat16, torch.float16)
             and w1.dtype == w2.dtype == g.dtype
-            and triton_kernels.use_triton(g, w1, w2)
+            and tc.use_triton(g, w1, w2)
             and grouped_mm_backend(g, w1) == "torch_grouped_mm"
             and grouped_mm_backend(g, w2) == "torch_grouped_mm"
         )
@@ -409,10 +410,9 @@ def run_layer_graph(
     num_kept = call.num_kept
     need_dx = d_hidden is not None
     w1, w2 = weights
-    tk = triton_kernels
     args = call.host.numpy()
     # The front's row-dot and the return walk the same slot plan.
-    if args[tk.ARG_SLOT_PLAN] != slot_plan.data_ptr() or (h is not None and not tk.args_ready(h)):
+    if args[tc.ARG_SLOT_PLAN] != slot_plan.data_ptr() or (h is not None and not tc.args_ready(h)):
         return None
     work = rows.front_work(call)
     config = config_for(num_kept, rows.shape.experts)
@@ -426,9 +426,9 @@ def run_layer_graph(
     if entry is None and not capture_now:
         return None
     if h is not None:
-        args[tk.ARG_H], args[tk.ARG_H_ROWS] = h.data_ptr(), work.kept.data_ptr()
+        args[tc.ARG_H], args[tc.ARG_H_ROWS] = h.data_ptr(), work.kept.data_ptr()
     if need_dx:
-        args[tk.ARG_ROW_OF], args[tk.ARG_OUT] = work.row_of_pair.data_ptr(), d_hidden.data_ptr()
+        args[tc.ARG_ROW_OF], args[tc.ARG_OUT] = work.row_of_pair.data_ptr(), d_hidden.data_ptr()
     work.load_host(call.host)
     if entry is None:
         weights_and_grads = _Weights(w1, w2, into.fc1, into.fc2, into.accumulate)

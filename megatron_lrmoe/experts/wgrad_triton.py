@@ -33,9 +33,9 @@ from typing import Any, NamedTuple
 import torch
 
 from megatron_lrmoe.experts.grouped_gemm import Counts, GroupSizes
-from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available, use_triton
+from megatron_lrmoe.triton_common import _cdiv, _device_ctx, triton_available, use_triton
 
-tl: Any = None  # bound to triton.language on first use (see triton_kernels.py)
+tl: Any = None  # bound to triton.language on first use (see triton_common.py)
 
 __all__ = [
     "MainGrads",

@@ -68,7 +68,7 @@ Python float literals in a kernel become fp32 constants, so only constants exact
 next to float64 values (``2**32``, ``0.5``, ``1.0``); integer literals in ``[2**31, 2**32)``
 would become uint32, so none are used (``2**31 - 1`` and ``2**32`` are int32 / int64).
 
-Triton is imported lazily, with the conventions of ``megatron_lrmoe/triton_kernels.py`` (whose
+Triton is imported lazily, with the conventions of ``megatron_lrmoe/tc.py`` (whose
 ``triton_available`` this module reuses): the kernel bodies are plain functions until
 :func:`_kernels` wraps them, and under ``TRITON_INTERPRET=1`` (set before triton is first
 imported) the launcher accepts CPU tensors and runs them in Triton's interpreter (the tests do).
@@ -85,10 +85,11 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from megatron_lrmoe import triton_kernels
+from megatron_lrmoe import triton_common as tc
 from megatron_lrmoe.cuda_graphs import GraphCache, capture as capture_graph
-from megatron_lrmoe.select import contract
-from megatron_lrmoe.triton_kernels import _cdiv, _device_ctx, triton_available
+from megatron_lrmoe.dispatch import rows_triton
+from megatron_lrmoe.select import contract, scores_triton
+from megatron_lrmoe.triton_common import _cdiv, _device_ctx, triton_available
 
 __all__ = [
     "Front",
@@ -953,15 +954,15 @@ def _graph_scorable(inputs: ScoreInputs) -> bool:
         g.dim() == 2
         and g.shape == x.shape
         and g.shape[0] > 0
-        and g.dtype in triton_kernels.KERNEL_DTYPES
-        and x.dtype in triton_kernels.KERNEL_DTYPES
+        and g.dtype in tc.KERNEL_DTYPES
+        and x.dtype in tc.KERNEL_DTYPES
         and probs.dim() == 1
-        and probs.dtype in triton_kernels.KERNEL_DTYPES
+        and probs.dtype in tc.KERNEL_DTYPES
         and token.shape == probs.shape
         and token.dtype in (torch.int32, torch.int64)
         and probs.is_contiguous()
         and token.is_contiguous()
-        and triton_kernels.args_ready(g, x, probs, token)
+        and tc.args_ready(g, x, probs, token)
     )
 
 
@@ -997,7 +998,7 @@ def _front_ready(inputs: ScoreInputs, front: FrontBuffers, num_kept: int) -> boo
     n, (t, h) = probs.shape[0], g.shape
     outputs_ok = (
         d_probs.shape == probs.shape
-        and d_probs.dtype in triton_kernels.KERNEL_DTYPES
+        and d_probs.dtype in tc.KERNEL_DTYPES
         and d_probs.is_contiguous()
         and g_kept.shape == (0 if rows_in_graph else num_kept, h)
         and g_kept.dtype == g.dtype
@@ -1014,14 +1015,14 @@ def _front_ready(inputs: ScoreInputs, front: FrontBuffers, num_kept: int) -> boo
     return (
         outputs_ok
         and z.shape == (n, h)
-        and z.dtype in triton_kernels.KERNEL_DTYPES
+        and z.dtype in tc.KERNEL_DTYPES
         and slots.dim() == 2
         and slots.shape[0] == t
         and slots.numel() >= n
         and slots.dtype == torch.int64
         and slots.is_contiguous()
-        and triton_kernels.args_ready(z, slots, d_probs, g_kept)
-        and (x_kept is None or triton_kernels.args_ready(x_kept))
+        and tc.args_ready(z, slots, d_probs, g_kept)
+        and (x_kept is None or tc.args_ready(x_kept))
     )
 
 
@@ -1170,9 +1171,8 @@ def scored_call(
         contract.check_uniforms(uniforms, num_segments)
         if uniforms.device.type != "cpu":
             return None
-    tk = triton_kernels
-    host = _host_block(counts_h, quota_h, uniforms if sample else None, True, tk.ARG_SLOTS)
-    rows = host.numpy()[tk.ARG_SLOTS :].reshape(_HOST_ROWS, num_segments)
+    host = _host_block(counts_h, quota_h, uniforms if sample else None, True, tc.ARG_SLOTS)
+    rows = host.numpy()[tc.ARG_SLOTS :].reshape(_HOST_ROWS, num_segments)
     num_kept = int(rows[_SLOT, -1] + rows[_QUOTA, -1]) if num_segments else 0
     if num_kept == 0 or (front is not None and not _front_ready(inputs, front, num_kept)):
         return None
@@ -1183,14 +1183,14 @@ def scored_call(
         None if front is None else _FrontShape.of(front),
     )
     args = host.numpy()
-    args[tk.ARG_G], args[tk.ARG_X] = g.data_ptr(), x.data_ptr()
-    args[tk.ARG_PROBS], args[tk.ARG_TOKEN] = probs.data_ptr(), token.data_ptr()
+    args[tc.ARG_G], args[tc.ARG_X] = g.data_ptr(), x.data_ptr()
+    args[tc.ARG_PROBS], args[tc.ARG_TOKEN] = probs.data_ptr(), token.data_ptr()
     if front is not None:
-        args[tk.ARG_Z], args[tk.ARG_SLOT_PLAN] = front.z.data_ptr(), front.slots.data_ptr()
-        args[tk.ARG_D_PROBS] = front.d_probs.data_ptr()
-        args[tk.ARG_G_OUT] = front.g_kept.data_ptr()
-        args[tk.ARG_X_OUT] = 0 if front.x_kept is None else front.x_kept.data_ptr()
-        args[tk.ARG_COUNT] = num_kept
+        args[tc.ARG_Z], args[tc.ARG_SLOT_PLAN] = front.z.data_ptr(), front.slots.data_ptr()
+        args[tc.ARG_D_PROBS] = front.d_probs.data_ptr()
+        args[tc.ARG_G_OUT] = front.g_kept.data_ptr()
+        args[tc.ARG_X_OUT] = 0 if front.x_kept is None else front.x_kept.data_ptr()
+        args[tc.ARG_COUNT] = num_kept
     return ScoredCall(key, host, num_kept, inputs, sample, kept_total, front, sort)
 
 
@@ -1294,7 +1294,7 @@ class _Captured:
 class FrontWork(_Captured):
     """The buffers and launches of a replayed scoring and selection of one shape, with the
     router gradient's row-dot and the packing behind it when it has a front
-    (:func:`front_triton`; one walk over the tokens, ``triton_kernels.row_dot_pack_from_args``,
+    (:func:`front_triton`; one walk over the tokens, ``rows_triton.row_dot_pack_from_args``,
     which reads each token's rows once for its pairs); :class:`_CapturedScored` captures them
     alone, the expert graphs (``experts/backward_graph.py``) together with the expert backward
     that follows.
@@ -1311,17 +1311,17 @@ class FrontWork(_Captured):
     def __init__(self, call: ScoredCall) -> None:
         kernels, (g, x, probs, token), front = _kernels(), call.inputs, call.front
         kept_total, sample, block = call.kept_total, call.sample, _BLOCK
-        tk = triton_kernels
         device, n, t = probs.device, probs.numel(), g.shape[0]
-        g_segments = (call.host.numel() - tk.ARG_SLOTS) // _HOST_ROWS
+        g_segments = (call.host.numel() - tc.ARG_SLOTS) // _HOST_ROWS
         self.norms = torch.empty((2, t), dtype=torch.float32, device=device)
         self.top = torch.empty(2, dtype=torch.float32, device=device)
         self.scores = torch.empty(n, dtype=torch.float32, device=device)
-        self.partial = torch.empty((2, tk.pair_blocks(n)), dtype=torch.float32, device=device)
+        blocks = scores_triton.pair_blocks(n)
+        self.partial = torch.empty((2, blocks), dtype=torch.float32, device=device)
         self.sums = torch.zeros(3, dtype=torch.float32, device=device)  # poison, total, kept
         self.kept_total = kept_total
-        self._outputs(device, n, g_segments, lead=tk.ARG_SLOTS)
-        self.args = self.flat[: tk.ARG_SLOTS]
+        self._outputs(device, n, g_segments, lead=tc.ARG_SLOTS)
+        self.args = self.flat[: tc.ARG_SLOTS]
         # Views handed out after every replay (owned=False), made once: on the backward's host
         # path each slicing is a torch call. The kept rows' views by kept count (few counts).
         self._host_part = self.flat[: call.host.numel()]
@@ -1353,9 +1353,9 @@ class FrontWork(_Captured):
         del front, g, x, probs, token, call
 
         def launch() -> None:
-            tk.row_norms_from_args(self.norms, self.args, shape, strides, dtypes[0])
+            scores_triton.row_norms_from_args(self.norms, self.args, shape, strides, dtypes[0])
             torch.amax(self.norms, dim=1, out=self.top)
-            tk.pair_scores_from_args(
+            scores_triton.pair_scores_from_args(
                 self.scores, self.partial, self.args, self.norms, self.top, dtypes[1]
             )
             torch.sum(self.partial, dim=1, out=self.sums[:2])
@@ -1367,7 +1367,7 @@ class FrontWork(_Captured):
                 picked = torch.where(valid, picked.nan_to_num(0.0, 0.0, 0.0), 0.0)
                 torch.sum(picked, dim=0, out=self.sums[2])
             if self.has_front:
-                tk.row_dot_pack_from_args(
+                rows_triton.row_dot_pack_from_args(
                     self.args, self.kept, self.weight, self.sums[0], self.row_of_pair, shape,
                     *tail_layout,
                 )

@@ -26,7 +26,7 @@ and uniforms give bit-identical selections on every device and run.
 Implementations. :func:`select_topk` and :func:`select_sample` are the torch reference (any
 device). :func:`select` is what callers use: on CUDA it runs the fused Triton kernels of
 ``select/kernels.py``, which give bit-identical results in a handful of launches (switch:
-``LRMOE_TRITON=0``, see ``triton_kernels.use_triton``), and the torch functions elsewhere.
+``LRMOE_TRITON=0``, see ``triton_common.use_triton``), and the torch functions elsewhere.
 
 Device-to-host syncs: none when ``counts`` and ``quota`` are CPU tensors (the controller plans on
 the host). When they live on an accelerator they are copied to the host once per call to validate
@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_lrmoe import triton_kernels
-from megatron_lrmoe.select import kernels
+from megatron_lrmoe import triton_common
+from megatron_lrmoe.select import kernels, scores_triton
 from megatron_lrmoe.select.contract import (
     PairScores,
     Scored,
@@ -51,7 +51,7 @@ from megatron_lrmoe.select.contract import (
     check_uniforms,
     host_segments,
 )
-from megatron_lrmoe.triton_kernels import use_triton
+from megatron_lrmoe.triton_common import use_triton
 
 __all__ = [
     "PROB_BITS",
@@ -134,7 +134,7 @@ def token_norms(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
     Both are token properties: a pair only adds its routing weight, so the backward takes them
     once per token, never per pair. fp32 accumulation (fp64 for fp64 input). On CUDA one fused
-    Triton kernel reads both matrices once (``triton_kernels.row_norms_triton``); the torch
+    Triton kernel reads both matrices once (``scores_triton.row_norms_triton``); the torch
     code below is the reference it is tested against.
 
     Args:
@@ -145,10 +145,10 @@ def token_norms(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"token_norms: g {tuple(g.shape)} and x {tuple(x.shape)} must be one [T, H]")
     if (
         use_triton(g, x)
-        and g.dtype in triton_kernels.KERNEL_DTYPES
-        and x.dtype in triton_kernels.KERNEL_DTYPES
+        and g.dtype in triton_common.KERNEL_DTYPES
+        and x.dtype in triton_common.KERNEL_DTYPES
     ):
-        return triton_kernels.row_norms_triton(g, x)
+        return scores_triton.row_norms_triton(g, x)
     acc = torch.float64 if torch.float64 in (g.dtype, x.dtype) else torch.float32
     return torch.stack([torch.linalg.vector_norm(t, ord=2, dim=-1, dtype=acc) for t in (g, x)])
 
@@ -162,7 +162,7 @@ def pair_scores(
     the EP group when sources compete): selection depends only on score ratios within a segment,
     and the fp32 score then cannot overflow however large finite gradients get, while a
     non-finite value still turns the scores non-finite (the poison). On CUDA one Triton kernel
-    writes the scores and per-block poison and score sums (``triton_kernels.pair_scores_triton``),
+    writes the scores and per-block poison and score sums (``scores_triton.pair_scores_triton``),
     plus one reduction; the torch code below is the reference.
 
     Args:
@@ -178,7 +178,7 @@ def pair_scores(
         and probs.dtype.is_floating_point
         and probs.dim() == 1
     ):
-        scores, partial = triton_kernels.pair_scores_triton(probs, token, norms, top)
+        scores, partial = scores_triton.pair_scores_triton(probs, token, norms, top)
         sums = partial.sum(1)
         return PairScores(scores, sums[0], sums[1])
     top = torch.where(top > 0, top, torch.ones_like(top))
@@ -612,7 +612,7 @@ def select(
 
     CUDA scores take the fused Triton path (``select/kernels.py``: a handful of launches instead
     of about a hundred, bit-identical results) when triton imports and ``LRMOE_TRITON`` is not
-    ``"0"`` (``triton_kernels.use_triton``); everything else takes the torch functions, which stay
+    ``"0"`` (``triton_common.use_triton``); everything else takes the torch functions, which stay
     the reference.
 
     Args:

@@ -44,10 +44,11 @@ def graphs_on_host(replay: bool = True) -> None:
     """The front graph (``select/kernels.py``) on the host: the op told Triton may run (the row
     kernels of ``dispatch/rows`` still see CPU tensors), pageable argument blocks, captures that
     run their launches once."""
-    from megatron_lrmoe import op, triton_kernels
+    from megatron_lrmoe import op
+    from megatron_lrmoe.dispatch import rows_triton
     from megatron_lrmoe.select import kernels
 
-    assert triton_kernels._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
+    assert rows_triton._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
     op.use_triton = lambda *tensors: True
     kernels._graphs_wanted = lambda device: True
     host_block = kernels._host_block
