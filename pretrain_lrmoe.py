@@ -410,6 +410,7 @@ def main() -> None:
     # After parsing, so that --help / --lrmoe-help / a bad flag answer without it; before
     # pretrain(), whose initialisation would run `make`.
     compat.use_prebuilt_dataset_helpers()
+    compat.fix_full_validation(args)
     try:
         check_args(args)
         # Before Megatron's initialisation allocates anything on the GPU.

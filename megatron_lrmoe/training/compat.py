@@ -13,6 +13,8 @@ Nothing here runs on import. ``pretrain_lrmoe.main`` calls, in order:
 * :func:`repair_help_strings`: one help string in megatron-core 0.19.2
   (``--moe-paged-stash-buffer-size-factor-cuda``) contains a bare ``%``, so ``--help`` raises
   ``ValueError: unsupported format character``; this escapes such strings.
+* :func:`fix_full_validation`: ``--full-validation`` with one validation set fails at the first
+  evaluation in megatron-core 0.19.2 (it indexes an int); this hands it the list it expects.
 * :func:`check_transformer_impl`: ``--transformer-impl transformer_engine`` (Megatron's default)
   without Transformer Engine fails deep in spec construction with ``'NoneType' object is not
   callable``; this names the fix instead.
@@ -33,6 +35,7 @@ __all__ = [
     "SUPPORTED_MEGATRON_CORE",
     "check_megatron_core_version",
     "check_transformer_impl",
+    "fix_full_validation",
     "megatron_core_version",
     "repair_help_strings",
     "use_prebuilt_dataset_helpers",
@@ -118,6 +121,57 @@ def use_prebuilt_dataset_helpers() -> bool:
         ) from error
     utils.compile_helpers = _make_prebuilt_check(utils.compile_helpers)
     logger.info("megatron.core.datasets.utils.compile_helpers now uses the prebuilt helper")
+    return True
+
+
+_FULL_VALIDATION_MARKER = "__lrmoe_full_validation_fix__"
+_TRAINING_MODULE = "megatron.training.training"
+
+
+def fix_full_validation(args: Any) -> bool:
+    """Let ``--full-validation`` evaluate more than once with a single validation set.
+
+    megatron-core 0.19.2's ``evaluate_and_print_results`` broadcasts ``args.eval_iters`` as a
+    tensor and indexes the list it expects back (``eval_iters[0]``); with one validation set
+    ``args.eval_iters`` is an int, ``tolist()`` returns an int and the first evaluation raises
+    ``TypeError: 'int' object is not subscriptable``. The wrapper installed here hands the
+    function a one-element list, which it turns back into the int itself, so every evaluation
+    reads the whole (fixed) validation set as the flag intends.
+
+    Explicit (``pretrain_lrmoe.main`` calls it), version-checked, idempotent; does nothing (and
+    returns False) unless ``--full-validation`` is given without ``--multiple-validation-sets``.
+    """
+    if not getattr(args, "full_validation", False) or getattr(args, "multiple_validation_sets", False):
+        return False
+    check_megatron_core_version()
+    module = importlib.import_module(_TRAINING_MODULE)
+    original = module.evaluate_and_print_results
+    if getattr(original, _FULL_VALIDATION_MARKER, False):
+        return True
+    for caller in ("pretrain", "train"):
+        fn = getattr(module, caller)
+        while hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        if "evaluate_and_print_results" not in fn.__code__.co_names:
+            raise RuntimeError(
+                f"{_TRAINING_MODULE}.{caller} no longer calls evaluate_and_print_results by its "
+                f"global name (megatron-core {megatron_core_version()}); update "
+                "megatron_lrmoe/training/compat.py::fix_full_validation"
+            )
+
+    def evaluate_and_print_results(*a: Any, **kw: Any) -> Any:
+        from megatron.training import get_args
+
+        current = get_args()
+        if isinstance(current.eval_iters, int):
+            current.eval_iters = [current.eval_iters]
+        return original(*a, **kw)
+
+    setattr(evaluate_and_print_results, _FULL_VALIDATION_MARKER, True)
+    evaluate_and_print_results.__wrapped__ = original  # type: ignore[attr-defined]
+    module.evaluate_and_print_results = evaluate_and_print_results
+    logger.info("%s.evaluate_and_print_results takes --full-validation's count as a list",
+                _TRAINING_MODULE)
     return True
 
 
