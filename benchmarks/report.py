@@ -22,71 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-_ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| consumed samples.*?per iteration \(ms\): ([\d.]+)")
-_MOE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| moe layers: ([\d.]+) ms/iter \| moe layers cumulative: ([\d.]+) s")
-_VAL = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
-# Megatron's argument dump: "  name ....... value".
-_ARG = re.compile(r"^  (seed|lrmoe|lrmoe_keep_ratio) \.+ (\S+)$", re.MULTILINE)
-
-
-def layer_table(path: Path) -> str:
-    data = json.loads(path.read_text())
-    out = [f"`{path}` — EP={data['ep']}, {data['device']}, torch {data['torch']}", ""]
-    for tokens in sorted({r["tokens"] for r in data["rows"]}):
-        rows = [r for r in data["rows"] if r["tokens"] == tokens]
-        floor = next(r for r in rows if r["variant"] == "floor")
-        keep1 = next(r for r in rows if r["variant"] == "LRMoE keep 1.0")
-        total1 = keep1["fwd_ms"] + keep1["bwd_ms"]
-        out += [
-            f"**{tokens} tokens/GPU.** Floor {floor['floor_ms']:.2f} ms (grouped GEMMs fwd "
-            f"{floor['gemm_fwd_ms']:.2f} + bwd {floor['gemm_bwd_ms']:.2f}, all-to-alls "
-            f"{floor['a2a4_ms']:.2f}); keep 1.0 fwd+bwd / floor = "
-            f"{total1 / floor['floor_ms']:.2f}.",
-            "",
-            "| variant | fwd ms | bwd ms | bwd host ms | bwd / keep 1.0 (target) | attainable "
-            "| fwd / keep 1.0 | overhead ms | saved MiB | peak MiB | bwd syncs |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            if r["variant"] == "floor":
-                continue
-            target = r.get("bwd_target")
-            ratio = r.get("bwd_vs_keep1")
-            ratio_s = "" if ratio is None else f"{ratio:.3f}" + (
-                f" ({target:.2f})" if target is not None else ""
-            )
-            fwd_ratio = r.get("fwd_vs_keep1")
-            attainable = r.get("bwd_attainable")
-            out.append(
-                f"| {r['variant']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | "
-                f"{r['bwd_cpu_ms']:.2f} | {ratio_s} | "
-                f"{'' if attainable is None else f'{attainable:.3f}'} | "
-                f"{'' if fwd_ratio is None else f'{fwd_ratio:.3f}'} | "
-                f"{(r.get('overhead_ms') or 0.0):.2f} | {r['saved_mib']:.0f} | "
-                f"{r['peak_mib']:.0f} | {r['bwd_syncs']:.0f} |"
-            )
-        out.append("")
-    return "\n".join(out)
-
-
-def _crossing(points: list[tuple[int, float]], target: float) -> Optional[float]:
-    for (i0, l0), (i1, l1) in zip(points, points[1:]):
-        if l1 <= target < l0:
-            return i0 + (l0 - target) / (l0 - l1) * (i1 - i0)
-    return None
-
-
-def _at(series: dict[int, float], iteration: float) -> float:
-    """Cumulative value of a per-iteration series at a fractional iteration."""
-    whole = int(iteration)
-    total = sum(v for i, v in series.items() if i <= whole)
-    return total + (iteration - whole) * series.get(whole + 1, 0.0)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_logs  # noqa: E402  (benchmarks/train_logs.py: the log parser and time to target)
 
 
 @dataclass(frozen=True)
@@ -110,30 +53,26 @@ def run_stats(log: Path, target: float, name: Optional[str] = None) -> RunStats:
     """The figures of one ``train_*.log`` (``name``: its row label, the file's stem if None;
     a run that stopped before its last iteration, e.g. at a timeout, gets "(stopped at
     iteration I of N)" appended, since its later columns then lack what it did not reach)."""
-    text = log.read_text()
-    found = _ITER.findall(text)
-    iters = {int(i): float(ms) / 1e3 for i, _, ms in found}
-    planned = max((int(n) for _, n, _ in found), default=0)
+    run = train_logs.parse_log(log)
+    iters = {i: ms / 1e3 for i, ms in run.iter_ms.items()}
     name = name or log.stem
-    if iters and max(iters) < planned:
-        name += f" (stopped at iteration {max(iters)} of {planned})"
-    moe = {int(i): (float(ms) / 1e3, float(c)) for i, ms, c in _MOE.findall(text)}
-    vals = [(int(i), float(v)) for i, v in _VAL.findall(text)]
-    args = dict(_ARG.findall(text))
-    keep = float(args["lrmoe_keep_ratio"]) if args.get("lrmoe") == "True" else None
-    cross = _crossing(vals, target)
+    if iters and max(iters) < run.planned_iters:
+        name += f" (stopped at iteration {max(iters)} of {run.planned_iters})"
+    moe = {i: ms / 1e3 for i, ms in run.moe_ms.items()}
+    keep = float(run.args["lrmoe_keep_ratio"]) if run.args.get("lrmoe") == "True" else None
+    cross = train_logs.crossing(sorted(run.val.items()), target)
     return RunStats(
         name=name,
-        seed=int(args["seed"]) if "seed" in args else None,
+        seed=run.seed(),
         keep=keep,
         s_per_iter=statistics.median(s for i, s in iters.items() if i >= 20),
-        val=dict(vals),
-        moe_ms_per_iter=1e3 * statistics.median(v[0] for i, v in moe.items() if i >= 20),
-        moe_total=moe[max(moe)][1] if moe else 0.0,
-        moe_first=moe[1][0] if 1 in moe else 0.0,
+        val=dict(run.val),
+        moe_ms_per_iter=1e3 * statistics.median(v for i, v in moe.items() if i >= 20),
+        moe_total=run.moe_cumulative_s[max(moe)] if moe else 0.0,
+        moe_first=moe.get(1, 0.0),
         cross=cross,
-        wall_to_target=None if cross is None else _at(iters, cross),
-        moe_to_target=None if cross is None else _at({i: v[0] for i, v in moe.items()}, cross),
+        wall_to_target=None if cross is None else train_logs.cumulative(iters, cross, first=1),
+        moe_to_target=None if cross is None else train_logs.cumulative(moe, cross, first=1),
     )
 
 

@@ -76,6 +76,7 @@ class RunLog:
         iter_ms: Elapsed time per iteration (Megatron's), ms.
         train_loss: Training loss per iteration.
         moe_ms: MoE layers' time per iteration (``--moe-layer-timing``), ms.
+        moe_cumulative_s: The same line's cumulative MoE-layer time, s.
         val: Validation loss per evaluation iteration.
         val_se: Relative standard error of each evaluation (``validation spread`` lines).
         max_allocated_mib: The largest ``max allocated`` printed, MiB (None without).
@@ -89,6 +90,7 @@ class RunLog:
     iter_ms: dict[int, float] = field(default_factory=dict)
     train_loss: dict[int, float] = field(default_factory=dict)
     moe_ms: dict[int, float] = field(default_factory=dict)
+    moe_cumulative_s: dict[int, float] = field(default_factory=dict)
     val: dict[int, float] = field(default_factory=dict)
     val_se: dict[int, float] = field(default_factory=dict)
     max_allocated_mib: Optional[float] = None
@@ -124,13 +126,16 @@ def parse_log(path: str | Path) -> RunLog:
         if loss:
             run.train_loss[int(i)] = float(loss)
     peaks = []
-    for i, ms, _, peak in _MOE.findall(text):
+    for i, ms, total, peak in _MOE.findall(text):
         run.moe_ms[int(i)] = float(ms)
+        run.moe_cumulative_s[int(i)] = float(total)
         if peak:
             peaks.append(float(peak))
     run.max_allocated_mib = max(peaks) if peaks else None
     for i, loss in _VAL.findall(text):
-        run.val[int(i)] = float(loss)
+        # The evaluation inside the run comes first; the one after training ("on validation
+        # set") reads other batches unless --full-validation, so the first value stands.
+        run.val.setdefault(int(i), float(loss))
     # A spread line comes right before the validation (or test) line of its evaluation.
     pending: Optional[float] = None
     for line in text.splitlines():
