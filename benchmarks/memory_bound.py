@@ -230,6 +230,12 @@ def launch(run: Run, timeout_s: float, dry_run: bool) -> Optional[train_logs.Run
     return train_logs.parse_log(run.log)
 
 
+def file_stem(name: str) -> str:
+    """An arm's name as a file name: letters, digits, '.', '_' and '-' only (the device tool
+    brings back no file whose name holds a '+')."""
+    return name.replace("+", "_with_")
+
+
 def arms_named(names: Sequence[str]) -> list[Arm]:
     unknown = [n for n in names if n not in ARMS]
     if unknown:
@@ -296,7 +302,7 @@ def search(args: argparse.Namespace) -> dict:
         if arm.name in done:
             print(f"kept {arm.name} (in {path})")
             continue
-        run = Run(arm, args.seeds[0], args.search_iters, args.out / "search" / f"{arm.name}.log",
+        run = Run(arm, args.seeds[0], args.search_iters, args.out / "search" / f"{file_stem(arm.name)}.log",
                   args.cap_gib, args.layers, evaluate=False)
         parsed = launch(run, args.timeout_s, args.dry_run)
         if parsed is not None:
@@ -330,7 +336,7 @@ def converge_arms(args: argparse.Namespace) -> list[Arm]:
 def converge(args: argparse.Namespace) -> None:
     for seed in args.seeds:  # seed-major: a call that stops early leaves whole seeds behind
         for arm in converge_arms(args):
-            log = args.out / "converge" / f"{arm.name}_seed{seed}.log"
+            log = args.out / "converge" / f"{file_stem(arm.name)}_seed{seed}.log"
             if log.exists() and train_logs.parse_log(log).finished:
                 print(f"kept {log} (finished)")
                 continue
@@ -344,7 +350,9 @@ def converge(args: argparse.Namespace) -> None:
 
 
 def arm_of(log: Path) -> str:
-    return log.stem.rsplit("_seed", 1)[0]
+    """The arm a ``converge/<stem>_seed<N>.log`` belongs to (its stem if no arm has it)."""
+    stem = log.stem.rsplit("_seed", 1)[0]
+    return next((name for name in ARMS if file_stem(name) == stem), stem)
 
 
 def report(args: argparse.Namespace) -> dict:

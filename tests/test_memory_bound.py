@@ -242,6 +242,7 @@ def test_dry_run_prints_one_launch_per_arm(tmp_path: Path) -> None:
     )  # fmt: skip
     lines = proc.stdout.splitlines()
     assert len(lines) == 2 and "KEEP_RATIO=0.5" in lines[1] and "MEMORY_CAP_GIB=78" in lines[0]
+    assert lines[1].endswith("search/k0.5_with_moe.log")  # no '+' in the files' names
     assert not (tmp_path / "search.json").exists()
 
 
@@ -255,9 +256,9 @@ def test_report_from_synthetic_logs(tmp_path: Path) -> None:
     (tmp_path / "search.json").write_text(json.dumps({"picks": {"baseline": "stock+moe",
                                                                 "keep 0.5": "k0.5+moe"}}))
     for seed in (1, 2):
-        (tmp_path / "converge" / f"stock+moe_seed{seed}.log").write_text(
+        (tmp_path / "converge" / f"stock_with_moe_seed{seed}.log").write_text(
             fake_log(seed=seed, val={4: 2.0, 8: 1.0}, se=0.005))
-        (tmp_path / "converge" / f"k0.5+moe_seed{seed}.log").write_text(
+        (tmp_path / "converge" / f"k0.5_with_moe_seed{seed}.log").write_text(
             fake_log(seed=seed, moe_ms=20.0, val={4: 2.0, 10: 1.25}, se=0.005))
     result = memory_bound.main(["report", "--out", str(tmp_path), "--target", "1.5"]) or json.loads(
         (tmp_path / "summary.json").read_text())
