@@ -463,12 +463,97 @@ def section_planner(root: Path) -> str:
     return "\n".join(out)
 
 
+_RUN33 = RESULTS / "gpu_run33"
+_SEARCH = _RUN33 / "call2" / "search.json"
+_RECOMPUTE = [_RUN33 / "call1" / f"model_recompute_{r}.json" for r in ("none", "moe")]
+_RECOMPUTE_LABELS = {"none": "none (every layer keeps its activations)",
+                     "moe": "Megatron's MoE-layer recompute"}
+_RECOMPUTE_TEXT = {"none": "attention scores", "moe": "attention scores, MoE layer", "full": "every layer"}
+
+
+def _arm_setting(arm: dict) -> str:
+    experts = "Megatron's `SequentialMLP`" if not arm["lrmoe"] else (
+        "stock math (LRMoE keep 1.0)" if arm["keep"] >= 1.0
+        else f"LRMoE keep {arm['keep']:g}, `{arm['activation_mode']}`")
+    return f"{experts}; recompute: {_RECOMPUTE_TEXT[arm['recompute']]}; micro-batch {arm['mbs']}"
+
+
+def section_memory_bound(root: Path) -> str:
+    """Where GPU memory binds (issue 39): the configurations that fit under a cap, and the MoE
+    layers under Megatron's MoE-layer recompute (gpu_run33)."""
+    search = json.loads((root / _SEARCH).read_text())
+    baseline = next(r for r in search["arms"] if r["arm"]["name"] == search["picks"]["baseline"])
+    out = [
+        "## Where GPU memory binds: what fits under an 80 GB cap, and at what cost per iteration",
+        "",
+        f"One GPU's share of a Qwen3-30B-A3B job at EP 8 (`benchmarks/memory_bound.py`'s proxy: "
+        f"{search['layers']} layers, 16 experts of the real MoE shape per layer, top-8, sequences "
+        "of 1024 tokens, 16384 tokens per iteration, byte-level text), each process capped at "
+        f"{search['cap_gib']:g} GiB (`--memory-cap-gib`, an 80 GB card). Ten iterations per "
+        "configuration; medians of iterations 4-10 (single short runs: a few per cent of noise). "
+        "Time to a target loss under the cap is not measured yet (the `converge` phase), so no "
+        "time-to-target claim is made here. The MoE-layer time counts what runs with gradients: "
+        "under full recompute the first, gradient-free forward of each MoE layer is not in it.",
+        "",
+        _source("gpu_run33 call 2", "b026f0a (package) with dd8c92e's memory_bound.py",
+                "python benchmarks/memory_bound.py search --out DIR --cap-gib 78 --layers 24 "
+                "--search-iters 10 --arms ...", [_SEARCH]),
+        "",
+        "| arm | setting | fits | peak GiB | ms/iter | MoE ms/iter (share) | iteration / "
+        f"MoE vs {baseline['arm']['name']} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in search["arms"]:
+        arm = row["arm"]
+        fits = "yes" if row["fits"] else ("out of memory" if row["oom"] else "did not finish")
+        if row["iter_ms"] is None:
+            cost = "- | - | -"
+        else:
+            cost = (f"{row['iter_ms']:.0f} | {row['moe_ms']:.0f} ({row['moe_share']:.0%}) | "
+                    f"{_ratio(row['iter_ms'], baseline['iter_ms'])} / "
+                    f"{_ratio(row['moe_ms'], baseline['moe_ms'])}")
+        peak = "-" if row["max_allocated_gib"] is None else f"{row['max_allocated_gib']:.1f}"
+        out.append(f"| {arm['name']} | {_arm_setting(arm)} | {fits} | {peak} | {cost} |")
+    out += [
+        "",
+        "The same MoE layers stacked alone (8 layers, 16 experts, 16384 tokens; "
+        "`benchmarks/model_bench.py --recompute`), forward + backward per layer against keep "
+        "1.0's in the same process, and the peak memory of a round above what the layers hold:",
+        "",
+        _source("gpu_run33 call 1", "b026f0a",
+                "torchrun --nproc_per_node=1 benchmarks/model_bench.py --layers 8 --experts 16 "
+                "--tokens 16384 --keep 1.0 0.5 0.25 --recompute R --out FILE", _RECOMPUTE),
+        "",
+        "| recompute | keep 1.0 fwd / bwd ms | fwd+bwd at keep 0.5 / 0.25 | peak MiB at keep 1.0 "
+        "/ 0.5 / 0.25 |",
+        "|---|---|---|---|",
+    ]
+    for path in _RECOMPUTE:
+        result = json.loads((root / path).read_text())
+        rows = {r["keep"]: r for r in result["rows"]}
+        base = rows[1.0]
+        out.append(
+            f"| {_RECOMPUTE_LABELS[result['args']['recompute']]} | {base['fwd_ms']:.2f} / "
+            f"{base['bwd_ms']:.2f} | {rows[0.5]['layer_vs_keep1']:.2f}x / "
+            f"{rows[0.25]['layer_vs_keep1']:.2f}x | "
+            + " / ".join(f"{rows[k]['peak_mib']:.0f}" for k in (1.0, 0.5, 0.25))
+            + " |"
+        )
+    out += [
+        "",
+        "Under Megatron's MoE-layer recompute LRMoE gains less: the exact router gradient needs "
+        "every pair's expert output, so the recomputed forward runs for every pair whatever the "
+        "keep ratio, and only the backward after it shrinks.",
+    ]
+    return "\n".join(out)
+
+
 SECTIONS: list[Callable[[Path], str]] = [
     section_stacked,
     section_memory,
     section_training_half,
     section_training_quarter,
-    # section_memory_bound_training goes here
+    section_memory_bound,
     section_glm,
     section_layer,
     section_planner,
