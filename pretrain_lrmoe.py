@@ -82,7 +82,11 @@ from megatron.core.utils import (
 )
 from megatron.training import get_args, get_timers, get_tokenizer, inprocess_restart, pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
-from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
+from megatron.training.arguments import (
+    core_transformer_config_from_args,
+    parse_and_validate_args,
+    parse_args,
+)
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from megatron_lrmoe.training import compat, memory_cap
@@ -403,6 +407,13 @@ def main() -> None:
     """Console entry point ``lrmoe-pretrain`` (also ``python pretrain_lrmoe.py``)."""
     log_to_stderr()
     compat.check_megatron_core_version()
+    # The LRMoE flags and their combinations with Megatron's, on the command line as given,
+    # before Megatron's validate_args prints its ~860-line argument dump; checked again below on
+    # the validated arguments (a checkpoint's or a YAML file's settings merged in).
+    try:
+        check_args(parse_args(extra_args_provider))
+    except ValueError as e:
+        raise SystemExit(f"pretrain_lrmoe.py: error: {e}") from e
     args = parse_and_validate_args(
         extra_args_provider=extra_args_provider,
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},

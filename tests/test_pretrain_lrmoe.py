@@ -171,15 +171,28 @@ def test_loss_func_counts_masked_tokens(entry_facts: list[dict]) -> None:
     assert entry_facts[0]["loss"] == (4.0, 2, [4.0, 2.0])
 
 
-def test_entry_point_rejects_bad_combination_before_training() -> None:
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--moe-expert-capacity-factor", "1.0"],
+         "--lrmoe cannot be combined with --moe-expert-capacity-factor 1.0"),
+        (["--lrmoe-keep-ratio", "1.5"], "--lrmoe-keep-ratio: LRMoEConfig.keep_ratio (1.5)"),
+    ],
+    ids=["combination", "value"],
+)  # fmt: skip
+def test_entry_point_rejects_bad_flags_before_megatron_validates(
+    extra: list[str], message: str
+) -> None:
+    """A bad LRMoE value or combination is the run's first and last word: it comes before
+    Megatron's validate_args prints its argument dump, and nothing trains."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_lrmoe.py"), *ARGV, "--mock-data",
-         "--moe-expert-capacity-factor", "1.0"],
+        [sys.executable, str(ROOT / "pretrain_lrmoe.py"), *ARGV, "--mock-data", *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"},
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "--lrmoe cannot be combined with --moe-expert-capacity-factor 1.0" in proc.stderr
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "arguments ------" not in proc.stdout + proc.stderr  # Megatron's dump never printed
 
 
 # -- compat -------------------------------------------------------------------------------------
