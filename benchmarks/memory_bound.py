@@ -257,6 +257,7 @@ def search_row(arm: Arm, run: train_logs.RunLog) -> dict:
         "iterations": run.last_iteration,
         "memory_cap_gib": run.memory_cap_gib,
         "max_allocated_gib": None if run.max_allocated_mib is None else run.max_allocated_mib / 1024,
+        "alloc_retries": run.alloc_retries,
         "iter_ms": iter_ms,
         "moe_ms": moe_ms,
         "moe_share": None if not (iter_ms and moe_ms) else moe_ms / iter_ms,

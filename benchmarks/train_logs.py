@@ -8,7 +8,7 @@ What a log holds (Megatron 0.19.2's lines, ``--log-interval 1``, plus ours):
 * Megatron's iteration line: ``iteration I/N | ... elapsed time per iteration (ms): X | ... lm
   loss: L |`` (training loss of that iteration).
 * ``--moe-layer-timing``'s line: ``iteration I/N | moe layers: X ms/iter | moe layers
-  cumulative: S s | max allocated: M MiB |`` (``max allocated`` on CUDA only).
+  cumulative: S s | max allocated: M MiB | alloc retries: R |`` (the last two on CUDA only).
 * ``validation loss at iteration I | lm loss value: L`` (Megatron; the run's final evaluation
   "on validation set" too), preceded by ``validation spread | sequences: n | loss std: s |
   standard error: e |`` (``pretrain_lrmoe.py``: the per-sequence losses of that evaluation,
@@ -52,7 +52,7 @@ _ITER = re.compile(
 )
 _MOE = re.compile(
     r"iteration\s+(\d+)/\s*\d+ \| moe layers: ([\d.]+) ms/iter \| moe layers cumulative: "
-    r"([\d.]+) s \|(?: max allocated: (\d+) MiB \|)?"
+    r"([\d.]+) s \|(?: max allocated: (\d+) MiB \|)?(?: alloc retries: (\d+) \|)?"
 )
 _VAL = re.compile(r"validation loss at iteration (\d+)(?: on validation set)? \| lm loss value: ([\d.E+-]+)")
 _SPREAD = re.compile(
@@ -80,6 +80,8 @@ class RunLog:
         val: Validation loss per evaluation iteration.
         val_se: Relative standard error of each evaluation (``validation spread`` lines).
         max_allocated_mib: The largest ``max allocated`` printed, MiB (None without).
+        alloc_retries: The caching allocator's retries after failed allocations, as last
+            printed (None without).
         memory_cap_gib: The cap the run ran under (None: none printed).
         oom: An out-of-memory error is in the log.
     """
@@ -94,6 +96,7 @@ class RunLog:
     val: dict[int, float] = field(default_factory=dict)
     val_se: dict[int, float] = field(default_factory=dict)
     max_allocated_mib: Optional[float] = None
+    alloc_retries: Optional[int] = None
     memory_cap_gib: Optional[float] = None
     oom: bool = False
 
@@ -126,11 +129,13 @@ def parse_log(path: str | Path) -> RunLog:
         if loss:
             run.train_loss[int(i)] = float(loss)
     peaks = []
-    for i, ms, total, peak in _MOE.findall(text):
+    for i, ms, total, peak, retries in _MOE.findall(text):
         run.moe_ms[int(i)] = float(ms)
         run.moe_cumulative_s[int(i)] = float(total)
         if peak:
             peaks.append(float(peak))
+        if retries:
+            run.alloc_retries = max(run.alloc_retries or 0, int(retries))
     run.max_allocated_mib = max(peaks) if peaks else None
     for i, loss in _VAL.findall(text):
         # The evaluation inside the run comes first; the one after training ("on validation
@@ -248,6 +253,7 @@ def summary(run: RunLog, target: Optional[float]) -> dict:
         "iterations": run.last_iteration,
         "memory_cap_gib": run.memory_cap_gib,
         "max_allocated_mib": run.max_allocated_mib,
+        "alloc_retries": run.alloc_retries,
         "iter_ms_median": run.steady_ms("iter_ms"),
         "moe_ms_median": run.steady_ms("moe_ms"),
         "first_iteration_s": run.iter_ms.get(1, 0.0) / 1e3 if run.iter_ms else None,

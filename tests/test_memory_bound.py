@@ -70,7 +70,7 @@ def fake_log(
         lines.append(
             f" [2026-12-04 10:00:00.000001] iteration {i:8d}/{planned or iters:8d} | moe layers: "
             f"{moe:.1f} ms/iter | moe layers cumulative: {cumulative:.3f} s | max allocated: "
-            f"{peak_mib if i > 1 else peak_mib // 2} MiB |"
+            f"{peak_mib if i > 1 else peak_mib // 2} MiB | alloc retries: {i // 4} |"
         )
         if i in val:
             if se is not None:
@@ -100,6 +100,7 @@ def test_parse_log_reads_every_series(tmp_path: Path) -> None:
     assert run.val == {5: 2.0, 10: 1.5}  # the test-set line is not a validation loss
     assert run.val_se == {5: pytest.approx(0.003), 10: pytest.approx(0.004)}
     assert run.max_allocated_mib == 70000 and run.memory_cap_gib == 78.0 and not run.oom
+    assert run.alloc_retries == 2  # the last count printed (iteration 10)
     assert run.steady_ms("iter_ms") == 100.0 and run.steady_ms("moe_ms") == 40.0
 
 

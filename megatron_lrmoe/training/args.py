@@ -208,7 +208,8 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "Log the time spent in the MoE layers (forward + backward, CUDA events, every "
             "overhead included) per iteration and since the start, summed over the pipeline "
             "stages, for stock and LRMoE layers alike (a line after Megatron's, and moe/layer_* "
-            "scalars), with the peak allocated GPU memory. Does not need --lrmoe."
+            "scalars), with the peak allocated GPU memory and the allocator's retries. Does not "
+            "need --lrmoe."
         ),
     )
     group.add_argument(

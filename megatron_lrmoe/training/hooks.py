@@ -32,7 +32,8 @@ or not at all, and idempotent. Nothing happens on import, and nothing is install
 ``--lrmoe`` or ``--moe-layer-timing``. ``--moe-layer-timing`` (stock runs too) adds a line with
 the time spent in the MoE layers (forward and backward, CUDA events, every overhead included)
 per iteration and since the start, summed over the pipeline stages, with this process's peak
-allocated GPU memory (``max allocated``, on CUDA), and ``moe/layer_*`` scalars.
+allocated GPU memory and the caching allocator's retries (``max allocated``, ``alloc retries``,
+on CUDA), and ``moe/layer_*`` scalars.
 """
 
 from __future__ import annotations
@@ -198,13 +199,20 @@ def _sum_over_pipeline(value: float) -> float:
 
 
 def _max_allocated_fragment() -> str:
-    """`` max allocated: N MiB |``, this process's peak allocated GPU memory since the start
-    (PyTorch's allocator statistics, read on the host), or nothing without CUDA."""
+    """`` max allocated: N MiB | alloc retries: R |``: this process's peak allocated GPU memory
+    since the start and how often the caching allocator had to free its cache and retry a
+    failed allocation (each retry synchronises the device: many of them mean the run is close
+    to its memory limit, a cap's or the card's); PyTorch's allocator statistics, read on the
+    host. Nothing without CUDA."""
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return ""
-    return f" max allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB |"
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    return (
+        f" max allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB |"
+        f" alloc retries: {retries} |"
+    )
 
 
 class LRMoETrainingLog:
