@@ -179,15 +179,16 @@ def test_arm_flags() -> None:
     assert "full" in arms["stock+full"].flags()
     assert arms["megatron-sequential+moe"].env()["LRMOE"] == "0"
     assert arms["k0.25-recompute"].env()["ACTIVATION_MODE"] == "recompute"
-    run = memory_bound.Run(arms["stock-mbs8"], 7, 600, Path("x.log"), 78.0, 24, evaluate=True)
+    run = memory_bound.Run(arms["stock-mbs8"], 7, 400, Path("x.log"), 78.0, 24, evaluate=True)
     env = run.env()
     assert env["MBS"] == "8" and env["GBS"] == "16" and env["SEED"] == "7"
     assert env["MEMORY_CAP_GIB"] == "78" and env["EVAL_INTERVAL"] == "100"
+    assert run.flags()[-4:] == ["--eval-global-batch-size", "32", "--eval-micro-batch-size", "32"]
     assert "--full-validation" in run.flags()
     quick = memory_bound.Run(arms["stock"], 7, 10, Path("x.log"), None, 24, evaluate=False)
     assert "MEMORY_CAP_GIB" not in quick.env() and "--full-validation" not in quick.flags()
     # Megatron's scheduler needs the warm-up shorter than the run, short runs included.
-    assert int(quick.env()["WARMUP_ITERS"]) < 10 and env["WARMUP_ITERS"] == "30"
+    assert int(quick.env()["WARMUP_ITERS"]) < 10 and env["WARMUP_ITERS"] == "20"
     for bad in ("attn", "moe_act"):
         with pytest.raises(ValueError, match=f"recompute '{bad}'"):
             memory_bound.Arm("bad", recompute=bad).flags()
@@ -221,6 +222,7 @@ def test_every_arm_passes_megatron_validation(monkeypatch: pytest.MonkeyPatch, n
     assert args.memory_cap_gib == 78.0 and args.full_validation and args.moe_layer_timing
     assert args.num_experts == 16 and args.seq_length == 1024 and args.micro_batch_size == arm.mbs
     assert args.global_batch_size == 16 and args.num_layers == 24 and args.vocab_size == 512
+    assert args.eval_micro_batch_size == 32 and args.split == "80,20,0"
     config = arguments.core_transformer_config_from_args(args)
     if arm.recompute == "full":
         assert config.recompute_granularity == "full"
