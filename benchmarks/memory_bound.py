@@ -21,6 +21,15 @@ it does at 4096; its scores are recomputed in every arm, ``--recompute-modules c
 ``examples/make_indexed_dataset.py``), 16 sequences (16384 tokens) per iteration. The MoE layers'
 share of an iteration is printed by every run (``--moe-layer-timing``) and reported.
 
+How representative the MoE layers' share is, estimated from forward FLOPs per token and layer:
+attention projections 2*2048*(4096+512+512) + 2*4096*2048 = 37.7 M, causal attention 8192*s
+(s the sequence: 33.6 M at 4096, 8.4 M at 1024), experts 8 * (2*2048*1536 + 2*768*2048) = 75.5 M,
+router 2*2048*E. The full model at sequence 4096: 52 % of the FLOPs in the MoE layers; this proxy
+at 1024: 62 %. The time share measured in the proxy is lower (24-32 % in gpu_run33's search):
+without Transformer Engine the rest of the layer (unfused attention softmax, norms, RoPE) and
+the optimizer step run far below the GPU's peak, so what the MoE layers save weighs less in the
+iteration here than it would where the rest is fused.
+
 Arms (``ARMS``): "stock" is the stock math with grouped-GEMM experts, i.e. LRMoE at keep 1.0
 (numerically stock Megatron, tests/test_layer.py); without Transformer Engine Megatron-Core's own
 experts are ``SequentialMLP``, a loop over the experts, listed as "megatron-sequential" for
