@@ -124,7 +124,8 @@ FORWARD_TARGETS = (
     "megatron_lrmoe.layer:LRMoELayer._expert_call",
     "megatron_lrmoe.layer:LRMoELayer._plan",
     "megatron_lrmoe.layer:LRMoELayer._call_stats",
-    "megatron_lrmoe.op:expert_forward_parts",
+    "megatron_lrmoe.op.exact:expert_forward_parts",
+    "megatron_lrmoe.op.trimmed:expert_forward_parts",
 )
 
 # At EP > 1 also the count exchange and our stages around the forward's all-to-alls.

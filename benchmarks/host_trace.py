@@ -11,9 +11,9 @@ are upper bounds); ``host ms`` without the profiler is printed beside them.
 Per keep ratio it writes ``trace_keep<k>.json`` (Chrome trace) and prints:
     host ms per forward and backward without the profiler (median of ``--iters``);
     host us per call of each named stage, without the profiler (``perf_counter`` around the
-        stage functions of ``megatron_lrmoe.op`` and the forward's router, count exchange and
-        device-to-host sync, plan and op: ``_forward_stages``; inclusive, so ``select_kept``
-        contains the scoring and the selection);
+        stage functions of ``megatron_lrmoe.op``'s modules and the forward's router, count
+        exchange and device-to-host sync, plan and op: ``_forward_stages``; inclusive, so
+        ``select_kept`` contains the scoring and the selection);
     per phase: the top self-time entries (Python functions, aten ops, runtime calls), the
         number of kernels launched, the GPU busy time (sum of kernel durations, overlaps merged,
         from the phase's host start until its last kernel ends: work an earlier phase queued
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import importlib
 import inspect
 import json
 import os
@@ -52,7 +53,8 @@ from benchmarks.trace_summary import union_us  # noqa: E402
 
 PHASES = ("lrmoe_bench::forward", "lrmoe_bench::backward")
 
-# Functions of megatron_lrmoe.op timed by --stages (module-level names the op calls).
+# Functions of megatron_lrmoe.op timed by --stages (module-level names the op calls), wrapped
+# in every module of the op that looks them up (OP_MODULES).
 STAGES = (
     "replayed_front", "front_triton", "_record_selection", "row_dot", "select_kept",
     "score_and_select", "token_norms", "pair_scores", "_local_segments", "_local_plan",
@@ -60,6 +62,7 @@ STAGES = (
     "gather_sum", "_record_trimmed", "_record_exact", "_graphed_backward", "run_layer_graph",
     "scored_call", "expert_graph_rows", "expert_graph_wanted", "_trimmed_grads",
 )
+OP_MODULES = ("call", "exact", "trimmed", "stages", "weight_grads", "record")
 
 
 def _forward_stages() -> list[tuple[Any, str, str]]:
@@ -106,7 +109,10 @@ class StageClock:
         self.calls: dict[str, float] = collections.defaultdict(float)
         self.exclude = frozenset(exclude)
         self._excluded_us = 0.0  # running total of the excluded stages' time
-        targets = [(op, name, name) for name in STAGES if hasattr(op, name)]
+        # A function is looked up in the globals of the module that calls it: wrap it there,
+        # in each such module (one label, so the calls through all of them add up).
+        modules = [importlib.import_module(f"megatron_lrmoe.op.{m}") for m in OP_MODULES]
+        targets = [(m, name, name) for m in modules for name in STAGES if hasattr(m, name)]
         # The autograd functions' own forward and backward (looked up on the class at run time).
         for cls in (op.TrimmedMoEFunction, op.ExactMoEFunction):
             targets += [(cls, meth, f"{cls.__name__}.{meth}") for meth in ("forward", "backward")]
@@ -114,7 +120,7 @@ class StageClock:
         targets += [_resolve(spec) for spec in extra]
         if only is not None:
             targets = [t for t in targets if t[2] in only]
-        self.labels = [label for _, _, label in targets]
+        self.labels = list(dict.fromkeys(label for _, _, label in targets))
         for owner, name, label in targets:
             raw = inspect.getattr_static(owner, name)
             self.saved.append((owner, name, raw))

@@ -8,7 +8,8 @@ kernels run in Triton's interpreter. A "replay" then reruns the launches (``repl
 tests that compare outputs) or does nothing (``replay=False``: what is left to time is the host
 code around the replays, ``benchmarks/host_path_cpu.py``).
 
-They patch module attributes of ``megatron_lrmoe.op``, ``megatron_lrmoe.select.kernels`` and
+They patch module attributes of ``megatron_lrmoe.op.stages`` and ``megatron_lrmoe.op.trimmed``
+(the modules that look the switches up), ``megatron_lrmoe.select.kernels`` and
 ``megatron_lrmoe.experts.backward_graph`` for the rest of the process: call them only in a
 worker process of its own (``run_distributed``).
 """
@@ -44,12 +45,12 @@ def graphs_on_host(replay: bool = True) -> None:
     """The front graph (``select/kernels.py``) on the host: the op told Triton may run (the row
     kernels of ``dispatch/rows`` still see CPU tensors), pageable argument blocks, captures that
     run their launches once."""
-    from megatron_lrmoe import op
     from megatron_lrmoe.dispatch import rows_triton
+    from megatron_lrmoe.op import stages
     from megatron_lrmoe.select import kernels
 
     assert rows_triton._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
-    op.use_triton = lambda *tensors: True
+    stages.use_triton = lambda *tensors: True
     kernels._graphs_wanted = lambda device: True
     host_block = kernels._host_block
     kernels._host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
@@ -65,11 +66,11 @@ def layer_graphs_on_host(replay: bool = True) -> None:
     wanted wherever the weight gradients go into ``main_grad`` and ``LRMOE_EXPERT_GRAPHS`` is
     not ``0``, no memory pool, and room for exactly the kept rows (on the host the grouped
     GEMMs' group sizes must add up to the rows: calls must keep the same count)."""
-    from megatron_lrmoe import op
     from megatron_lrmoe.experts import backward_graph as bg
+    from megatron_lrmoe.op import trimmed
 
     graphs_on_host(replay)
-    op.expert_graph_wanted = lambda g, weights, into, h: (
+    trimmed.expert_graph_wanted = lambda g, weights, into, h: (
         into is not None and os.environ.get(bg.EXPERT_GRAPHS_ENV, "1") != "0"
     )
     bg.capture = lambda launch, device, pool: _graph(launch, replay)
