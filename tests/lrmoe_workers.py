@@ -595,8 +595,8 @@ def _same_kept_and_diffs(
 def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[str, Any]:
     """EP ``world`` (scope local) on the host, fp32, under ``TRITON_INTERPRET=1`` (set by the
     test before the spawn):
-    the layer's backward through ``op.replayed_front`` (the op told Triton may run, the CUDA
-    graph replaced by re-running its launches, so its kernels run in the interpreter) against
+    the layer's backward through ``op.stages.replayed_front`` (the op told Triton may run, the
+    CUDA graph replaced by re-running its launches, so its kernels run in the interpreter) against
     the same four keep-0.5 calls with ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the
     torch paths). Returns the largest differences of outputs and gradients, whether the kept
     pairs were the same, and the fronts captured."""
@@ -629,9 +629,9 @@ def interp_graphed_backward_matches_stages(
 ) -> dict[str, Any]:
     """EP 1 on the host, fp32, under ``TRITON_INTERPRET=1`` (set by the test before the spawn),
     weight gradients fused into ``main_grad``: the layer's backward through
-    ``op._graphed_backward`` (the whole trimmed backward as one graph per layer; the op told the
-    graph may run, the CUDA graph replaced by re-running its launches, so its kernels run in the
-    interpreter) against the same four keep-0.5 calls with ``LRMOE_EXPERT_GRAPHS=0`` and
+    ``op.trimmed._graphed_backward`` (the whole trimmed backward as one graph per layer; the op
+    told the graph may run, the CUDA graph replaced by re-running its launches, so its kernels
+    run in the interpreter) against the same four keep-0.5 calls with ``LRMOE_EXPERT_GRAPHS=0`` and
     ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the torch paths). Every call has the
     same input, so the same kept count: on the host the room for rows must be exactly the kept
     ones (host group sizes add up to the rows), which headroom 0 gives. Returns the largest

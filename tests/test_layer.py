@@ -315,8 +315,8 @@ def test_front_graph_wiring_matches_stages_on_cpu(
 def test_graphed_backward_wiring_matches_stages_on_cpu(
     monkeypatch: pytest.MonkeyPatch, selection: str, activation_mode: str
 ) -> None:
-    """The op's use of the one graph per layer (``op._graphed_backward``: the front and the
-    expert half over one argument block, ``main_grad`` fused, the kept plan and statistics
+    """The op's use of the one graph per layer (``op.trimmed._graphed_backward``: the front and
+    the expert half over one argument block, ``main_grad`` fused, the kept plan and statistics
     from the graph's buffers) on the host: the graph's kernels run in Triton's interpreter, the
     graph itself re-runs its launches (``test_cuda_expert_graph_matches_eager_layer`` replays
     real CUDA graphs). Four keep-0.5 calls against the stages on the torch paths: the same kept
