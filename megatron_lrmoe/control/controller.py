@@ -442,75 +442,39 @@ class _Call:
         rule = native.slot_rule(self.slot_rule(), num_ranks) if search else None
         if search and rule is None:
             return False
-        moves = native.max_moves(rule, num_ranks, num_experts) if search else 1
-        size, p, k = num_experts * num_ranks, num_ranks, 2 * moves
-        # One zeroed block (C writes a few entries per row of the [E, P] matrices), in int64
-        # words: info (threshold, K, M, forward peak, fixed peak), the forward /
-        # replicas / fixed [P] loads, holder columns expert / rank / forward / flat [2 * moves]
-        # each, bounds [moves + 1], experts [moves], the forward load [E * P], the uncapped
-        # quotas' backward load [E * P], rank load [P] and its two peaks (see
-        # :meth:`backward`); then bytes: holds [E * P], rigid [E].
-        cols = 5 + 3 * p
-        bounds_at = cols + 4 * k
-        experts_at = bounds_at + moves + 1
-        load_at = experts_at + moves
-        back_at = load_at + size
-        words = back_at + size + p + 2
-        block = np.zeros(8 * words + size + num_experts, dtype=np.uint8)
-        ints, flags = block[: 8 * words].view(np.int64), block[8 * words :].view(np.bool_)
-        at = native.address(block)
-        room, per_pair, replica_bytes, limit, linear = rule or (None, 0, 1, 0, False)
-        holders_at = [at + 8 * (cols + c * k) for c in range(4)] + [at + 8 * bounds_at]
-        experts_address = at + 8 * experts_at
-        args = native.PLACE_CALL.pack(
+        placed = native.place_call(
+            lib,
             num_ranks,
             num_experts,
             self.w_address,
-            search,
-            0 if room is None else native.address(room),
-            per_pair,
-            replica_bytes,
-            limit,
-            linear,
+            rule,
             PLACEMENT_TOLERANCE,
-            moves,
-            at,  # info
-            *holders_at,
-            experts_address,
-            at + 8 * load_at,  # forward load
-            at + 8 * words,  # holds
-            at + 8 * words + size,  # rigid
-            at + 40,  # forward rank load
-            at + 40 + 8 * p,  # replicas per rank
-            at + 40 + 16 * p,  # fixed rank load
-            native.address(self.q0),
+            self.q0,
             self.mode == "save",
-            at + 8 * back_at,  # backward load
-            at + 8 * (back_at + size),  # backward rank load, its peaks
         )
-        native.check(lib.lrmoe_place_call(args))
-        self.threshold, count, items, *peaks = ints[:5].tolist()
-        self.peaks = tuple(peaks)
-        if items:
-            expert, rank, forward, flat = ints[cols : cols + 4 * k].reshape(4, k)[:, :count]
-            bounds = ints[bounds_at : bounds_at + items + 1]
-            experts = ints[experts_at : experts_at + items]
+        self.threshold = placed.threshold
+        self.peaks = placed.peaks
+        if placed.holders is not None:
+            expert, rank, forward, flat, bounds, experts = placed.holders
             self.holders = _Holders(expert, rank, forward, bounds, experts)
             self.holder_flat = flat
-            self._holder_addresses = (items, *holders_at)  # M, expert, rank, forward, flat, bounds
+            self._holder_addresses = placed.holder_addresses
         else:
             self.holders = _Holders.empty()
-        self.forward_load = ints[load_at:back_at].reshape(num_experts, num_ranks)
-        load = ints[back_at : back_at + size].reshape(num_experts, num_ranks)
-        peaks = tuple(ints[back_at + size + p :].tolist())
-        rank_load = ints[back_at + size : back_at + size + p]
-        self._uncapped = _Backward(self.q0, load, rank_load, None, peaks=peaks)
-        self.holds = flags[:size].reshape(num_experts, num_ranks)
-        self.rigid = flags[size:]
-        self._rigid_address = at + 8 * words + size
-        self.forward_rank_load = ints[5 : 5 + p]
-        self.replicas_per_rank = ints[5 + p : 5 + 2 * p]
-        self.fixed_rank_load = ints[5 + 2 * p : 5 + 3 * p]
+        self.forward_load = placed.forward_load
+        self._uncapped = _Backward(
+            self.q0,
+            placed.backward_load,
+            placed.backward_rank_load,
+            None,
+            peaks=placed.backward_peaks,
+        )
+        self.holds = placed.holds
+        self.rigid = placed.rigid
+        self._rigid_address = placed.rigid_address
+        self.forward_rank_load = placed.forward_rank_load
+        self.replicas_per_rank = placed.replicas_per_rank
+        self.fixed_rank_load = placed.fixed_rank_load
         return True
 
     @cached_property
@@ -720,30 +684,23 @@ class _Call:
     ) -> Optional[_Backward]:
         """:meth:`backward`'s assignment in one C call (``lrmoe_backward``: :meth:`start`, the
         holder graph's exact min-max, the ``[E, P]`` fill), the same plan bit for bit."""
-        num_experts, num_ranks = self.num_experts, self.num_sources
-        size = num_experts * num_ranks
         quota = np.ascontiguousarray(quota, dtype=np.int64)
-        # backward load [E * P], rank load [P], its peak, the fixed-ownership peak
-        out = np.zeros(size + num_ranks + 2, dtype=np.int64)
-        at = native.address(out)
         caps_array = None if caps is None else np.ascontiguousarray(caps, dtype=np.int64)
-        args = native.BACKWARD.pack(
-            num_ranks,
-            num_experts,
-            native.address(quota),
+        result = native.backward(
+            lib,
+            self.num_sources,
+            self.num_experts,
+            quota,
             self.w_address,
             self._rigid_address,
-            *self._holder_args(),
+            self._holder_args(),
             self.mode == "save",
-            0 if caps_array is None else native.address(caps_array),
-            at,
-            at + 8 * size,
+            caps_array,
         )
-        if native.check(lib.lrmoe_backward(args)) == native.NONE:
+        if result is None:
             return None
-        load = out[:size].reshape(num_experts, num_ranks)
-        peaks = tuple(out[size + num_ranks :].tolist())
-        plan = _Backward(quota, load, out[size : size + num_ranks], None, None, peaks=peaks)
+        load, rank_load, peaks = result
+        plan = _Backward(quota, load, rank_load, None, None, peaks=peaks)
         return self._finish(plan)
 
     def min_max(
@@ -785,25 +742,17 @@ class _Call:
         """:meth:`caps_cut` in one C call (``lrmoe_start_caps_cut``)."""
         quota = np.ascontiguousarray(quota, dtype=np.int64)
         caps_array = np.array(caps, dtype=np.int64)
-        cut = np.empty(max(self.num_sources, 1), dtype=np.int64)
-        items, expert, rank, forward, _, bounds = self._holder_args()
-        args = native.START_CAPS_CUT.pack(
+        return native.start_caps_cut(
+            lib,
             self.num_sources,
             self.num_experts,
-            native.address(quota),
+            quota,
             self.w_address,
             self._rigid_address,
-            items,
-            expert,
-            rank,
-            forward,
-            bounds,
+            self._holder_args(),
             self.mode == "save",
-            native.address(caps_array),
-            native.address(cut),
+            caps_array,
         )
-        count = native.check(lib.lrmoe_start_caps_cut(args))  # -1: out of memory
-        return cut[:count].tolist() if count else None
 
     def reference_caps_cut(self, quota: np.ndarray, caps: list[int]) -> Optional[list[int]]:
         """The slow, obvious :meth:`caps_cut`: :func:`caps_cut` on per-item lists."""
@@ -1121,12 +1070,8 @@ def _totals(n: np.ndarray, keep_ratio: float, lib: Any) -> tuple[np.ndarray, np.
     if lib is None:
         w = n.sum(0)
         return w, quotas_np(w, keep_ratio)
-    out = np.empty((2, n.shape[1]), dtype=np.int64)
-    at = native.address(out)
-    args = native.COUNTS.pack(
-        *n.shape, native.address(n), keep_ratio, _ABS_TOL, _REL_TOL, at, at + 8 * n.shape[1]
-    )
-    if lib.lrmoe_counts(args):
+    out = native.counts(lib, n, keep_ratio, _ABS_TOL, _REL_TOL)
+    if out is None:
         raise ValueError("counts must be non-negative")
     return out[0], out[1]
 

@@ -28,7 +28,7 @@ import struct
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -36,13 +36,18 @@ from megatron_lrmoe.control.slots import LinearSlots
 
 __all__ = [
     "NativeError",
+    "PlacedCall",
+    "backward",
     "best_fit_greedy",
     "build",
     "caps_cut",
+    "counts",
     "library",
     "min_max",
+    "place_call",
     "place_search",
     "reset",
+    "start_caps_cut",
     "threshold_greedy",
 ]
 
@@ -405,4 +410,209 @@ def caps_cut(
     )
     if count < 0:
         raise NativeError("out of memory in the planner's native code")
+    return cut[:count].tolist() if count else None
+
+
+# --------------------------------------------------------------------------------------------- #
+# The controller's per-call entry points (one packed argument block each, see PLACE_CALL)
+# --------------------------------------------------------------------------------------------- #
+
+
+def counts(
+    lib: ctypes.CDLL, n: np.ndarray, keep_ratio: float, abs_tol: float, rel_tol: float
+) -> Optional[np.ndarray]:
+    """``lrmoe_counts``: ``[2, E]`` the pairs per expert W and the uncapped quotas Q0
+    (``quota.quotas_np`` with its tolerances) of the ``[P, E]`` counts ``n`` in one pass, or None
+    when a count is negative."""
+    out = np.empty((2, n.shape[1]), dtype=np.int64)
+    at = address(out)
+    args = COUNTS.pack(*n.shape, address(n), keep_ratio, abs_tol, rel_tol, at, at + 8 * n.shape[1])
+    if lib.lrmoe_counts(args):
+        return None
+    return out
+
+
+class PlacedCall(NamedTuple):
+    """What ``lrmoe_place_call`` wrote, as views of its one block (see :func:`place_call`).
+
+    ``holders``: the holder columns ``(expert, rank, forward, flat)`` ``[K]`` each, ``bounds``
+    ``[M + 1]`` and ``experts`` ``[M]``, or None when no expert is replicated (M = 0); then
+    ``holder_addresses`` is None too, else ``(M, expert, rank, forward, flat, bounds)`` as the
+    C calls take them. ``backward_*``: the uncapped quotas' assignment without caps (its load
+    ``[E, P]``, rank load ``[P]`` and ``(its peak, the fixed-ownership peak)``).
+    """
+
+    threshold: int
+    peaks: tuple[int, ...]  # (forward peak, fixed-ownership peak)
+    holders: Optional[tuple[np.ndarray, ...]]
+    holder_addresses: Optional[tuple[int, ...]]
+    forward_load: np.ndarray  # [E, P]
+    backward_load: np.ndarray  # [E, P]
+    backward_rank_load: np.ndarray  # [P]
+    backward_peaks: tuple[int, ...]
+    holds: np.ndarray  # [E, P] bool
+    rigid: np.ndarray  # [E] bool
+    rigid_address: int
+    forward_rank_load: np.ndarray  # [P]
+    replicas_per_rank: np.ndarray  # [P]
+    fixed_rank_load: np.ndarray  # [P]
+
+
+def place_call(
+    lib: ctypes.CDLL,
+    num_ranks: int,
+    num_experts: int,
+    w_address: int,
+    rule: Optional[SlotRule],
+    tolerance: float,
+    q0: np.ndarray,
+    save: bool,
+) -> PlacedCall:
+    """``lrmoe_place_call``: the placement's threshold search (``rule``: its slots' C form, or
+    None for no search), the holders of its moves, the forward matrices and the uncapped
+    quotas' (``q0``) backward assignment, all written into one zeroed block."""
+    search = rule is not None
+    moves = max_moves(rule, num_ranks, num_experts) if search else 1
+    size, p, k = num_experts * num_ranks, num_ranks, 2 * moves
+    # One zeroed block (C writes a few entries per row of the [E, P] matrices), in int64
+    # words: info (threshold, K, M, forward peak, fixed peak), the forward /
+    # replicas / fixed [P] loads, holder columns expert / rank / forward / flat [2 * moves]
+    # each, bounds [moves + 1], experts [moves], the forward load [E * P], the uncapped
+    # quotas' backward load [E * P], rank load [P] and its two peaks; then bytes: holds
+    # [E * P], rigid [E].
+    cols = 5 + 3 * p
+    bounds_at = cols + 4 * k
+    experts_at = bounds_at + moves + 1
+    load_at = experts_at + moves
+    back_at = load_at + size
+    words = back_at + size + p + 2
+    block = np.zeros(8 * words + size + num_experts, dtype=np.uint8)
+    ints, flags = block[: 8 * words].view(np.int64), block[8 * words :].view(np.bool_)
+    at = address(block)
+    room, per_pair, replica_bytes, limit, linear = rule or (None, 0, 1, 0, False)
+    holders_at = [at + 8 * (cols + c * k) for c in range(4)] + [at + 8 * bounds_at]
+    experts_address = at + 8 * experts_at
+    args = PLACE_CALL.pack(
+        num_ranks,
+        num_experts,
+        w_address,
+        search,
+        0 if room is None else address(room),
+        per_pair,
+        replica_bytes,
+        limit,
+        linear,
+        tolerance,
+        moves,
+        at,  # info
+        *holders_at,
+        experts_address,
+        at + 8 * load_at,  # forward load
+        at + 8 * words,  # holds
+        at + 8 * words + size,  # rigid
+        at + 40,  # forward rank load
+        at + 40 + 8 * p,  # replicas per rank
+        at + 40 + 16 * p,  # fixed rank load
+        address(q0),
+        save,
+        at + 8 * back_at,  # backward load
+        at + 8 * (back_at + size),  # backward rank load, its peaks
+    )
+    check(lib.lrmoe_place_call(args))
+    threshold, count, items, *peaks = ints[:5].tolist()
+    holders = holder_addresses = None
+    if items:
+        expert, rank, forward, flat = ints[cols : cols + 4 * k].reshape(4, k)[:, :count]
+        bounds = ints[bounds_at : bounds_at + items + 1]
+        experts = ints[experts_at : experts_at + items]
+        holders = (expert, rank, forward, flat, bounds, experts)
+        holder_addresses = (items, *holders_at)  # M, expert, rank, forward, flat, bounds
+    return PlacedCall(
+        threshold,
+        tuple(peaks),
+        holders,
+        holder_addresses,
+        ints[load_at:back_at].reshape(num_experts, num_ranks),
+        ints[back_at : back_at + size].reshape(num_experts, num_ranks),
+        ints[back_at + size : back_at + size + p],
+        tuple(ints[back_at + size + p :].tolist()),
+        flags[:size].reshape(num_experts, num_ranks),
+        flags[size:],
+        at + 8 * words + size,
+        ints[5 : 5 + p],
+        ints[5 + p : 5 + 2 * p],
+        ints[5 + 2 * p : 5 + 3 * p],
+    )
+
+
+def backward(
+    lib: ctypes.CDLL,
+    num_ranks: int,
+    num_experts: int,
+    quota: np.ndarray,
+    w_address: int,
+    rigid_address: int,
+    holder_addresses: tuple[int, ...],
+    save: bool,
+    caps: Optional[np.ndarray],
+) -> Optional[tuple[np.ndarray, np.ndarray, tuple[int, ...]]]:
+    """``lrmoe_backward``: the exact min-max backward assignment of ``quota`` (``[E]``) over the
+    holders (``holder_addresses``: ``(M, expert, rank, forward, flat, bounds)``) under the rank
+    ``caps`` (``[P]``, or None): ``(load [E, P], rank load [P], (its peak, the fixed-ownership
+    peak))``, or None when the caps admit no assignment."""
+    size = num_experts * num_ranks
+    # backward load [E * P], rank load [P], its peak, the fixed-ownership peak
+    out = np.zeros(size + num_ranks + 2, dtype=np.int64)
+    at = address(out)
+    args = BACKWARD.pack(
+        num_ranks,
+        num_experts,
+        address(quota),
+        w_address,
+        rigid_address,
+        *holder_addresses,
+        save,
+        0 if caps is None else address(caps),
+        at,
+        at + 8 * size,
+    )
+    if check(lib.lrmoe_backward(args)) == NONE:
+        return None
+    load = out[:size].reshape(num_experts, num_ranks)
+    peaks = tuple(out[size + num_ranks :].tolist())
+    return load, out[size : size + num_ranks], peaks
+
+
+def start_caps_cut(
+    lib: ctypes.CDLL,
+    num_ranks: int,
+    num_experts: int,
+    quota: np.ndarray,
+    w_address: int,
+    rigid_address: int,
+    holder_addresses: tuple[int, ...],
+    save: bool,
+    caps: np.ndarray,
+) -> Optional[list[int]]:
+    """``lrmoe_start_caps_cut``: the starting split of ``quota`` and the holder graph's
+    feasibility under the rank ``caps`` (``[P]``): None when they admit an assignment, else the
+    ranks of a violated cut (ascending)."""
+    cut = np.empty(max(num_ranks, 1), dtype=np.int64)
+    items, expert, rank, forward, _, bounds = holder_addresses
+    args = START_CAPS_CUT.pack(
+        num_ranks,
+        num_experts,
+        address(quota),
+        w_address,
+        rigid_address,
+        items,
+        expert,
+        rank,
+        forward,
+        bounds,
+        save,
+        address(caps),
+        address(cut),
+    )
+    count = check(lib.lrmoe_start_caps_cut(args))  # -1: out of memory
     return cut[:count].tolist() if count else None
