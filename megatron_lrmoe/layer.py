@@ -307,6 +307,7 @@ class LRMoELayer(MoELayer):
             quota_per_expert=plan.quota.tolist(),
             tokens_per_expert=tokens_per_expert,
             control=plan.control,
+            global_counts=plan.global_counts,
         )
         if plan.control is not None:
             stats.replicas_placed = plan.control.num_replicas

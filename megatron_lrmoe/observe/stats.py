@@ -140,6 +140,9 @@ class CallStats:
         kept_rows: Kept pairs whose expert backward ran on this rank (after backward): the
             actual per-rank backward load, at most ``planned_backward_peak``.
         kept_per_replica: Kept pairs of each replica on this rank (after backward).
+        global_counts: ``[P, E]`` host int64 pair counts ``N[r, e]`` of the call (all-gathered,
+            the same on every EP rank; the plan's own tensor: read, never modify). What the
+            routing trace records (megatron_lrmoe/observe/trace.py).
     """
 
     layer_number: int
@@ -167,6 +170,7 @@ class CallStats:
     forward_per_replica: list[int] = field(default_factory=list)
     kept_rows: Optional[int] = None
     kept_per_replica: Optional[list[int]] = None
+    global_counts: Optional[torch.Tensor] = None
 
     @property
     def control_summary(self) -> Optional[dict[str, Any]]:

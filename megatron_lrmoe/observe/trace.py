@@ -1,0 +1,280 @@
+"""Routing traces: the all-gathered pair counts of every MoE layer call, on disk.
+
+Shape legend: P EP ranks of the recorded run, E experts, C recorded calls, ``N[r, e]`` pairs
+from source rank r to expert e (what every EP rank all-gathers before the controller runs).
+
+Format ``lrmoe-routing-trace``, version 1 (:data:`TRACE_VERSION`). A trace is a directory; each
+writing process (by default EP rank 0 of every EP group, which holds its group's counts) owns
+one sub-directory named by its global rank::
+
+    DIR/rank00000/meta.json         {"format": "lrmoe-routing-trace", "version": 1,
+                                     "rank": 0, "ep_size": P, "num_experts": E, ...}
+    DIR/rank00000/chunk000000.npz   counts [C, P, E] int32, layer [C] int32,
+                                    call [C] int64, step [C] int64
+    DIR/rank00000/chunk000001.npz   ...
+
+``meta.json`` may carry more keys (``topk``, ``hidden_size``, ``ffn_hidden_size``, ``gated``,
+``activation_bytes``, ``param_bytes``: the layer's shape, for the replay's cost model). Each
+chunk holds whole calls in the order they ran: ``layer`` is Megatron's 1-based layer number,
+``call`` the layer's forward call counter (calls made with gradients enabled; the k-th call of
+every layer belongs to the k-th micro-batch forward, which is how :meth:`RoutingTrace.passes`
+groups them), ``step`` the training step when the recorder was told it, else -1. Chunks are
+written with ``numpy.savez_compressed`` under a temporary name and renamed into place, so a
+reader never sees half a chunk. A reader refuses other formats and newer versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "TRACE_FORMAT",
+    "TRACE_VERSION",
+    "RoutingTrace",
+    "TraceWriter",
+    "read_trace",
+    "write_trace",
+]
+
+TRACE_FORMAT = "lrmoe-routing-trace"
+TRACE_VERSION = 1
+_META = "meta.json"
+
+
+def rank_directory(directory: str | os.PathLike, rank: int) -> Path:
+    """``DIR/rankNNNNN``: where global rank ``rank`` writes."""
+    return Path(directory) / f"rank{int(rank):05d}"
+
+
+class TraceWriter:
+    """Buffers calls in memory and writes them as compressed chunks (one process, one rank).
+
+    Args:
+        directory: The trace directory (created if missing).
+        rank: The writer's global rank (its sub-directory's name).
+        ep_size: P of the recorded calls.
+        num_experts: E.
+        meta: More keys for ``meta.json`` (JSON-serialisable).
+        chunk_calls: Calls per chunk: a chunk is written when this many are buffered (the buffer
+            holds ``chunk_calls * P * E`` int32).
+
+    Raises:
+        ValueError: A non-positive size, or a directory that already holds this rank's trace
+            (choose another directory or remove the old one).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        rank: int,
+        ep_size: int,
+        num_experts: int,
+        meta: Optional[dict[str, Any]] = None,
+        chunk_calls: int = 1024,
+    ) -> None:
+        for name, value in (("ep_size", ep_size), ("num_experts", num_experts)):
+            if int(value) <= 0:
+                raise ValueError(f"TraceWriter: {name} ({value}) must be positive")
+        if int(chunk_calls) <= 0:
+            raise ValueError(f"TraceWriter: chunk_calls ({chunk_calls}) must be positive")
+        self.path = rank_directory(directory, rank)
+        if (self.path / _META).exists():
+            raise ValueError(
+                f"TraceWriter: {self.path} already holds a routing trace; pass another "
+                "directory or remove the old trace"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.ep_size, self.num_experts = int(ep_size), int(num_experts)
+        header = {
+            "format": TRACE_FORMAT,
+            "version": TRACE_VERSION,
+            "rank": int(rank),
+            "ep_size": self.ep_size,
+            "num_experts": self.num_experts,
+            **(meta or {}),
+        }
+        _atomic_write_text(self.path / _META, json.dumps(header, indent=1, sort_keys=True))
+        self._counts = np.empty((int(chunk_calls), self.ep_size, self.num_experts), np.int32)
+        self._layer = np.empty(int(chunk_calls), np.int32)
+        self._call = np.empty(int(chunk_calls), np.int64)
+        self._step = np.empty(int(chunk_calls), np.int64)
+        self._size = 0
+        self._chunks = 0
+        self.calls_written = 0
+
+    def append(self, layer: int, call: int, step: int, counts: Any) -> None:
+        """Buffer one call's ``[P, E]`` counts (copied as int32); write a chunk when full.
+
+        Raises:
+            ValueError: counts of another shape than the trace's ``[P, E]``.
+        """
+        counts = np.asarray(counts)
+        if counts.shape != (self.ep_size, self.num_experts):
+            raise ValueError(
+                f"TraceWriter: counts of layer {layer} have shape {counts.shape}; this trace "
+                f"records [P, E] = [{self.ep_size}, {self.num_experts}] (one trace per EP size)"
+            )
+        i = self._size
+        self._counts[i] = counts  # int64 -> int32: counts per call stay far below 2**31
+        self._layer[i], self._call[i], self._step[i] = layer, call, step
+        self._size += 1
+        if self._size == len(self._layer):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered calls as the next chunk (nothing when the buffer is empty)."""
+        if self._size == 0:
+            return
+        n = self._size
+        name = self.path / f"chunk{self._chunks:06d}.npz"
+        tmp = name.with_suffix(".tmp.npz")
+        np.savez_compressed(
+            tmp,
+            counts=self._counts[:n],
+            layer=self._layer[:n],
+            call=self._call[:n],
+            step=self._step[:n],
+        )
+        os.replace(tmp, name)
+        self._chunks += 1
+        self.calls_written += n
+        self._size = 0
+
+    close = flush
+
+
+@dataclass(frozen=True)
+class RoutingTrace:
+    """One rank's recorded calls, in the order they ran.
+
+    Attributes:
+        meta: ``meta.json`` (format, version, rank, ep_size, num_experts, and any extra keys).
+        counts: ``[C, P, E]`` int32 pair counts per call.
+        layer: ``[C]`` Megatron layer numbers.
+        call: ``[C]`` each layer's call counter.
+        step: ``[C]`` training steps (-1 where unknown).
+    """
+
+    meta: dict[str, Any]
+    counts: np.ndarray
+    layer: np.ndarray
+    call: np.ndarray
+    step: np.ndarray
+
+    @property
+    def ep_size(self) -> int:
+        return int(self.meta["ep_size"])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.meta["num_experts"])
+
+    @property
+    def layers(self) -> list[int]:
+        """The recorded layer numbers, ascending."""
+        return sorted({int(x) for x in self.layer})
+
+    def passes(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """``(call index, layer numbers [n], counts [n, P, E])`` per forward pass, in call order.
+
+        A pass is the k-th recorded call of every layer (one micro-batch's forward through the
+        layers this rank records), its calls sorted by layer number.
+        """
+        for k in np.unique(self.call):
+            rows = np.flatnonzero(self.call == k)
+            rows = rows[np.argsort(self.layer[rows], kind="stable")]
+            yield int(k), self.layer[rows], self.counts[rows]
+
+
+def write_trace(
+    directory: str | os.PathLike,
+    counts: np.ndarray,
+    layers: Sequence[int],
+    calls: Sequence[int],
+    *,
+    rank: int = 0,
+    steps: Optional[Sequence[int]] = None,
+    meta: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write a whole trace at once (synthetic traces, tests): ``counts`` ``[C, P, E]``.
+
+    Returns:
+        The rank's sub-directory.
+    """
+    counts = np.asarray(counts)
+    if counts.ndim != 3:
+        raise ValueError(f"write_trace: counts must be [C, P, E], got shape {counts.shape}")
+    steps = [-1] * len(counts) if steps is None else steps
+    if not len(layers) == len(calls) == len(steps) == len(counts):
+        raise ValueError(
+            f"write_trace: {len(counts)} calls of counts but {len(layers)} layers, "
+            f"{len(calls)} call indices, {len(steps)} steps (give one of each per call)"
+        )
+    writer = TraceWriter(
+        directory, rank, counts.shape[1], counts.shape[2], meta, chunk_calls=max(1, len(counts))
+    )
+    for c, layer, call, step in zip(counts, layers, calls, steps):
+        writer.append(int(layer), int(call), int(step), c)
+    writer.close()
+    return writer.path
+
+
+def read_trace(directory: str | os.PathLike, rank: Optional[int] = None) -> RoutingTrace:
+    """Read one rank's trace: ``rank``, else the lowest rank in ``directory``.
+
+    Raises:
+        ValueError: No trace there, a foreign format, a newer version, or chunks whose shapes
+            disagree with ``meta.json``.
+    """
+    directory = Path(directory)
+    if rank is None:
+        found = sorted(p for p in directory.glob("rank*") if (p / _META).is_file())
+        if not found:
+            raise ValueError(
+                f"read_trace: no routing trace in {directory} (expected rankNNNNN/{_META}; "
+                "record one with megatron_lrmoe.training.trace.install_trace_recorder)"
+            )
+        path = found[0]
+    else:
+        path = rank_directory(directory, rank)
+        if not (path / _META).is_file():
+            raise ValueError(f"read_trace: no trace of rank {rank} in {directory} ({path})")
+    meta = json.loads((path / _META).read_text())
+    if meta.get("format") != TRACE_FORMAT:
+        raise ValueError(f"read_trace: {path / _META} is not an {TRACE_FORMAT} header")
+    if int(meta.get("version", 0)) > TRACE_VERSION:
+        raise ValueError(
+            f"read_trace: {path} is version {meta['version']}; this reader knows up to "
+            f"{TRACE_VERSION} (update megatron-lrmoe)"
+        )
+    shape = (int(meta["ep_size"]), int(meta["num_experts"]))
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("counts", "layer", "call", "step")}
+    for chunk in sorted(path.glob("chunk[0-9]*.npz")):
+        if chunk.name.endswith(".tmp.npz"):
+            continue
+        with np.load(chunk) as data:
+            if data["counts"].shape[1:] != shape:
+                raise ValueError(
+                    f"read_trace: {chunk} holds counts of shape {data['counts'].shape[1:]}, "
+                    f"meta.json says {shape}"
+                )
+            for key in parts:
+                parts[key].append(data[key])
+    empty = {"counts": np.zeros((0, *shape), np.int32)}
+    arrays = {
+        k: np.concatenate(v) if v else empty.get(k, np.zeros(0, np.int64))
+        for k, v in parts.items()
+    }
+    return RoutingTrace(meta=meta, **arrays)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

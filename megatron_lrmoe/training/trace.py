@@ -1,0 +1,164 @@
+"""Record the routing of a training run (the per-call pair counts) for the replay tool.
+
+One call enables it::
+
+    recorder = install_trace_recorder(model, "/path/to/trace")  # before training
+    ...                                                        # train
+    recorder.close()                                           # or at process exit
+
+Every ``LRMoELayer`` of ``model`` hands the recorder the ``CallStats`` of each call made with
+gradients enabled (``LRMoELayer.add_stats_listener``); the recorder copies the call's
+all-gathered ``[P, E]`` counts (``CallStats.global_counts``) into a host buffer and writes
+compressed chunks in the format of :mod:`megatron_lrmoe.observe.trace`. The counts are the same
+on every rank of an EP group, so by default only EP rank 0 of each group records (pass
+``all_ranks=True`` for every rank). Needs ``LRMoEConfig.record_stats`` (the default).
+
+Overhead: per recorded call one copy of ``P * E`` integers into the buffer (no device sync: the
+counts are already on the host for the controller), and per ``chunk_calls`` calls one
+``numpy.savez_compressed`` on the recording rank. Measured on the 2-core development machine
+(``python -m megatron_lrmoe.training.trace`` runs the measurement): see docs/replay.md. At EP 64
+with 128 experts a call is 32 KiB raw; 48 layers are 1.5 MiB per micro-batch before
+compression; ``every`` records one pass in ``every`` to bound the disk use.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from megatron_lrmoe.control.costs import CostModel
+from megatron_lrmoe.layer import LRMoELayer
+from megatron_lrmoe.observe.stats import CallStats
+from megatron_lrmoe.observe.trace import TraceWriter
+
+__all__ = ["TraceRecorder", "install_trace_recorder"]
+
+logger = logging.getLogger(__name__)
+
+
+class TraceRecorder:
+    """Listens to LRMoE layers and writes their counts (see the module docstring).
+
+    Args:
+        layers: The LRMoE layers to record (one EP size, one expert count).
+        directory: The trace directory.
+        rank: This process's global rank (names its sub-directory).
+        every: Record the calls whose per-layer call index is a multiple of ``every``
+            (with M micro-batches per step, ``every = M * s`` records one micro-batch every
+            ``s`` steps).
+        chunk_calls: Calls per written chunk.
+
+    Raises:
+        ValueError: No layers, layers of different EP sizes or expert counts, ``every < 1``.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LRMoELayer],
+        directory: Union[str, os.PathLike],
+        rank: int,
+        every: int = 1,
+        chunk_calls: int = 1024,
+    ) -> None:
+        if not layers:
+            raise ValueError("TraceRecorder: no LRMoE layers to record")
+        if int(every) < 1:
+            raise ValueError(f"TraceRecorder: every ({every}) must be >= 1")
+        shapes = {(layer.token_dispatcher.ep_size, layer.config.num_moe_experts) for layer in layers}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"TraceRecorder: layers with different (EP size, experts) {sorted(shapes)}; "
+                "record each kind into its own directory"
+            )
+        ((ep_size, num_experts),) = shapes
+        config = layers[0].config
+        cost = CostModel.from_config(config)
+        meta = {
+            "topk": int(config.moe_router_topk),
+            "hidden_size": cost.hidden_size,
+            "ffn_hidden_size": cost.ffn_hidden_size,
+            "gated": cost.gated,
+            "activation_bytes": cost.activation_bytes,
+            "param_bytes": cost.param_bytes,
+            "layers": sorted(int(layer.layer_number or 1) for layer in layers),
+            "every": int(every),
+        }
+        self.every = int(every)
+        self.step = -1
+        self.writer = TraceWriter(directory, rank, ep_size, num_experts, meta, chunk_calls)
+        self._handles = [layer.add_stats_listener(self.record) for layer in layers]
+        self._warned = False
+
+    def set_step(self, step: int) -> None:
+        """The training step to store with the following calls (else -1)."""
+        self.step = int(step)
+
+    def record(self, layer_number: int, stats: CallStats) -> None:
+        """The listener: buffer this call's counts (a host copy, no device work)."""
+        if stats.call_index % self.every:
+            return
+        if stats.global_counts is None:
+            if not self._warned:
+                logger.warning("TraceRecorder: a call without global_counts was not recorded")
+                self._warned = True
+            return
+        self.writer.append(layer_number, stats.call_index, self.step, stats.global_counts.numpy())
+
+    def close(self) -> None:
+        """Stop listening and write what is buffered (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.writer.flush()
+
+
+def _layers(model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> list[LRMoELayer]:
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, LRMoELayer)]
+
+
+def install_trace_recorder(
+    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    directory: Union[str, os.PathLike],
+    *,
+    every: int = 1,
+    all_ranks: bool = False,
+    chunk_calls: int = 1024,
+) -> Optional[TraceRecorder]:
+    """Record the routing of ``model``'s LRMoE layers into ``directory`` (explicit, one call).
+
+    Args:
+        model: A module or a list of model chunks (DDP-wrapped or not).
+        directory: The trace directory (every recording rank writes its own sub-directory).
+        every: See :class:`TraceRecorder`.
+        all_ranks: Record on every rank, not only on EP rank 0 of each EP group.
+        chunk_calls: Calls per written chunk.
+
+    Returns:
+        The recorder (flushed at process exit too), or None on a rank that records nothing.
+
+    Raises:
+        ValueError: A layer with ``record_stats`` off (it makes no statistics to record).
+    """
+    layers = _layers(model)
+    off = [int(layer.layer_number or 1) for layer in layers if not layer.lrmoe_config.record_stats]
+    if off:
+        raise ValueError(
+            f"install_trace_recorder: layers {off} have record_stats=False; the routing trace "
+            "reads each call's statistics (turn record_stats on)"
+        )
+    if not all_ranks:
+        layers = [layer for layer in layers if layer.token_dispatcher.ep_rank == 0]
+    if not layers:
+        return None
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    recorder = TraceRecorder(layers, directory, rank, every=every, chunk_calls=chunk_calls)
+    atexit.register(recorder.close)
+    logger.info(
+        "recording the routing of %d LRMoE layers into %s", len(layers), recorder.writer.path
+    )
+    return recorder
