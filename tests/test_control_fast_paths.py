@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from megatron_lrmoe import LRMoEConfig
-from megatron_lrmoe.control import controller, placement
+from megatron_lrmoe.control import placement
+from megatron_lrmoe.control.assignment import PLACEMENT_TOLERANCE
+from megatron_lrmoe.control.budgets import BudgetSearch
 from megatron_lrmoe.control.controller import ControlPlan, plan_call
 from megatron_lrmoe.control.quota import (
     largest_cap,
@@ -57,16 +59,16 @@ def _degenerate_counts(rng: random.Random, case: int) -> np.ndarray:
     return counts
 
 
-def _call(counts: np.ndarray, lrmoe: LRMoEConfig, mode: str) -> controller._Call:
+def _call(counts: np.ndarray, lrmoe: LRMoEConfig, mode: str) -> BudgetSearch:
     w = counts.sum(0)
-    call = controller._Call(counts, w, lrmoe, COST, mode, quotas_np(w, lrmoe.keep_ratio))
+    call = BudgetSearch(counts, w, lrmoe, COST, mode, quotas_np(w, lrmoe.keep_ratio))
     call.place()
     return call
 
 
 def _degenerate_call(
     rng: random.Random, case: int, mode: str, replicas: list[int]
-) -> tuple[np.ndarray, controller._Call]:
+) -> tuple[np.ndarray, BudgetSearch]:
     """Degenerate counts and a placed controller call at a random keep ratio and replica limit."""
     counts = _degenerate_counts(rng, case)
     lrmoe = LRMoEConfig(
@@ -253,7 +255,7 @@ def test_holders_match_the_placement(mode: str) -> None:
         assert replicas == sorted((e, g) for e, g in flat if g != owner[e])
         # Built in Python from the moves: the same entries as the numpy reference, and the
         # host lists the holder graph reads match the arrays.
-        tolerance = controller.PLACEMENT_TOLERANCE
+        tolerance = PLACEMENT_TOLERANCE
         placement_ = placement.place_replicas(call.w, counts.shape[0], 2, tolerance)
         reference = call.reference_holders(placement_)
         for name in ("expert", "rank", "forward", "bounds", "experts", "item"):
@@ -393,13 +395,11 @@ def test_plans_match_the_reference_paths(monkeypatch: pytest.MonkeyPatch) -> Non
         cases.append((counts, lrmoe, rng.random() < 0.2))
     fast = [plan_call(c, 0, lrmoe, COST, exact_forward=x) for c, lrmoe, x in cases]
     _reference_greedies(monkeypatch)
-    monkeypatch.setattr(controller._Call, "fits", controller._Call.reference_fits)
-    monkeypatch.setattr(controller._Call, "memory_cap", controller._Call.bisect_cap)
-    monkeypatch.setattr(controller._Call, "min_max", controller._Call.reference_min_max)
-    monkeypatch.setattr(controller._Call, "caps_cut", controller._Call.reference_caps_cut)
-    monkeypatch.setattr(
-        controller._Call, "single_rank_load", controller._Call.reference_single_rank_load
-    )
+    monkeypatch.setattr(BudgetSearch, "fits", BudgetSearch.reference_fits)
+    monkeypatch.setattr(BudgetSearch, "memory_cap", BudgetSearch.bisect_cap)
+    monkeypatch.setattr(BudgetSearch, "min_max", BudgetSearch.reference_min_max)
+    monkeypatch.setattr(BudgetSearch, "caps_cut", BudgetSearch.reference_caps_cut)
+    monkeypatch.setattr(BudgetSearch, "single_rank_load", BudgetSearch.reference_single_rank_load)
     trimmed = 0
     for (counts, lrmoe, exact), got in zip(cases, fast):
         _same(got, plan_call(counts, 0, lrmoe, COST, exact_forward=exact))

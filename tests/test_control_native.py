@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from megatron_lrmoe import LRMoEConfig
-from megatron_lrmoe.control import controller, native, placement
+from megatron_lrmoe.control import native, placement
+from megatron_lrmoe.control.budgets import BudgetSearch
 from megatron_lrmoe.control.balance import HolderGraph
 from megatron_lrmoe.control.controller import ControlPlan, plan_call
 from megatron_lrmoe.control.quota import quotas_np
@@ -135,7 +136,7 @@ def test_place_replicas_matches_python(lib, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_linear_slots_match_the_budget_formula() -> None:
     """The slots rule the native search evaluates (:class:`LinearSlots`, from
-    ``_Call.slot_rule``) is the memory budget's: what the budget leaves after the source rows
+    ``Assignment.slot_rule``) is the memory budget's: what the budget leaves after the source rows
     and ``T`` pairs of saved activations, in whole replicas, at most the limit."""
     rng = random.Random(23)
     linear = 0
@@ -144,7 +145,7 @@ def test_linear_slots_match_the_budget_formula() -> None:
         mode = rng.choice(["save", "recompute"])
         lrmoe = dataclasses.replace(_budget_config(rng, counts, mode), activation_mode=mode)
         w = counts.sum(0)
-        call = controller._Call(counts, w, lrmoe, COST, mode, quotas_np(w, 0.5))
+        call = BudgetSearch(counts, w, lrmoe, COST, mode, quotas_np(w, 0.5))
         rule = call.slot_rule()
         linear += isinstance(rule, LinearSlots)
         for threshold in (0, 1, 100, 5000, 10**6):
@@ -210,9 +211,9 @@ def test_holder_graph_matches_python(lib, seed: int, kind: str) -> None:
 # The controller's steps
 
 
-def _call(counts: np.ndarray, lrmoe: LRMoEConfig, mode: str) -> controller._Call:
+def _call(counts: np.ndarray, lrmoe: LRMoEConfig, mode: str) -> BudgetSearch:
     w = counts.sum(0)
-    call = controller._Call(counts, w, lrmoe, COST, mode, quotas_np(w, lrmoe.keep_ratio))
+    call = BudgetSearch(counts, w, lrmoe, COST, mode, quotas_np(w, lrmoe.keep_ratio))
     call.place()
     return call
 
@@ -252,7 +253,7 @@ def test_controller_steps_match_python(lib, monkeypatch: pytest.MonkeyPatch, mod
         for name in ("expert", "rank", "forward", "bounds", "experts"):
             assert np.array_equal(getattr(fast.holders, name), getattr(slow.holders, name)), name
         checked["replicas"] += len(fast.holders) > 0
-        # The starting split (C) against _Call.start (numpy).
+        # The starting split (C) against Assignment.start (numpy).
         quota = fast.q0
         base, initial = slow.start(quota)
         got_base = np.empty(counts.shape[0], dtype=np.int64)

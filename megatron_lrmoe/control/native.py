@@ -13,7 +13,7 @@ and renames it into place, so ranks building at once are safe. Without a compile
 build or the load fails, :func:`library` logs one warning and returns None, and every caller
 takes its Python path. ``LRMOE_NATIVE=0`` forces the Python path (read at every call).
 
-Shape legend as in controller.py: P ranks, E experts, M replicated experts (items), K holder
+Shape legend as in assignment.py: P ranks, E experts, M replicated experts (items), K holder
 entries. Every array crossing the boundary is C-contiguous int64 (or numpy bool / uint8).
 """
 
