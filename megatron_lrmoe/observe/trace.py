@@ -38,6 +38,7 @@ __all__ = [
     "TRACE_VERSION",
     "RoutingTrace",
     "TraceWriter",
+    "rank_directory",
     "read_trace",
     "write_trace",
 ]

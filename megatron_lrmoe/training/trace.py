@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -68,7 +68,9 @@ class TraceRecorder:
             raise ValueError("TraceRecorder: no LRMoE layers to record")
         if int(every) < 1:
             raise ValueError(f"TraceRecorder: every ({every}) must be >= 1")
-        shapes = {(layer.token_dispatcher.ep_size, layer.config.num_moe_experts) for layer in layers}
+        shapes = {
+            (layer.token_dispatcher.ep_size, layer.config.num_moe_experts) for layer in layers
+        }
         if len(shapes) != 1:
             raise ValueError(
                 f"TraceRecorder: layers with different (EP size, experts) {sorted(shapes)}; "

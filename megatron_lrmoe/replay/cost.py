@@ -1,0 +1,232 @@
+"""The replay's cost model: grouped-GEMM time from a measured table, all-to-all time from bytes.
+
+Shape legend: P EP ranks, E experts, H hidden, F expert FFN width, F1 fc1 width (2F gated).
+
+GEMM. :class:`GemmTable` holds, per projection (fc1 ``[F1, H]``, fc2 ``[H, F]``), the time of one
+grouped GEMM over ``groups`` experts of ``r`` rows each, for a grid of ``r``. A rank's grouped
+GEMM over its experts (owned and replicas) with rows ``r_e`` is priced as the sum of per-expert
+times ``t(r_e) = table(r_e) / groups``: piecewise linear between the table's points, the
+smallest point's time for ``0 < r`` below it (a group costs at least its first tile), the last
+segment's slope above the grid (throughput-bound), 0 for an empty group. Forward: fc1 + fc2 on
+the rows computed. Backward: dgrad and wgrad of both projections (twice the forward's GEMMs, the
+same FLOPs per row) on the rows whose backward runs there, plus fc1 again in ``recompute`` mode.
+Elementwise work (activation, scaling, gathers) and launch gaps are not priced. A table measured
+at another shape is scaled by the ratio of weight sizes (FLOPs per row), see
+:meth:`GemmTable.for_shape`.
+
+Network. :class:`Network` prices one all-to-all from its ``[P, P]`` bytes (sender, receiver):
+ranks ``g // gpus_per_node`` share a node. A rank's time is the slower of its intra-node and its
+inter-node part, each ``latency + max(bytes sent, bytes received) / bandwidth`` over the links
+of that class (its NVLink port, its own NIC), both running at once; bytes a rank keeps cost
+nothing. The collective ends with its slowest rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_lrmoe.control.costs import CostModel
+
+__all__ = ["DEFAULT_GEMM_TABLE", "GemmTable", "Network", "load_gemm_table"]
+
+GEMM_TABLE_FORMAT = "lrmoe-gemm-table"
+
+
+@dataclass(frozen=True)
+class GemmTable:
+    """Measured grouped-GEMM times (milliseconds) per projection against rows per expert.
+
+    Attributes:
+        rows_per_expert: The grid, ascending, positive.
+        fc1_ms: Time of one grouped GEMM over ``groups`` experts of fc1's shape, per grid point.
+        fc2_ms: The same for fc2.
+        groups: Experts in each measured grouped GEMM.
+        hidden_size, ffn_hidden_size, gated: The measured shape (H, F, gated fc1).
+        source: Where the numbers come from (files, device, command).
+    """
+
+    rows_per_expert: tuple[int, ...]
+    fc1_ms: tuple[float, ...]
+    fc2_ms: tuple[float, ...]
+    groups: int
+    hidden_size: int
+    ffn_hidden_size: int
+    gated: bool = True
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        rows = np.asarray(self.rows_per_expert)
+        n = len(rows)
+        if n < 2 or len(self.fc1_ms) != n or len(self.fc2_ms) != n:
+            raise ValueError(
+                f"GemmTable: {n} grid points, {len(self.fc1_ms)} fc1 and {len(self.fc2_ms)} fc2 "
+                "times; give at least two points and one time per point for each projection"
+            )
+        if rows[0] <= 0 or (np.diff(rows) <= 0).any():
+            raise ValueError(
+                f"GemmTable.rows_per_expert ({list(self.rows_per_expert)}) must be positive and "
+                "strictly ascending"
+            )
+        if min(self.fc1_ms) <= 0 or min(self.fc2_ms) <= 0 or self.groups <= 0:
+            raise ValueError("GemmTable: times and groups must be positive")
+
+    def expert_ms(self, projection: str, rows: np.ndarray) -> np.ndarray:
+        """Milliseconds of one expert's share of a grouped GEMM with ``rows`` rows (any shape).
+
+        Args:
+            projection: ``"fc1"`` or ``"fc2"``.
+            rows: Non-negative row counts.
+        """
+        if projection not in ("fc1", "fc2"):
+            raise ValueError(f"GemmTable: projection {projection!r} must be 'fc1' or 'fc2'")
+        grid = np.asarray(self.rows_per_expert, dtype=np.float64)
+        ms = np.asarray(self.fc1_ms if projection == "fc1" else self.fc2_ms) / self.groups
+        r = np.asarray(rows, dtype=np.float64)
+        slope = (ms[-1] - ms[-2]) / (grid[-1] - grid[-2])
+        out = np.interp(r, grid, ms)  # below the grid: ms[0] (the first tile's floor)
+        out = np.where(r > grid[-1], ms[-1] + slope * (r - grid[-1]), out)
+        return np.where(r > 0, out, 0.0)
+
+    def rank_ms(self, projection: str, rows_per_expert_rank: np.ndarray) -> np.ndarray:
+        """``[P]`` ms of each rank's grouped GEMM from ``[E, P]`` rows (0 where not held)."""
+        return self.expert_ms(projection, rows_per_expert_rank).sum(axis=0)
+
+    def for_shape(self, cost: CostModel) -> "GemmTable":
+        """This table rescaled to ``cost``'s shape by the ratio of each projection's weight
+        elements (FLOPs per row); itself when the shape matches."""
+        fc1_t = (2 if self.gated else 1) * self.ffn_hidden_size * self.hidden_size
+        fc2_t = self.hidden_size * self.ffn_hidden_size
+        fc1 = cost.fc1_width * cost.hidden_size / fc1_t
+        fc2 = cost.hidden_size * cost.ffn_hidden_size / fc2_t
+        if fc1 == 1.0 and fc2 == 1.0:
+            return self
+        return GemmTable(
+            rows_per_expert=self.rows_per_expert,
+            fc1_ms=tuple(t * fc1 for t in self.fc1_ms),
+            fc2_ms=tuple(t * fc2 for t in self.fc2_ms),
+            groups=self.groups,
+            hidden_size=cost.hidden_size,
+            ffn_hidden_size=cost.ffn_hidden_size,
+            gated=cost.gated,
+            source=f"{self.source}; scaled by weight size to H={cost.hidden_size}, "
+            f"F={cost.ffn_hidden_size}, gated={cost.gated}",
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": GEMM_TABLE_FORMAT, "version": 1, **asdict(self)}
+
+
+def load_gemm_table(path: str | os.PathLike) -> GemmTable:
+    """Read a table written by ``benchmarks/gemm_table.py`` (or :meth:`GemmTable.to_json`).
+
+    Raises:
+        ValueError: Not a GEMM table, or malformed (the message names the field).
+    """
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if data.get("format") != GEMM_TABLE_FORMAT:
+        raise ValueError(
+            f"{path} is not an {GEMM_TABLE_FORMAT} file (write one with "
+            "python benchmarks/gemm_table.py --out FILE)"
+        )
+    fields = {k: data[k] for k in GemmTable.__dataclass_fields__ if k in data}
+    for key in ("rows_per_expert", "fc1_ms", "fc2_ms"):
+        fields[key] = tuple(fields[key])
+    return GemmTable(**fields)
+
+
+# The default table: torch's grouped GEMM (bf16, ``torch.nn.functional.grouped_mm``) over 128
+# experts at the Qwen3-30B-A3B expert shape (H 2048, F 768, SwiGLU), one H200, the ``gemm_ms``
+# column of benchmarks/wgrad_bench.py (the weight-gradient GEMM, group sizes drawn around the
+# mean; the forward and dgrad GEMMs of a projection have the same FLOPs per row and are priced
+# with it). Points 128-2048: benchmarks/results/gpu_run26/call2/wgrad_quick.json (one run);
+# 4096: benchmarks/results/gpu_run12/wgrad_auto.json (the only committed point above 2048).
+# Cross-check against /work/shared/measurements/h200_baseline.md: 64 experts x 2048 rows
+# forward (fc1 + fc2 + activation) measured 2.35 ms; this table gives 1.86 ms of GEMMs.
+# Re-measure with ``python benchmarks/gemm_table.py --out FILE`` on the GPU and pass --gemm-table.
+DEFAULT_GEMM_TABLE = GemmTable(
+    rows_per_expert=(128, 256, 512, 768, 1024, 1536, 2048, 4096),
+    fc1_ms=(0.5084, 0.5854, 0.8059, 1.0471, 1.3571, 1.8997, 2.4554, 5.0740),
+    fc2_ms=(0.3069, 0.3058, 0.4319, 0.5579, 0.6863, 0.9620, 1.2688, 2.2861),
+    groups=128,
+    hidden_size=2048,
+    ffn_hidden_size=768,
+    gated=True,
+    source=(
+        "H200, torch grouped_mm bf16, 128 experts: benchmarks/results/gpu_run26/call2/"
+        "wgrad_quick.json (128-2048 rows), benchmarks/results/gpu_run12/wgrad_auto.json (4096)"
+    ),
+)
+
+# NVLink within a node. Bandwidth and latency fitted to the two NCCL all-to-all points of
+# /work/shared/measurements/h200_baseline.md (2 x H200, 2048-wide bf16 rows, half of each
+# buffer crossing: 32768 rows at 264 GB/s, 131072 rows at 295 GB/s per GPU off-GPU traffic):
+# t = 36 us + bytes / 307 GB/s. (The H200's NVLink 4 peak is 450 GB/s per direction.)
+NVLINK_GBPS = 307.0
+NVLINK_LATENCY_US = 36.0
+# Across nodes: one 400 Gb/s NIC per GPU (ConnectX-7 NDR, HGX H200 reference design; the
+# issue's default), 50 GB/s per direction. Latency: an assumption (NCCL's inter-node all-to-all
+# start-up plus an InfiniBand round trip, tens of microseconds); not measured in this repo.
+NIC_GBPS = 50.0
+NIC_LATENCY_US = 50.0
+# GPUs per node: the HGX H200 board (NVLink reaches 8 GPUs).
+GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class Network:
+    """All-to-all pricing (see the module docstring); bandwidths in GB/s (1e9 bytes/s).
+
+    Attributes:
+        gpus_per_node: Ranks ``g`` with the same ``g // gpus_per_node`` share NVLink.
+        intra_gbps, intra_latency_us: One rank's NVLink bandwidth per direction and the
+            collective's fixed cost within a node.
+        inter_gbps, inter_latency_us: One rank's NIC bandwidth per direction and the fixed cost
+            of the inter-node part.
+    """
+
+    gpus_per_node: int = GPUS_PER_NODE
+    intra_gbps: float = NVLINK_GBPS
+    intra_latency_us: float = NVLINK_LATENCY_US
+    inter_gbps: float = NIC_GBPS
+    inter_latency_us: float = NIC_LATENCY_US
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1 or self.intra_gbps <= 0 or self.inter_gbps <= 0:
+            raise ValueError(
+                f"Network: gpus_per_node ({self.gpus_per_node}) must be >= 1 and bandwidths "
+                f"({self.intra_gbps}, {self.inter_gbps} GB/s) positive"
+            )
+
+    def _same_node(self, ranks: int) -> np.ndarray:
+        mask = self._masks.get(ranks)
+        if mask is None:
+            node = np.arange(ranks) // self.gpus_per_node
+            mask = self._masks[ranks] = node[:, None] == node[None, :]
+        return mask
+
+    def alltoall_ms(self, bytes_matrix: np.ndarray) -> np.ndarray:
+        """``[P]`` milliseconds each rank spends in one all-to-all of ``[P, P]`` bytes
+        (``[sender, receiver]``; the diagonal is free). 0 for every rank when nothing moves."""
+        b = np.asarray(bytes_matrix, dtype=np.float64)
+        ranks = b.shape[0]
+        if b.shape != (ranks, ranks):
+            raise ValueError(f"Network: bytes must be [P, P], got shape {b.shape}")
+        same = self._same_node(ranks)
+        off = ~np.eye(ranks, dtype=bool)
+        times = []
+        for mask, gbps, latency_us in (
+            (same & off, self.intra_gbps, self.intra_latency_us),
+            (~same, self.inter_gbps, self.inter_latency_us),
+        ):
+            part = np.where(mask, b, 0.0)
+            volume = np.maximum(part.sum(axis=1), part.sum(axis=0))
+            t = volume / (gbps * 1e6)  # GB/s -> bytes per ms
+            times.append(np.where(volume > 0, t + latency_us * 1e-3, 0.0))
+        return np.maximum(times[0], times[1])

@@ -1,0 +1,414 @@
+"""Replay recorded routing through the controller at P virtual EP ranks and price every rank.
+
+Shape legend: P virtual EP ranks, E experts, L layers of a pass, ``N[r, e]`` pairs from source
+r to expert e, ``A[e, g]`` / ``B[e, g]`` pairs of e computed on g in forward / kept for its
+backward on g (the controller's ``forward_load`` / ``backward_load``).
+
+Per layer call and arm, :func:`plan_call` (the real controller, the same plan every rank would
+compute) decides quotas, replicas and both assignments; :func:`price_call` turns the plan into
+per-rank work and prices each phase with :mod:`megatron_lrmoe.replay.cost`:
+
+| phase | rows / bytes per rank |
+|---|---|
+| ``dispatch``, ``combine`` | token rows (H) per pair, source -> holder and back |
+| ``replica_fetch`` | each replica's fc1 + fc2 weights, owner -> holder |
+| ``gemm_fwd`` | fc1 + fc2 over ``A[:, g]`` |
+| ``grad`` | the kept pairs' gradient rows, source -> holder (H; 2H with recompute at P > 1) |
+| ``gemm_bwd`` | dgrad + wgrad of fc1 and fc2 over ``B[:, g]`` (+ fc1 again with recompute) |
+| ``dgrad`` | the kept pairs' input-gradient rows (H), holder -> source |
+| ``replica_grads`` | each replica's weight gradient (in the weights' dtype), holder -> owner |
+
+A phase lasts as long as its slowest rank; the call's MoE time is the sum of its phases (no
+overlap between phases), a pass's the sum over its layers. The stock arm (fixed ownership, keep
+1.0) is the same controller at keep 1.0 without replicas; its memory is stock Megatron's
+(``MemoryPlan.stock_*``: ``SequentialMLP``'s saved activations). Memory per rank over a pass:
+what each layer holds from its forward to its backward (replicas and saved activations) summed
+over the layers, plus the largest transient buffer of one layer (forward token buffers or
+backward working rows). Router, permutation, the scalar exchanges (routing-weight gradients,
+positions) and elementwise kernels are not priced.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control.balance import interval_split_np
+from megatron_lrmoe.control.controller import ControlPlan, plan_call
+from megatron_lrmoe.control.costs import CostModel
+from megatron_lrmoe.replay.cost import GemmTable, Network
+
+__all__ = [
+    "DEFAULT_ARMS",
+    "Arm",
+    "CallPrice",
+    "PHASES",
+    "parse_arm",
+    "price_call",
+    "rank_pair_rows",
+    "replay_pass",
+]
+
+PHASES = (
+    "dispatch",
+    "replica_fetch",
+    "gemm_fwd",
+    "combine",
+    "grad",
+    "gemm_bwd",
+    "dgrad",
+    "replica_grads",
+)
+DEFAULT_ARMS = (
+    "stock",
+    "rep2",
+    "keep0.5",
+    "keep0.25",
+    "keep0.5+rep2",
+    "keep0.25+rep2",
+    "keep0.5+rep2+mem0.8x",
+    "keep0.5+rep2+xch0.3x",
+)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration to replay.
+
+    Attributes:
+        name: As given (``stock``, or tokens joined by ``+``: ``keep0.5``, ``rep2``,
+            ``mem0.6x`` / ``mem2e9``, ``xch0.5x`` / ``xch1e8``, ``save`` / ``recompute`` /
+            ``auto``). A budget ending in ``x`` is a fraction of what the stock arm holds per
+            rank at the same P when balanced (:func:`stock_references`: budgeted bytes for
+            ``mem``, gradient-exchange bytes for ``xch``); else bytes.
+        stock: Fixed ownership, keep 1.0, memory as stock Megatron's.
+        keep_ratio, max_replicas_per_rank, activation_mode: As in :class:`LRMoEConfig`.
+        memory_budget, exchange_budget: ``(value, relative)`` or None.
+    """
+
+    name: str
+    stock: bool = False
+    keep_ratio: float = 1.0
+    max_replicas_per_rank: int = 0
+    activation_mode: str = "save"
+    memory_budget: Optional[tuple[float, bool]] = None
+    exchange_budget: Optional[tuple[float, bool]] = None
+
+    @property
+    def relative_budgets(self) -> bool:
+        return any(b is not None and b[1] for b in (self.memory_budget, self.exchange_budget))
+
+    def config(self, stock_memory: float = 0.0, stock_exchange: float = 0.0) -> LRMoEConfig:
+        """The layer config of this arm; relative budgets scale the stock references given."""
+
+        def resolve(budget: Optional[tuple[float, bool]], ref: float) -> Optional[int]:
+            if budget is None:
+                return None
+            value, relative = budget
+            return int(value * ref) if relative else int(value)
+
+        return LRMoEConfig(
+            keep_ratio=self.keep_ratio,
+            max_replicas_per_rank=self.max_replicas_per_rank,
+            activation_mode=self.activation_mode,
+            memory_budget_bytes=resolve(self.memory_budget, stock_memory),
+            exchange_budget_bytes=resolve(self.exchange_budget, stock_exchange),
+        )
+
+
+_TOKEN = re.compile(r"^(keep|rep|mem|xch)([0-9.eE+-]+?)(x?)$")
+
+
+def parse_arm(text: str) -> Arm:
+    """An :class:`Arm` from its name (see :attr:`Arm.name`).
+
+    Raises:
+        ValueError: An unknown token, naming it and the grammar.
+    """
+    if text == "stock":
+        return Arm(name=text, stock=True)
+    arm = Arm(name=text)
+    for token in text.split("+"):
+        if token in ("save", "recompute", "auto"):
+            arm = replace(arm, activation_mode=token)
+            continue
+        m = _TOKEN.match(token)
+        try:
+            key, value, relative = m.group(1), float(m.group(2)), m.group(3) == "x"
+        except (AttributeError, ValueError):
+            raise ValueError(
+                f"arm {text!r}: token {token!r} is not one of keepR, repN, memB, memFx, xchB, "
+                "xchFx, save, recompute, auto (e.g. keep0.5+rep2+mem0.6x), nor 'stock'"
+            ) from None
+        if key in ("keep", "rep") and relative:
+            raise ValueError(f"arm {text!r}: {token!r} takes no 'x' (only mem and xch do)")
+        if key == "keep":
+            arm = replace(arm, keep_ratio=value)
+        elif key == "rep":
+            arm = replace(arm, max_replicas_per_rank=int(value))
+        elif key == "mem":
+            arm = replace(arm, memory_budget=(value, relative))
+        else:
+            arm = replace(arm, exchange_budget=(value, relative))
+    arm.config()  # LRMoEConfig validates the values
+    return arm
+
+
+def rank_pair_rows(
+    chunks: np.ndarray, load: np.ndarray, owner: np.ndarray, holds_many: np.ndarray
+) -> np.ndarray:
+    """``[P(src), P(holder)]`` rows of ``chunks`` ``[P, E]`` split over holders by ``load``
+    ``[E, P]`` with the controller's line rule (``interval_split_np``), summed over experts.
+
+    Experts held by one rank in ``load`` go whole to it; only ``holds_many`` experts are split.
+    """
+    ranks = chunks.shape[0]
+    out = np.zeros((ranks, ranks), dtype=np.int64)
+    single = ~holds_many
+    if single.any():
+        dest = np.where(load[single].any(axis=1), load[single].argmax(axis=1), owner[single])
+        onehot = np.zeros((int(single.sum()), ranks), dtype=np.int64)
+        onehot[np.arange(len(dest)), dest] = 1
+        out += chunks[:, single] @ onehot
+    if holds_many.any():
+        many = np.flatnonzero(holds_many)
+        out += interval_split_np(
+            np.ascontiguousarray(chunks[:, many]), load[many], owner[many]
+        ).sum(axis=1)
+    return out
+
+
+@dataclass
+class CallPrice:
+    """One layer call of one arm, priced.
+
+    Attributes:
+        phase_ms: Slowest rank's milliseconds per phase (:data:`PHASES`).
+        forward_rows, backward_rows: ``[P]`` pairs computed / kept per rank.
+        held_bytes: ``[P]`` bytes held from forward to backward (replicas, saved activations).
+        transient_bytes: ``[P]`` the larger of forward token buffers and backward working rows.
+        network_bytes: ``[P]`` bytes each rank sends to other ranks over all phases.
+        exchange_bytes: ``[P(sender), P(receiver)]`` bytes per exchange phase (the diagonal is
+            what a rank keeps; the layer's ``CallStats.exchanges`` count it too).
+        pairs, kept, trimmed, replicas: Totals of the call.
+        binding: Budgets that bound (``ControlPlan.binding_budgets``), unmet ones marked ``!``.
+        plan_ms: The controller's wall time.
+    """
+
+    phase_ms: dict[str, float]
+    forward_rows: np.ndarray
+    backward_rows: np.ndarray
+    held_bytes: np.ndarray
+    transient_bytes: np.ndarray
+    network_bytes: np.ndarray
+    exchange_bytes: dict[str, np.ndarray]
+    pairs: int
+    kept: int
+    trimmed: int
+    replicas: int
+    binding: tuple[str, ...] = ()
+    plan_ms: float = 0.0
+
+    @property
+    def total_ms(self) -> float:
+        return float(sum(self.phase_ms.values()))
+
+
+def _replica_matrix(plan: ControlPlan, owner: np.ndarray) -> np.ndarray:
+    """``[P(owner), P(holder)]`` replicas of the call."""
+    holds = plan.holds.numpy().copy()
+    holds[np.arange(len(owner)), owner] = False
+    ranks = holds.shape[1]
+    out = np.zeros((ranks, ranks), dtype=np.int64)
+    experts, holders = np.nonzero(holds)
+    np.add.at(out, (owner[experts], holders), 1)
+    return out
+
+
+def _backward_pairs(plan: ControlPlan, owner: np.ndarray, holds_many: np.ndarray) -> np.ndarray:
+    """``[P(src), P(holder)]`` kept pairs of the backward (sum over E of the assignment)."""
+    counts = plan.counts.numpy()
+    b = plan.backward_load.numpy()
+    if plan.keeps_all:
+        chunks = counts
+    elif plan.source_split is not None:
+        groups = plan.save_groups
+        if groups is not None:  # save mode with replicas: per forward sub-chunk
+            group_expert, group_rank, group_kept = (t.numpy() for t in groups)
+            source_quota = plan.source_quota.numpy().copy()
+            source_quota[:, group_expert] = 0
+            out = rank_pair_rows(source_quota, np.zeros_like(b), owner, np.zeros_like(holds_many))
+            onehot = np.zeros((len(group_rank), b.shape[1]), dtype=np.int64)
+            onehot[np.arange(len(group_rank)), group_rank] = 1
+            return out + group_kept @ onehot
+        chunks = plan.source_quota.numpy()
+    else:  # scope global: sources decided at run time; split B in proportion to the counts
+        w = np.maximum(counts.sum(axis=0), 1)
+        chunks = (counts * plan.quota.numpy()[None, :]) // w[None, :]
+    return rank_pair_rows(chunks, b, owner, (b > 0).sum(axis=1) > 1)
+
+
+def price_call(
+    plan: ControlPlan,
+    cost: CostModel,
+    gemm: GemmTable,
+    network: Network,
+    stock: bool = False,
+) -> CallPrice:
+    """Price one planned call on every rank (see the module docstring).
+
+    Args:
+        plan: The controller's plan (made with ``cost``, so that ``plan.memory`` exists).
+        cost: Bytes per row and per replica.
+        gemm: The GEMM table at ``cost``'s shape (:meth:`GemmTable.for_shape`).
+        network: All-to-all pricing.
+        stock: Price the memory as stock Megatron's (``MemoryPlan.stock_*``).
+    """
+    memory = plan.memory
+    if memory is None:
+        raise ValueError("price_call: the plan has no memory plan; call plan_call with a cost")
+    counts = plan.counts.numpy()
+    owner = plan.owner.numpy()
+    a, b = plan.forward_load.numpy(), plan.backward_load.numpy()
+    holds_many = plan.holds.numpy().sum(axis=1) > 1
+    multi = plan.ep_size > 1
+    row = cost.row_bytes
+    forward_pairs = rank_pair_rows(counts, a, owner, holds_many)
+    backward_pairs = forward_pairs if plan.keeps_all else _backward_pairs(plan, owner, holds_many)
+    recompute = plan.activation_mode == "recompute" and not plan.keeps_all
+    grad_row = row * (2 if recompute and multi else 1)
+    weights = cost.replica_bytes // (cost.param_bytes + cost.grad_bytes) * cost.param_bytes
+    replicas = _replica_matrix(plan, owner)
+    exchanges = {
+        "dispatch": forward_pairs * row,
+        "replica_fetch": replicas * weights,
+        "combine": forward_pairs.T * row,
+        "grad": backward_pairs * grad_row,
+        "dgrad": backward_pairs.T * row,
+        "replica_grads": replicas.T * weights,
+    }
+    fwd = gemm.rank_ms("fc1", a) + gemm.rank_ms("fc2", a)
+    bwd = 2.0 * (gemm.rank_ms("fc1", b) + gemm.rank_ms("fc2", b))
+    if recompute:
+        bwd = bwd + gemm.rank_ms("fc1", b)
+    phase_ms = {name: float(network.alltoall_ms(m).max()) for name, m in exchanges.items()}
+    phase_ms["gemm_fwd"] = float(fwd.max())
+    phase_ms["gemm_bwd"] = float(bwd.max())
+    off = ~np.eye(plan.ep_size, dtype=bool)
+    network_bytes = sum(np.where(off, m, 0).sum(axis=1) for m in exchanges.values())
+    if stock:
+        held = memory.stock_saved_bytes.numpy()
+        transient = np.maximum(
+            memory.stock_backward_bytes.numpy(), memory.stock_forward_buffer_bytes.numpy()
+        )
+    else:
+        held = memory.replica_bytes.numpy() + memory.saved_bytes.numpy()
+        transient = np.maximum(
+            memory.backward_bytes.numpy(), memory.forward_buffer_bytes.numpy()
+        )
+    return CallPrice(
+        phase_ms={name: phase_ms[name] for name in PHASES},
+        forward_rows=a.sum(axis=0),
+        backward_rows=b.sum(axis=0),
+        held_bytes=held,
+        transient_bytes=transient,
+        network_bytes=np.asarray(network_bytes, dtype=np.int64),
+        exchange_bytes=exchanges,
+        pairs=int(counts.sum()),
+        kept=int(plan.quota.sum()),
+        trimmed=int(plan.trimmed_pairs),
+        replicas=int(plan.num_replicas),
+        binding=tuple(plan.binding_budgets) + tuple(f"{u}!" for u in plan.unmet_budgets),
+        plan_ms=plan.planner_time_s * 1e3,
+    )
+
+
+@dataclass
+class PassResult:
+    """One arm over one pass (L layer calls) at one P.
+
+    Attributes:
+        calls: The priced calls in layer order.
+    """
+
+    calls: list[CallPrice] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Per-pass totals: ``moe_ms`` (sum over layers of the slowest rank per phase), the
+        per-phase split, peak rank loads (mean over layers of max / mean), memory and network
+        bytes of the busiest rank, kept fraction, replicas, budgets that bound."""
+        calls = self.calls
+        phases = {p: sum(c.phase_ms[p] for c in calls) for p in PHASES}
+        held = np.sum([c.held_bytes for c in calls], axis=0)
+        transient = np.max([c.transient_bytes for c in calls], axis=0)
+        network = np.sum([c.network_bytes for c in calls], axis=0)
+        pairs = sum(c.pairs for c in calls)
+
+        def imbalance(rows: list[np.ndarray]) -> float:
+            return float(np.mean([r.max() / max(r.mean(), 1e-12) for r in rows]))
+
+        return {
+            "moe_ms": sum(phases.values()),
+            "phase_ms": phases,
+            "forward_peak_rows": float(np.mean([c.forward_rows.max() for c in calls])),
+            "forward_imbalance": imbalance([c.forward_rows for c in calls]),
+            "backward_peak_rows": float(np.mean([c.backward_rows.max() for c in calls])),
+            "memory_bytes": int((held + transient).max()),
+            "network_bytes": int(network.max()),
+            "kept_fraction": sum(c.kept for c in calls) / max(pairs, 1),
+            "trimmed_pairs": sum(c.trimmed for c in calls),
+            "replicas": sum(c.replicas for c in calls),
+            "binding_calls": sum(1 for c in calls if c.binding),
+            "unmet_calls": sum(1 for c in calls if any(b.endswith("!") for b in c.binding)),
+            "plan_ms": sum(c.plan_ms for c in calls),
+        }
+
+
+def stock_references(plans: Sequence[ControlPlan]) -> tuple[int, int]:
+    """What relative budgets scale: the stock arm's bytes per rank as a perfectly balanced
+    stock would hold them (the mean over ranks, median over the pass's calls) of budgeted
+    memory (saved activations + backward working rows of its plan) and of the backward
+    gradient exchange (the larger of sent and received)."""
+    memory = [float(p.memory.budgeted_bytes.double().mean()) for p in plans]
+    exchange = [float(p.memory.exchange_bytes.double().mean()) for p in plans]
+    return int(np.median(memory)), int(np.median(exchange))
+
+
+def replay_pass(
+    counts: np.ndarray,
+    arms: Iterable[Arm],
+    cost: CostModel,
+    gemm: GemmTable,
+    network: Network,
+    check: bool = False,
+) -> dict[str, PassResult]:
+    """Every arm over one pass of ``[L, P, E]`` counts (already at the replay's P).
+
+    The stock arm runs first (relative budgets need its references; it is added if missing).
+
+    Returns:
+        ``arm name -> PassResult``, the stock arm under ``"stock"``.
+    """
+    arms = list(arms)
+    if not any(a.stock for a in arms):
+        arms.insert(0, parse_arm("stock"))
+    arms.sort(key=lambda a: not a.stock)
+    table = gemm.for_shape(cost)
+    results: dict[str, PassResult] = {}
+    refs = (0, 0)
+    for arm in arms:
+        config = arm.config(*refs)
+        result = PassResult()
+        plans = []
+        for layer_counts in counts:
+            plan = plan_call(layer_counts, 0, config, cost, check=check)
+            plans.append(plan)
+            result.calls.append(price_call(plan, cost, table, network, stock=arm.stock))
+        if arm.stock:
+            refs = stock_references(plans)
+        results[arm.name] = result
+    return results

@@ -1,0 +1,348 @@
+"""The routing replay (megatron_lrmoe/replay/), CPU.
+
+* the cost model against hand-computed cases (GEMM table interpolation, all-to-all pricing,
+  one small call priced by hand);
+* the replay's per-rank rows against the controller's own assignments on random plans;
+* resharding (sums, rules, refusals) and the synthetic generator;
+* a skewed synthetic pass: replicas lower the peak, budgets bind;
+* P = 1 and 2 against ``plan_call`` directly, and P = 2 against real LRMoE layers on the gloo
+  harness: the trace they record, replayed, gives the layers' own per-rank statistics (forward
+  rows, kept rows, gradient-exchange bytes, quotas).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control.controller import plan_call
+from megatron_lrmoe.control.costs import CostModel
+from megatron_lrmoe.replay.cli import main as replay_main
+from megatron_lrmoe.replay.cost import DEFAULT_GEMM_TABLE, GemmTable, Network, load_gemm_table
+from megatron_lrmoe.replay.replay import (
+    Arm,
+    parse_arm,
+    price_call,
+    rank_pair_rows,
+    replay_pass,
+)
+from megatron_lrmoe.replay.shard import reshard, scale_rows, synthetic_counts
+
+LINEAR = GemmTable((1, 2), (2.0, 4.0), (2.0, 4.0), groups=2, hidden_size=4, ffn_hidden_size=2)
+SMALL = CostModel(hidden_size=4, ffn_hidden_size=2, gated=True, activation_bytes=2, param_bytes=2)
+
+
+# --- cost model --------------------------------------------------------------------------------
+def test_gemm_table_interpolation_by_hand() -> None:
+    table = GemmTable(
+        (100, 200), (1.0, 3.0), (2.0, 2.0), groups=2, hidden_size=8, ffn_hidden_size=4
+    )
+    rows = np.array([0, 1, 50, 100, 150, 200, 300])
+    # Per expert: 0.5 ms at 100 rows, 1.5 at 200; the first point's time below the grid, the
+    # last slope (1 ms per 100 rows) above, nothing for an empty group.
+    assert table.expert_ms("fc1", rows).tolist() == [0.0, 0.5, 0.5, 0.5, 1.0, 1.5, 2.5]
+    assert table.expert_ms("fc2", rows).tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert table.rank_ms("fc1", np.array([[100, 0], [200, 150]])).tolist() == [2.0, 1.0]
+    double = table.for_shape(CostModel(hidden_size=16, ffn_hidden_size=4))
+    assert double.fc1_ms == (2.0, 6.0) and double.fc2_ms == (4.0, 4.0)
+    assert table.for_shape(CostModel(hidden_size=8, ffn_hidden_size=4)) is table
+    with pytest.raises(ValueError, match="strictly ascending"):
+        GemmTable((2, 1), (1.0, 1.0), (1.0, 1.0), groups=1, hidden_size=1, ffn_hidden_size=1)
+    with pytest.raises(ValueError, match="'fc1' or 'fc2'"):
+        table.expert_ms("fc3", rows)
+
+
+def test_default_table_matches_its_sources() -> None:
+    """The committed default is the gemm_ms column of the files it names."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    quick = json.loads((results / "gpu_run26/call2/wgrad_quick.json").read_text())
+    auto = json.loads((results / "gpu_run12/wgrad_auto.json").read_text())
+    points = {(r["proj"], r["rows_per_expert"]): r["gemm_ms"] for r in auto}
+    points = {key: ms for key, ms in points.items() if key[1] == 4096}
+    points.update({(r["proj"], r["rows_per_expert"]): r["gemm_ms"] for r in quick})
+    t = DEFAULT_GEMM_TABLE
+    for proj, times in (("fc1", t.fc1_ms), ("fc2", t.fc2_ms)):
+        for rows, ms in zip(t.rows_per_expert, times):
+            assert ms == pytest.approx(points[(proj, rows)], abs=5e-5), (proj, rows)
+
+
+def test_gemm_table_file_round_trip(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(LINEAR.to_json()))
+    assert load_gemm_table(path) == LINEAR
+    path.write_text(json.dumps({"rows_per_expert": [1, 2]}))
+    with pytest.raises(ValueError, match="gemm_table.py"):
+        load_gemm_table(path)
+
+
+def test_alltoall_by_hand() -> None:
+    net = Network(
+        gpus_per_node=2,
+        intra_gbps=100.0,
+        intra_latency_us=10.0,
+        inter_gbps=50.0,
+        inter_latency_us=20.0,
+    )
+    b = np.zeros((4, 4))
+    b[0, 1] = 1e9  # intra: 10 ms + 10 us
+    b[0, 2] = 5e8  # inter: 10 ms + 20 us
+    b[3, 3] = 1e12  # kept at home: free
+    got = net.alltoall_ms(b)
+    assert got.tolist() == pytest.approx([10.02, 10.01, 10.02, 0.0])
+    b[2, 0] = 1e9  # rank 0 now receives 1e9 across nodes: max(sent, received) = 20 ms
+    assert net.alltoall_ms(b)[0] == pytest.approx(20.02)
+
+
+def test_one_call_priced_by_hand() -> None:
+    """P = 2, E = 2, fixed ownership at keep 1: every phase from first principles."""
+    counts = np.array([[3, 1], [1, 3]])
+    plan = plan_call(counts, 0, LRMoEConfig(), SMALL)
+    net = Network(gpus_per_node=8, intra_gbps=1e-3, intra_latency_us=1.0)  # 1e3 bytes per ms
+    price = price_call(plan, SMALL, LINEAR, net)
+    row = SMALL.row_bytes  # 8 bytes
+    # Each rank sends one row to the other in each of the four row exchanges.
+    for phase in ("dispatch", "combine", "grad", "dgrad"):
+        assert price.exchange_bytes[phase].tolist() == [[3 * row, row], [row, 3 * row]]
+        assert price.phase_ms[phase] == pytest.approx(0.001 + row / 1e3)
+    assert price.phase_ms["replica_fetch"] == price.phase_ms["replica_grads"] == 0.0
+    # LINEAR: 1 ms per row per expert for each projection; 4 rows per rank.
+    assert price.phase_ms["gemm_fwd"] == pytest.approx(8.0)
+    assert price.phase_ms["gemm_bwd"] == pytest.approx(16.0)
+    assert price.forward_rows.tolist() == [4, 4] and price.network_bytes.tolist() == [32, 32]
+    saved = SMALL.expert_saved_bytes("save")
+    assert price.held_bytes.tolist() == [4 * saved, 4 * saved]
+    # Keep 0.5 in recompute mode: two kept rows per expert, 2H gradient rows, fc1 recomputed.
+    half = plan_call(counts, 0, LRMoEConfig(keep_ratio=0.5, activation_mode="recompute"), SMALL)
+    price = price_call(half, SMALL, LINEAR, net)
+    assert price.backward_rows.tolist() == [2, 2]
+    assert price.phase_ms["gemm_bwd"] == pytest.approx(2 * (2 + 2) + 2)
+    grad = price.exchange_bytes["grad"]
+    assert grad.sum() == 4 * 2 * row and (grad.T == price.exchange_bytes["dgrad"] * 2).all()
+
+
+# --- the replay's rows against the controller's assignments ------------------------------------
+@pytest.mark.parametrize("seed", range(12))
+def test_rank_pair_rows_equal_the_plans_assignments(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ranks = int(rng.choice([2, 3, 4, 8]))
+    experts = ranks * int(rng.integers(1, 4))
+    zipf = float(rng.uniform(0, 2))
+    counts = synthetic_counts(1, ranks, experts, 64, 2, zipf=zipf, seed=seed)[0]
+    lrmoe = LRMoEConfig(
+        keep_ratio=float(rng.choice([0.25, 0.5, 1.0])),
+        max_replicas_per_rank=int(rng.integers(0, 3)),
+        activation_mode=str(rng.choice(["save", "recompute"])),
+    )
+    plan = plan_call(counts, 0, lrmoe, SMALL, check=True)
+    price = price_call(plan, SMALL, LINEAR, Network())
+    row = SMALL.row_bytes
+    forward = plan.forward_assignment.sum(1).numpy()
+    assert (price.exchange_bytes["dispatch"] == forward * row).all()
+    backward = plan.backward_assignment.sum(1).numpy()
+    assert (price.exchange_bytes["dgrad"] == backward.T * row).all()
+    assert price.forward_rows.tolist() == plan.forward_rank_load.tolist()
+    assert price.backward_rows.tolist() == plan.backward_rank_load.tolist()
+    holds = plan.holds.numpy()
+    many = holds.sum(1) > 1
+    rows = rank_pair_rows(counts, plan.forward_load.numpy(), plan.owner.numpy(), many)
+    assert (rows == forward).all()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_replay_at_p1_and_p2_reproduces_plan_call(ranks: int) -> None:
+    counts = synthetic_counts(3, ranks, 4, 32, 2, zipf=1.5, seed=ranks)
+    arms = [parse_arm(a) for a in ("stock", "keep0.5", "keep0.5+rep1+recompute")]
+    results = replay_pass(counts, arms, SMALL, LINEAR, Network())
+    for arm in arms:
+        config = arm.config()
+        for layer, price in zip(counts, results[arm.name].calls):
+            plan = plan_call(layer, 0, config, SMALL)
+            assert price.kept == int(plan.quota.sum())
+            assert price.forward_rows.tolist() == plan.forward_rank_load.tolist()
+            assert price.backward_rows.tolist() == plan.backward_rank_load.tolist()
+            if ranks == 1:  # nothing crosses the network; only the GEMMs take time
+                assert price.network_bytes.tolist() == [0]
+                gemm = price.phase_ms["gemm_fwd"] + price.phase_ms["gemm_bwd"]
+                assert price.total_ms == pytest.approx(gemm)
+
+
+# --- resharding and synthetic counts -----------------------------------------------------------
+def test_reshard_rules() -> None:
+    n = np.array([[5, 0, 3, 1], [2, 2, 2, 2]])
+    assert (reshard(n, 2) == n).all()
+    assert (reshard(n, 4) == np.repeat(n, 2, axis=0)).all()  # tokens as recorded
+    split = reshard(n, 4, tokens="split")
+    assert split.tolist() == [[2, 0, 1, 0], [3, 0, 2, 1], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert (split.reshape(2, 2, 4).sum(1) == n).all()
+    merged = reshard(np.repeat(n, 2, axis=0), 2)
+    assert (merged == n).all()
+    assert reshard(n, 1, tokens="split").tolist() == [[7, 2, 5, 3]]
+    scaled = reshard(n, 2, pairs_per_rank=18)
+    assert scaled.sum(1).tolist() == [18, 18] and scaled[1].tolist() == [5, 5, 4, 4]
+    with pytest.raises(ValueError, match="multiple or a divisor of 2, not 3"):
+        reshard(np.zeros((2, 12)), 3)
+    with pytest.raises(ValueError, match="cannot be owned evenly by 8"):
+        reshard(n, 8)
+
+
+def test_scale_rows_keeps_zero_rows_and_sums() -> None:
+    rows = np.array([[0, 0, 0], [1, 1, 1], [10, 0, 1]])
+    out = scale_rows(rows, 7)
+    assert out[0].tolist() == [0, 0, 0] and out[1].tolist() == [3, 2, 2]
+    assert out[2].sum() == 7 and out[2].tolist() == [6, 0, 1]
+
+
+def test_synthetic_counts_shape_and_caps() -> None:
+    c = synthetic_counts(2, 4, 16, 100, 4, zipf=3.0, seed=1)
+    assert c.shape == (2, 4, 16) and (c.sum(2) == 400).all()
+    assert c.max() <= 100 * 1.3  # no expert's share above 1 / topk (up to the draw)
+    assert (synthetic_counts(2, 4, 16, 100, 4, zipf=3.0, seed=1) == c).all()
+    with pytest.raises(ValueError, match="topk <= experts"):
+        synthetic_counts(1, 2, 4, 10, 5)
+
+
+# --- arms on a skewed pass ---------------------------------------------------------------------
+def test_skewed_pass_replicas_lower_the_peak_and_budgets_bind() -> None:
+    counts = synthetic_counts(4, 8, 64, 4096, 8, zipf=1.2, seed=3)
+    cost = CostModel(hidden_size=2048, ffn_hidden_size=768)
+    names = ["stock", "rep2", "keep0.5", "keep0.5+rep2", "keep0.5+rep2+mem0.5x", "keep1+xch0.4x"]
+    out = replay_pass(counts, [parse_arm(a) for a in names], cost, DEFAULT_GEMM_TABLE, Network())
+    s = {name: out[name].summary() for name in names}
+    assert s["rep2"]["forward_peak_rows"] < 0.8 * s["stock"]["forward_peak_rows"]
+    assert s["rep2"]["moe_ms"] < s["stock"]["moe_ms"] and s["rep2"]["replicas"] > 0
+    assert s["keep0.5"]["phase_ms"]["gemm_bwd"] < s["stock"]["phase_ms"]["gemm_bwd"]
+    assert s["keep0.5"]["kept_fraction"] == pytest.approx(0.5, abs=0.01)
+    assert s["keep0.5+rep2+mem0.5x"]["binding_calls"] == 4
+    assert s["keep0.5+rep2+mem0.5x"]["kept_fraction"] < s["keep0.5+rep2"]["kept_fraction"]
+    assert s["keep1+xch0.4x"]["binding_calls"] == 4
+    assert s["keep1+xch0.4x"]["phase_ms"]["grad"] < s["stock"]["phase_ms"]["grad"]
+
+
+def test_parse_arm() -> None:
+    arm = parse_arm("keep0.25+rep2+mem0.5x+xch3e8+recompute")
+    assert arm == Arm(
+        name="keep0.25+rep2+mem0.5x+xch3e8+recompute",
+        keep_ratio=0.25,
+        max_replicas_per_rank=2,
+        activation_mode="recompute",
+        memory_budget=(0.5, True),
+        exchange_budget=(3e8, False),
+    )
+    assert arm.config(1000, 10).memory_budget_bytes == 500
+    assert arm.config(1000, 10).exchange_budget_bytes == 300000000
+    assert parse_arm("stock").stock
+    with pytest.raises(ValueError, match="token 'rpl2'"):
+        parse_arm("keep0.5+rpl2")
+    with pytest.raises(ValueError, match="keep_ratio"):
+        parse_arm("keep1.5")
+
+
+def test_console_entry_on_a_trace(tmp_path, capsys) -> None:
+    from megatron_lrmoe.observe.trace import write_trace
+
+    counts = synthetic_counts(2, 2, 8, 64, 2, zipf=1.0, seed=0)
+    write_trace(tmp_path / "t", counts, layers=[1, 2], calls=[0, 0], meta={"topk": 2})
+    out = tmp_path / "r.json"
+    args = ["--trace", str(tmp_path / "t"), "--ep", "2", "4", "--arms", "stock", "keep0.5+rep1"]
+    args += ["--hidden-size", "64", "--ffn-hidden-size", "32", "--out", str(out)]
+    assert replay_main(args) == 0
+    payload = json.loads(out.read_text())
+    assert set(payload["results"]) == {"2", "4"}
+    assert payload["results"]["4"]["stock"]["moe_ms_vs_stock"] == 1.0
+    assert payload["settings"]["cost"]["hidden_size"] == 64
+    assert "EP 4: 2 layers per pass" in capsys.readouterr().out
+
+
+# --- P = 2 against real layers on the gloo harness ---------------------------------------------
+CASES = [
+    dict(keep_ratio=0.5),
+    dict(keep_ratio=0.5, max_replicas_per_rank=1, activation_mode="recompute"),
+    dict(keep_ratio=1.0, max_replicas_per_rank=1),
+]
+
+
+def _layer_calls(rank: int, world: int, directory: str) -> list[list[dict]]:
+    """Each case's LRMoE layer, recorded, called twice; the statistics of every call."""
+    from megatron_lrmoe import get_lrmoe_moe_spec
+    from megatron_lrmoe.testing import (
+        init_megatron_parallel,
+        moe_transformer_config,
+        skewed_routing_inputs,
+    )
+    from megatron_lrmoe.training.trace import install_trace_recorder
+
+    pg = init_megatron_parallel(ep=world)
+    cfg = moe_transformer_config(expert_model_parallel_size=world, moe_aux_loss_coeff=0.0)
+    out = []
+    for i, case in enumerate(CASES):
+        spec = get_lrmoe_moe_spec(LRMoEConfig(**case))
+        layer = spec(config=cfg, pg_collection=pg, layer_number=1)
+        recorder = install_trace_recorder(layer, f"{directory}/case{i}")
+        assert (recorder is None) == (rank != 0)
+        calls = []
+        for seed in (7, 8):
+            x = skewed_routing_inputs(48, cfg.hidden_size, seed=seed, rank=rank)
+            x.requires_grad_(True)
+            y, _ = layer(x)
+            y.sum().backward()
+            s = layer.last_call_stats
+            calls.append(
+                dict(
+                    counts=s.global_counts.tolist(),
+                    quota=s.quota_per_expert,
+                    forward_rows=s.forward_rows,
+                    kept_rows=s.kept_rows,
+                    **{f"{k}_bytes": v.bytes for k, v in s.exchanges.items()},
+                )
+            )
+        if recorder is not None:
+            recorder.close()
+        out.append(calls)
+    return out
+
+
+@pytest.fixture(scope="module")
+def layer_runs(tmp_path_factory) -> tuple[str, list]:
+    from megatron_lrmoe.testing import run_distributed
+
+    directory = str(tmp_path_factory.mktemp("traces"))
+    return directory, run_distributed(_layer_calls, 2, directory, timeout=300)
+
+
+def test_replay_at_p2_matches_the_layers_statistics(layer_runs) -> None:
+    from megatron_lrmoe.observe.trace import read_trace
+
+    directory, per_rank = layer_runs
+    for i, case in enumerate(CASES):
+        trace = read_trace(f"{directory}/case{i}")
+        assert trace.ep_size == 2 and trace.meta["activation_bytes"] == 4
+        cost = CostModel(
+            hidden_size=trace.meta["hidden_size"],
+            ffn_hidden_size=trace.meta["ffn_hidden_size"],
+            gated=trace.meta["gated"],
+            activation_bytes=trace.meta["activation_bytes"],
+            param_bytes=trace.meta["param_bytes"],
+        )
+        arm = Arm(name="case", **case)
+        passes = list(trace.passes())
+        assert [k for k, _, _ in passes] == [0, 1]
+        replicas = 0
+        for k, layers, counts in passes:
+            calls = [per_rank[r][i][k] for r in range(2)]
+            assert counts[0].tolist() == calls[0]["counts"] == calls[1]["counts"]
+            (price,) = replay_pass(counts, [arm], cost, DEFAULT_GEMM_TABLE, Network())["case"].calls
+            replicas += price.replicas
+            assert price.kept == sum(calls[0]["quota"]), (case, k)
+            for r in range(2):
+                got = calls[r]
+                assert price.forward_rows[r] == got["forward_rows"], (case, k, r)
+                assert price.backward_rows[r] == got["kept_rows"], (case, k, r)
+                assert price.exchange_bytes["grad"][r].sum() == got["grad_bytes"], (case, k, r)
+                assert price.exchange_bytes["dgrad"][r].sum() == got["dgrad_bytes"], (case, k, r)
+                replica = price.exchange_bytes["replica_grads"][r].sum()
+                assert replica == got.get("replica_grads_bytes", 0), (case, k, r)
+        assert (replicas > 0) == ("max_replicas_per_rank" in case), case
