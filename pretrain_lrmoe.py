@@ -36,11 +36,11 @@ Megatron-specific trap handled here: ``megatron.training`` runs ``make`` to comp
 helper, which fails with the wheel although the wheel ships the compiled helper
 (``megatron_lrmoe.training.compat.use_prebuilt_dataset_helpers``).
 
-Statistics. With ``--lrmoe`` the LRMoE statistics (``megatron_lrmoe.observe.metrics.LRMoEMetrics``: kept
-ratio, dropped score fraction, backward bytes and bytes saved, overhead) are reduced over all
-ranks at every ``--log-interval`` (and the first iteration), written as ``lrmoe/...`` scalars to
-Megatron's TensorBoard and W&B writers (per layer with ``--moe-per-layer-logging``) and printed
-in a line right after Megatron's iteration line::
+Statistics. With ``--lrmoe`` the LRMoE statistics (``megatron_lrmoe.observe.metrics.LRMoEMetrics``:
+kept ratio, dropped score fraction, backward bytes and bytes saved, overhead, added variance) are
+reduced over all ranks at every ``--log-interval`` (and the first iteration), written as
+``lrmoe/...`` scalars to Megatron's TensorBoard and W&B writers (per layer with
+``--moe-per-layer-logging``) and printed in a line right after Megatron's iteration line::
 
      [...] iteration      100/   10000 | consumed samples: ... | lm loss: ... | ...
      [...] iteration      100/   10000 | lrmoe kept: 0.500 | lrmoe dropped score: 0.213 | ...

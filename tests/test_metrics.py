@@ -74,6 +74,7 @@ def _trimmed_call() -> CallStats:
     stats.kept_pairs_sent = 20
     stats.score_total = torch.tensor(4.0)
     stats.score_kept = torch.tensor(3.0)
+    stats.score_added_variance = torch.tensor(0.5)
     stats.exchanges = {"grad": _exchange(1000, 2000), "dgrad": _exchange(500, 1500)}
     stats.timer = FixedTimer({"scoring": 1.0, "selection": 2.0, "packing": 0.5})
     stats.backward_done = True
@@ -114,16 +115,19 @@ def test_report_known_calls() -> None:
         "lrmoe/backward_bytes": (1500 + 800) / 2,
         "lrmoe/backward_bytes_saved": ((3500 + 800) - (1500 + 800)) / 2,
         "lrmoe/overhead_ms": 3.5 / 2,
+        "lrmoe/added_variance": 0.5 / 4.0,
         "lrmoe/kept_ratio_layer_0": 20 / 50,
         "lrmoe/dropped_score_fraction_layer_0": 0.25,
         "lrmoe/backward_bytes_layer_0": 1500 / 2,
         "lrmoe/backward_bytes_saved_layer_0": 2000 / 2,
         "lrmoe/overhead_ms_layer_0": 3.5 / 2,
+        "lrmoe/added_variance_layer_0": 0.5 / 4.0,
         "lrmoe/kept_ratio_layer_1": 1.0,
         "lrmoe/dropped_score_fraction_layer_1": 0.0,
         "lrmoe/backward_bytes_layer_1": 800 / 2,
         "lrmoe/backward_bytes_saved_layer_1": 0.0,
         "lrmoe/overhead_ms_layer_1": 0.0,
+        "lrmoe/added_variance_layer_1": 0.0,
     }
     assert scalars.keys() == expected.keys()
     for name, value in expected.items():
@@ -135,6 +139,7 @@ def test_report_known_calls() -> None:
     assert " lrmoe dropped score: 0.250 |" in metrics.last_log_string
     assert " lrmoe bwd saved: 1000 B |" in metrics.last_log_string
     assert " lrmoe overhead: 1.8 ms |" in metrics.last_log_string
+    assert " lrmoe added variance: 0.125 |" in metrics.last_log_string
 
     # Everything was consumed: the next interval starts empty and writes nothing.
     writer2 = FakeWriter()
@@ -180,6 +185,8 @@ def _expected_from_stats(per_rank: list[list[tuple[int, dict]]], iterations: int
         "lrmoe/backward_bytes_saved": sum(c["stock_bytes"] - c["bytes"] for c in calls)
         / (iterations * ranks),
         "lrmoe/overhead_ms": sum(c["ms"] for c in calls) / (iterations * ranks),
+        "lrmoe/added_variance": sum(c["score_added"] for c in calls)
+        / sum(c["score_total"] for c in calls),
     }
 
 
@@ -225,6 +232,7 @@ def _metrics_under_tracker_zeroing(rank: int, world_size: int) -> dict[str, Any]
                 "kept": int(s.kept_mask.sum()),
                 "score_total": float(s.score_total),
                 "score_kept": float(s.score_kept),
+                "score_added": float(s.score_added_variance),
                 "bytes": s.backward_bytes,
                 "stock_bytes": s.stock_backward_bytes,
                 "ms": sum(s.timings_ms.values()),

@@ -128,6 +128,7 @@ def _known_call(layer_number: int) -> CallStats:
     )
     stats.score_total = torch.tensor(4.0)
     stats.score_kept = torch.tensor(3.0)
+    stats.score_added_variance = torch.tensor(1.0)
     stats.exchanges = {
         "grad": ExchangeStats(
             rows=0, bytes=1000, remote_rows=0, remote_bytes=0, stock_rows=0, stock_bytes=3000
@@ -224,6 +225,7 @@ def test_reports_at_log_iterations(megatron_globals: Any, capsys: pytest.Capture
         "lrmoe/backward_bytes": 2 * 1000.0,  # two layers, one training call each per iteration
         "lrmoe/backward_bytes_saved": 2 * 2000.0,
         "lrmoe/overhead_ms": 2 * 1.5,
+        "lrmoe/added_variance": 0.25,
     }
     for iteration in (1, 2, 4):
         assert writer.at(iteration) == pytest.approx(per_iteration), iteration
@@ -235,7 +237,7 @@ def test_reports_at_log_iterations(megatron_globals: Any, capsys: pytest.Capture
     lines = _lines(capsys.readouterr().out)
     fragment = (
         " lrmoe kept: 0.500 | lrmoe dropped score: 0.250 | lrmoe bwd saved: 3.91 KiB |"
-        " lrmoe overhead: 3.0 ms |"
+        " lrmoe overhead: 3.0 ms | lrmoe added variance: 0.250 |"
     )
     assert len(lines) == 6
     for (megatron, ours), iteration in zip(zip(lines[::2], lines[1::2]), (1, 2, 4)):

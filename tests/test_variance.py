@@ -70,3 +70,20 @@ def test_bad_input_names_the_problem() -> None:
         added_variance(torch.ones(3), torch.ones(2), torch.tensor([3]))
     with pytest.raises(ValueError, match="add up to 2, but there are 3 rows"):
         added_variance(torch.ones(3), torch.ones(3), torch.tensor([2]))
+
+
+def test_the_kept_pairs_estimate_is_unbiased() -> None:
+    """What the backward records (``op/stages._record_selection``): ``sum_kept w (w - 1) s``
+    over the kept pairs, whose mean over draws is the exact ``sum (1/pi - 1) s``."""
+    counts = [30, 50]
+    _, scores = _contributions(counts, seed=3)
+    counts_t, quota = torch.tensor(counts), torch.tensor([10, 20])
+    exact = added_variance(scores, inclusion_probabilities(scores, counts_t, quota), counts_t)
+    gen = torch.Generator().manual_seed(2)
+    draws, total = 4000, 0.0
+    for _ in range(draws):
+        sel = select_sample(scores, counts_t, quota, torch.rand(2, generator=gen,
+                                                                 dtype=torch.float64))
+        w = sel.weight.to(torch.float64)
+        total += float(torch.dot(w * (w - 1.0), scores[sel.kept_index]))
+    assert total / draws == pytest.approx(float(exact.sum()), rel=0.03)

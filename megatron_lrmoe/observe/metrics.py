@@ -9,6 +9,10 @@ layer_number - 1``, Megatron's ``moe/<name>_layer_<i>`` convention, when ``per_l
                                summed over the ranks of the reduction); not the plan (the quotas)
 ``dropped_score_fraction``     LRM score mass of the dropped pairs / all score mass (the share of
                                the squared expert-weight-gradient norm left out), summed over ranks
+``added_variance``             the variance ``sample`` adds to the expert weight gradients / all
+                               score mass (``sum (1/pi - 1) score / sum score``, estimated from
+                               the kept pairs; ``select/variance.py``): 0 at keep 1 and for
+                               ``topk``, whose error is the dropped mass, a bias
 ``backward_bytes``             bytes one rank sends in the MoE backward exchanges, per iteration
                                (mean over the ranks of the reduction)
 ``backward_bytes_saved``       stock bytes minus ``backward_bytes`` (what stock Megatron's backward
@@ -61,6 +65,7 @@ METRIC_NAMES = (
     "backward_bytes",
     "backward_bytes_saved",
     "overhead_ms",
+    "added_variance",
 )
 # Rows of the per-layer accumulator (one float64 [len(_ROWS), num_layers] tensor, one all-reduce).
 _ROWS = (
@@ -68,6 +73,7 @@ _ROWS = (
     "kept",
     "score_total",
     "score_dropped",
+    "score_added",
     "bytes",
     "stock_bytes",
     "overhead_ms",
@@ -115,6 +121,7 @@ def format_log_string(scalars: dict[str, float]) -> str:
         ("lrmoe dropped score", f"{scalars[PREFIX + 'dropped_score_fraction']:.3f}"),
         ("lrmoe bwd saved", _format_bytes(scalars[PREFIX + "backward_bytes_saved"])),
         ("lrmoe overhead", f"{scalars[PREFIX + 'overhead_ms']:.1f} ms"),
+        ("lrmoe added variance", f"{scalars[PREFIX + 'added_variance']:.3f}"),
     ]
     return "".join(f" {name}: {value} |" for name, value in parts)
 
@@ -196,7 +203,8 @@ class LRMoEMetrics:
         self._last_iteration = start_iteration
         self._pending: list[tuple[int, CallStats]] = []
         self._host_acc: Optional[torch.Tensor] = None  # [len(_ROWS), num_layers] float64
-        self._score_acc: Optional[torch.Tensor] = None  # [2, num_layers] total / dropped
+        # [3, num_layers]: score total / dropped / added variance
+        self._score_acc: Optional[torch.Tensor] = None
         self._timers: list[tuple[int, Any]] = []  # (layer index, SpanTimer) read at report
         self._handles = [layer.add_stats_listener(self.record) for layer in layers]
         if self.num_layers is None:
@@ -279,20 +287,28 @@ class LRMoEMetrics:
             if stats.timer is not None:
                 self._timers.append((i, stats.timer))
             if stats.score_total is not None and stats.score_kept is not None:
-                scores.append((i, stats.score_total, stats.score_kept))
+                added = stats.score_added_variance
+                scores.append((i, stats.score_total, stats.score_kept, added))
         if scores:
-            total = torch.stack([t.reshape(()).double() for _, t, _ in scores])
-            kept = torch.stack([k.reshape(()).double() for _, _, k in scores])
+            total = torch.stack([t.reshape(()).double() for _, t, _, _ in scores])
+            kept = torch.stack([k.reshape(()).double() for _, _, k, _ in scores])
+            added = torch.stack(
+                [
+                    a.reshape(()).to(total.device, torch.float64) if a is not None else t.new_zeros(())
+                    for _, t, _, a in scores
+                ]
+            ).to(total.dtype)
             if self._score_acc is None or self._score_acc.device != total.device:
                 prev = self._score_acc
                 self._score_acc = torch.zeros(
-                    2, self.num_layers, dtype=torch.float64, device=total.device
+                    3, self.num_layers, dtype=torch.float64, device=total.device
                 )
                 if prev is not None:
                     self._score_acc += prev.to(total.device)
-            index = torch.tensor([i for i, _, _ in scores], device=total.device)
+            index = torch.tensor([i for i, _, _, _ in scores], device=total.device)
             self._score_acc[0].index_add_(0, index, total)
             self._score_acc[1].index_add_(0, index, (total - kept).clamp_min(0.0))
+            self._score_acc[2].index_add_(0, index, added)
 
     def _accumulate(self, device: torch.device) -> torch.Tensor:
         """``[len(_ROWS), num_layers]`` float64 sums of this rank's finished calls; resets."""
@@ -305,6 +321,7 @@ class LRMoEMetrics:
         if self._score_acc is not None:
             acc[_ROW["score_total"]] += self._score_acc[0].to(device)
             acc[_ROW["score_dropped"]] += self._score_acc[1].to(device)
+            acc[_ROW["score_added"]] += self._score_acc[2].to(device)
         self._host_acc = None
         self._score_acc = None
         self._timers = []
@@ -405,4 +422,8 @@ def _base_summary(sums: dict[str, float], per: float) -> dict[str, float]:
         PREFIX + "backward_bytes": sums["bytes"] / per,
         PREFIX + "backward_bytes_saved": (sums["stock_bytes"] - sums["bytes"]) / per,
         PREFIX + "overhead_ms": sums["overhead_ms"] / per,
+        PREFIX
+        + "added_variance": (
+            sums["score_added"] / sums["score_total"] if sums["score_total"] > 0 else 0.0
+        ),
     }

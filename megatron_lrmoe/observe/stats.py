@@ -123,6 +123,11 @@ class CallStats:
             gradients sent to their owners).
         score_total / score_kept: Sum of LRM scores of this rank's pairs and of the kept ones
             (device tensors until read; ``dropped_score_fraction`` reads them).
+        score_added_variance: The variance the selection adds to the expert weight gradients,
+            ``sum_i (1/pi_i - 1) * score_i`` (``select/variance.py``), as its Horvitz-Thompson
+            estimate over the kept pairs, ``sum_kept w (w - 1) score`` with ``w = 1/pi`` (0 for
+            ``topk``, whose error is a bias); in the scores' units, so its ratio to
+            ``score_total`` is the relative added variance (device tensor until read).
         kept_mask: ``[S]`` bool in this rank's permuted pair order (``debug_record_selection``).
         kept_weight: ``[S]`` gradient multiplier of each pair, 0 when dropped (same flag).
         backward_done: Whether backward has filled the rest.
@@ -156,6 +161,7 @@ class CallStats:
     exchanges: dict[str, ExchangeStats] = field(default_factory=dict)
     score_total: Optional[torch.Tensor] = None
     score_kept: Optional[torch.Tensor] = None
+    score_added_variance: Optional[torch.Tensor] = None
     kept_mask: Optional[torch.Tensor] = None
     kept_weight: Optional[torch.Tensor] = None
     backward_done: bool = False

@@ -164,15 +164,22 @@ def _record_selection(
     call: ExpertCall, scored: PairScores, kept: KeptPlan, kept_total: Optional[torch.Tensor]
 ) -> None:
     """The selection's statistics: the score total, the kept scores' (``kept_total`` when the
-    selection summed them already) and, when asked, the dense kept weights."""
+    selection summed them already), the variance the sample adds (``CallStats.
+    score_added_variance``) and, when asked, the dense kept weights."""
     stats = call.stats
+    kept_scores = torch.nan_to_num(
+        scored.scores.index_select(0, kept.kept_index), nan=0.0, posinf=0.0, neginf=0.0
+    )
     if kept_total is None:
-        kept_scores = scored.scores.index_select(0, kept.kept_index)
-        kept_total = torch.nan_to_num(kept_scores, nan=0.0, posinf=0.0, neginf=0.0).sum()
-    # One copy of both: a replayed graph's sums are overwritten by its next replay, and these
-    # are read when the metrics are reported.
-    totals = torch.stack((scored.total, kept_total))
-    stats.score_total, stats.score_kept = totals[0], totals[1]
+        kept_total = kept_scores.sum()
+    # sum_i (1/pi_i - 1) s_i estimated from the kept pairs alone: each kept pair's term weighted
+    # by its 1/pi (select/variance.py has the exact sum over every pair, for tests).
+    weight = kept.weight.to(kept_scores.dtype)
+    added = torch.dot(weight * (weight - 1.0), kept_scores)
+    # One copy of all three: a replayed graph's sums are overwritten by its next replay, and
+    # these are read when the metrics are reported.
+    totals = torch.stack((scored.total.to(added.dtype), kept_total.to(added.dtype), added))
+    stats.score_total, stats.score_kept, stats.score_added_variance = totals
     if call.lrmoe.debug_record_selection:
         dense = torch.zeros(scored.scores.numel(), dtype=torch.float32, device=totals.device)
         stats.kept_weight = dense.index_copy_(0, kept.kept_index, kept.weight).cpu()

@@ -22,7 +22,8 @@ while it runs. Instead :func:`install_lrmoe_training_log`, called explicitly by 
 
      [2025-06-01 12:00:00.000000] iteration      100/   10000 | consumed samples: ... |
      [2025-06-01 12:00:00.012345] iteration      100/   10000 | lrmoe kept: 0.500 | lrmoe
-    dropped score: 0.213 | lrmoe bwd saved: 1.25 GiB | lrmoe overhead: 3.2 ms |
+    dropped score: 0.213 | lrmoe bwd saved: 1.25 GiB | lrmoe overhead: 3.2 ms | lrmoe added
+    variance: 0.180 |
 
   (the second line is one line in the log; ``grep 'lrmoe kept'`` selects it).
 
