@@ -32,6 +32,7 @@ import math
 import re
 import statistics
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 _ITER = re.compile(
+    r"(?:\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] )?"
     r"iteration\s+(\d+)/\s*(\d+) \| consumed samples.*?per iteration \(ms\): ([\d.]+)"
     r"(?:.*?lm loss: ([\d.E+-]+))?"
 )
@@ -79,6 +81,8 @@ class RunLog:
         moe_cumulative_s: The same line's cumulative MoE-layer time, s.
         val: Validation loss per evaluation iteration.
         val_se: Relative standard error of each evaluation (``validation spread`` lines).
+        eval_s: Seconds each evaluation inside the run took (from the iteration lines' time
+            stamps: the gap to the next iteration's line less that iteration's own time).
         max_allocated_mib: The largest ``max allocated`` printed, MiB (None without).
         alloc_retries: The caching allocator's retries after failed allocations, as last
             printed (None without).
@@ -95,6 +99,7 @@ class RunLog:
     moe_cumulative_s: dict[int, float] = field(default_factory=dict)
     val: dict[int, float] = field(default_factory=dict)
     val_se: dict[int, float] = field(default_factory=dict)
+    eval_s: dict[int, float] = field(default_factory=dict)
     max_allocated_mib: Optional[float] = None
     alloc_retries: Optional[int] = None
     memory_cap_gib: Optional[float] = None
@@ -123,11 +128,14 @@ def parse_log(path: str | Path) -> RunLog:
     """Read one ``pretrain_lrmoe.py`` log (see the module docstring for the lines used)."""
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     run = RunLog(path=str(path), args=dict(_ARG.findall(text)))
-    for i, planned, ms, loss in _ITER.findall(text):
+    stamps: dict[int, datetime] = {}
+    for stamp, i, planned, ms, loss in _ITER.findall(text):
         run.iter_ms[int(i)] = float(ms)
         run.planned_iters = max(run.planned_iters, int(planned))
         if loss:
             run.train_loss[int(i)] = float(loss)
+        if stamp:
+            stamps[int(i)] = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f")
     peaks = []
     for i, ms, total, peak, retries in _MOE.findall(text):
         run.moe_ms[int(i)] = float(ms)
@@ -154,6 +162,12 @@ def parse_log(path: str | Path) -> RunLog:
             if pending is not None and found.group(2) != " on test set" and loss:
                 run.val_se[int(found.group(1))] = pending / loss
             pending = None
+    # An evaluation after iteration i runs between its line and iteration i + 1's, whose own
+    # elapsed time is the rest of that gap.
+    for i in run.val:
+        if i in stamps and i + 1 in stamps and i + 1 in run.iter_ms:
+            gap = (stamps[i + 1] - stamps[i]).total_seconds() - run.iter_ms[i + 1] / 1e3
+            run.eval_s[i] = max(0.0, gap)
     run.oom = bool(_OOM.search(text))
     cap = _CAP.search(text)
     run.memory_cap_gib = float(cap.group(1)) if cap else None
@@ -257,6 +271,7 @@ def summary(run: RunLog, target: Optional[float]) -> dict:
         "iter_ms_median": run.steady_ms("iter_ms"),
         "moe_ms_median": run.steady_ms("moe_ms"),
         "first_iteration_s": run.iter_ms.get(1, 0.0) / 1e3 if run.iter_ms else None,
+        "eval_s_median": statistics.median(run.eval_s.values()) if run.eval_s else None,
         "final_val_iteration": last_val,
         "final_val_loss": run.val.get(last_val) if last_val is not None else None,
         "val_relative_se": run.val_se.get(last_val) if last_val is not None else None,

@@ -55,6 +55,7 @@ def fake_log(
                      "(fraction 0.5581 of 139.8 GiB)")
     val = val or {}
     cumulative = 0.0
+    clock = 0.0  # seconds since the start: iterations, and 30 s per evaluation
     for i in range(1, iters + 1):
         if oom_at == i:
             lines.append("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -62,8 +63,10 @@ def fake_log(
         ms = first_ms if i == 1 else iter_ms
         moe = 1000.0 if i == 1 else moe_ms
         cumulative += moe / 1e3
+        clock += ms / 1e3
+        stamp = f"2026-12-04 10:{int(clock // 60):02d}:{clock % 60:09.6f}"
         lines.append(
-            f" [2026-12-04 10:00:00.000000] iteration {i:8d}/{planned or iters:8d} | consumed "
+            f" [{stamp}] iteration {i:8d}/{planned or iters:8d} | consumed "
             f"samples: {16 * i} | elapsed time per iteration (ms): {ms:.1f} | learning rate: "
             f"1.0E-04 | global batch size:    16 | lm loss: {5.0 - 0.1 * i:.6E} | loss scale: 1.0 |"
         )
@@ -78,6 +81,7 @@ def fake_log(
                              f"standard error: {se:.6E} |")
             lines.append(f" validation loss at iteration {i} | lm loss value: {val[i]:.6E} | "
                          "lm loss PPL: 1.0E+00 |")
+            clock += 30.0
     else:
         last = max(val, default=None)
         if last is not None:
@@ -101,6 +105,7 @@ def test_parse_log_reads_every_series(tmp_path: Path) -> None:
     assert run.val_se == {5: pytest.approx(0.003), 10: pytest.approx(0.004)}
     assert run.max_allocated_mib == 70000 and run.memory_cap_gib == 78.0 and not run.oom
     assert run.alloc_retries == 2  # the last count printed (iteration 10)
+    assert run.eval_s == {5: pytest.approx(30.0)}  # the last evaluation has no iteration after it
     assert run.steady_ms("iter_ms") == 100.0 and run.steady_ms("moe_ms") == 40.0
 
 
