@@ -346,3 +346,16 @@ def test_replay_at_p2_matches_the_layers_statistics(layer_runs) -> None:
                 replica = price.exchange_bytes["replica_grads"][r].sum()
                 assert replica == got.get("replica_grads_bytes", 0), (case, k, r)
         assert (replicas > 0) == ("max_replicas_per_rank" in case), case
+
+
+def test_console_entry_synthetic_writes_a_trace(tmp_path, capsys) -> None:
+    from megatron_lrmoe.observe.trace import read_trace
+
+    args = ["--synthetic", "--layers", "3", "--experts", "8", "--tokens-per-rank", "32"]
+    args += ["--topk", "2", "--recorded-ep", "2", "--ep", "2", "--arms", "stock", "rep1"]
+    args += ["--passes", "2", "--write-trace", str(tmp_path / "t"), "--out", ""]
+    assert replay_main(args) == 0
+    trace = read_trace(tmp_path / "t")
+    assert trace.counts.shape == (6, 2, 8) and trace.meta["topk"] == 2
+    assert [layers.tolist() for _, layers, _ in trace.passes()] == [[1, 2, 3], [1, 2, 3]]
+    assert "rep1" in capsys.readouterr().out

@@ -153,3 +153,18 @@ def test_recorder_refuses_mixed_layers(tmp_path) -> None:
         TraceRecorder([_Layer(1), _Layer(2, ep_size=4)], tmp_path, rank=0)
     with pytest.raises(ValueError, match="no LRMoE layers"):
         TraceRecorder([], tmp_path, rank=0)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_background_writer_double_buffers(tmp_path, compress: bool) -> None:
+    """Chunks written by the background thread while the other buffer fills: every call once,
+    in order, whatever the chunk boundaries."""
+    counts = _counts(11, 2, 4, seed=5)
+    writer = TraceWriter(tmp_path, 0, 2, 4, chunk_calls=3, compress=compress, background=True)
+    for i, c in enumerate(counts):
+        writer.append(layer=1, call=i, step=-1, counts=c)
+    writer.close()
+    writer.close()
+    assert writer.calls_written == 11
+    trace = read_trace(tmp_path)
+    assert np.array_equal(trace.counts, counts) and trace.call.tolist() == list(range(11))

@@ -19,14 +19,17 @@ chunk holds whole calls in the order they ran: ``layer`` is Megatron's 1-based l
 ``call`` the layer's forward call counter (calls made with gradients enabled; the k-th call of
 every layer belongs to the k-th micro-batch forward, which is how :meth:`RoutingTrace.passes`
 groups them), ``step`` the training step when the recorder was told it, else -1. Chunks are
-written with ``numpy.savez_compressed`` under a temporary name and renamed into place, so a
-reader never sees half a chunk. A reader refuses other formats and newer versions.
+written with ``numpy.savez`` (``numpy.savez_compressed`` with ``compress=True``: about 3 times
+smaller, 30 times slower) under a temporary name and renamed into place, so a reader never sees
+half a chunk; by default a background thread writes them, so the caller only copies counts. A
+reader refuses other formats and newer versions.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -62,8 +65,13 @@ class TraceWriter:
         ep_size: P of the recorded calls.
         num_experts: E.
         meta: More keys for ``meta.json`` (JSON-serialisable).
-        chunk_calls: Calls per chunk: a chunk is written when this many are buffered (the buffer
-            holds ``chunk_calls * P * E`` int32).
+        chunk_calls: Calls per chunk: a chunk is written when this many are buffered. The
+            buffer holds ``chunk_calls * P * E`` int32 (two of them with ``background``), touched
+            once here: writing into fresh pages costs about 90 us per call at EP 64 with 128
+            experts on the development machine, into touched ones about 5 us.
+        compress: Write chunks with ``numpy.savez_compressed``.
+        background: Write chunks on a background thread (one chunk in flight; a write error is
+            raised by the next :meth:`flush` or :meth:`close`).
 
     Raises:
         ValueError: A non-positive size, or a directory that already holds this rank's trace
@@ -78,6 +86,8 @@ class TraceWriter:
         num_experts: int,
         meta: Optional[dict[str, Any]] = None,
         chunk_calls: int = 1024,
+        compress: bool = False,
+        background: bool = False,
     ) -> None:
         for name, value in (("ep_size", ep_size), ("num_experts", num_experts)):
             if int(value) <= 0:
@@ -101,13 +111,28 @@ class TraceWriter:
             **(meta or {}),
         }
         _atomic_write_text(self.path / _META, json.dumps(header, indent=1, sort_keys=True))
-        self._counts = np.empty((int(chunk_calls), self.ep_size, self.num_experts), np.int32)
-        self._layer = np.empty(int(chunk_calls), np.int32)
-        self._call = np.empty(int(chunk_calls), np.int64)
-        self._step = np.empty(int(chunk_calls), np.int64)
+        self._capacity = int(chunk_calls)
+        self._buffers = [self._new_buffers() for _ in range(2 if background else 1)]
+        self._counts, self._layer, self._call, self._step = self._buffers[0]
         self._size = 0
         self._chunks = 0
+        self._save = np.savez_compressed if compress else np.savez
+        self._pool = ThreadPoolExecutor(max_workers=1) if background else None
+        self._pending: Optional[Future] = None
         self.calls_written = 0
+
+    def _new_buffers(self) -> tuple[np.ndarray, ...]:
+        """``(counts, layer, call, step)`` buffers, their pages touched (zeroed) now."""
+        shape = (self._capacity, self.ep_size, self.num_experts)
+        buffers = (
+            np.empty(shape, np.int32),
+            np.empty(self._capacity, np.int32),
+            np.empty(self._capacity, np.int64),
+            np.empty(self._capacity, np.int64),
+        )
+        for b in buffers:
+            b.fill(0)
+        return buffers
 
     def append(self, layer: int, call: int, step: int, counts: Any) -> None:
         """Buffer one call's ``[P, E]`` counts (copied as int32); write a chunk when full.
@@ -125,29 +150,54 @@ class TraceWriter:
         self._counts[i] = counts  # int64 -> int32: counts per call stay far below 2**31
         self._layer[i], self._call[i], self._step[i] = layer, call, step
         self._size += 1
-        if self._size == len(self._layer):
-            self.flush()
+        if self._size == self._capacity:
+            self.flush(wait=False)
 
-    def flush(self) -> None:
-        """Write the buffered calls as the next chunk (nothing when the buffer is empty)."""
-        if self._size == 0:
-            return
-        n = self._size
-        name = self.path / f"chunk{self._chunks:06d}.npz"
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # re-raises a failed write
+
+    def flush(self, wait: bool = True) -> None:
+        """Write the buffered calls as the next chunk (nothing when the buffer is empty).
+
+        Args:
+            wait: Return only once every chunk is on disk (else, in the background, once the
+                previous chunk is).
+        """
+        self._wait()
+        if self._size:
+            n = self._size
+            name = self.path / f"chunk{self._chunks:06d}.npz"
+            arrays = dict(
+                counts=self._counts[:n], layer=self._layer[:n], call=self._call[:n],
+                step=self._step[:n],
+            )  # fmt: skip
+            self._chunks += 1
+            self.calls_written += n
+            self._size = 0
+            if self._pool is None:
+                self._write(name, arrays)
+            else:
+                # The thread owns these buffers until its write ends (waited for above before
+                # the next chunk); fill the other set meanwhile.
+                self._pending = self._pool.submit(self._write, name, arrays)
+                self._buffers.reverse()
+                self._counts, self._layer, self._call, self._step = self._buffers[0]
+        if wait:
+            self._wait()
+
+    def _write(self, name: Path, arrays: dict[str, np.ndarray]) -> None:
         tmp = name.with_suffix(".tmp.npz")
-        np.savez_compressed(
-            tmp,
-            counts=self._counts[:n],
-            layer=self._layer[:n],
-            call=self._call[:n],
-            step=self._step[:n],
-        )
+        self._save(tmp, **arrays)
         os.replace(tmp, name)
-        self._chunks += 1
-        self.calls_written += n
-        self._size = 0
 
-    close = flush
+    def close(self) -> None:
+        """Write what is buffered and wait for it (idempotent)."""
+        self.flush(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 @dataclass(frozen=True)
@@ -218,8 +268,9 @@ def write_trace(
             f"{len(calls)} call indices, {len(steps)} steps (give one of each per call)"
         )
     writer = TraceWriter(
-        directory, rank, counts.shape[1], counts.shape[2], meta, chunk_calls=max(1, len(counts))
-    )
+        directory, rank, counts.shape[1], counts.shape[2], meta, chunk_calls=max(1, len(counts)),
+        compress=True,
+    )  # fmt: skip
     for c, layer, call, step in zip(counts, layers, calls, steps):
         writer.append(int(layer), int(call), int(step), c)
     writer.close()

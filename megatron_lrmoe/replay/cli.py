@@ -4,6 +4,7 @@
         [--passes 1] [--tokens recorded|split] [--tokens-per-rank T] [--gemm-table FILE]
         [--out replay.json]
     python -m megatron_lrmoe.replay --synthetic --layers 48 --experts 128 --zipf 1.2 --ep 64
+        [--recorded-ep 8] [--write-trace DIR]
 
 Prints one table per EP size (MoE-layer time per pass, each arm over stock, peak rank load,
 memory and network bytes of the busiest rank, kept fraction, calls where a budget bound) and
@@ -21,7 +22,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from megatron_lrmoe.control.costs import CostModel
-from megatron_lrmoe.observe.trace import read_trace
+from megatron_lrmoe.observe.trace import read_trace, write_trace
 from megatron_lrmoe.replay.cost import (
     DEFAULT_GEMM_TABLE,
     GPUS_PER_NODE,
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--source-cv", type=float, default=0.3)
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--recorded-ep", type=int, default=None, help="EP of the synthetic record")
+    syn.add_argument("--write-trace", default=None, help="also write the counts as a trace")
     return p
 
 
@@ -102,6 +104,15 @@ def _passes(args: argparse.Namespace) -> tuple[list[np.ndarray], dict[str, Any]]
         meta = {"source": "synthetic", "ep_size": recorded, "num_experts": args.experts}
         meta.update(topk=topk, tokens_per_rank=tokens, zipf=args.zipf, gamma_cv=args.gamma_cv)
         meta.update(source_cv=args.source_cv, seed=args.seed)
+        if args.write_trace:
+            layers = list(range(1, args.layers + 1))
+            write_trace(
+                args.write_trace,
+                np.concatenate(counts),
+                layers=layers * len(counts),
+                calls=[k for k in range(len(counts)) for _ in layers],
+                meta={k: v for k, v in meta.items() if k not in ("ep_size", "num_experts")},
+            )
         return counts, meta
     trace = read_trace(args.trace, args.rank)
     passes = [c.astype(np.int64) for _, _, c in trace.passes()]
