@@ -32,7 +32,7 @@ import contextlib
 import functools
 import os
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -127,6 +127,48 @@ def _interpreter_takes_scalar_bounds() -> None:
 def _scalar_index(self: Any) -> int:
     """``__index__`` of an interpreted scalar: its one element, whatever the array's rank."""
     return int(self.handle.data.item())
+
+
+def jit_kernels(
+    module: dict[str, Any],
+    helpers: Sequence[str],
+    kernels: dict[str, Any],
+    what: str,
+) -> SimpleNamespace:
+    """A kernel module's bodies wrapped by ``triton.jit``: each module calls it once, from its
+    ``functools.lru_cache``'d ``_kernels()``, on first launch.
+
+    Binds ``tl`` in ``module`` (the kernels resolve it there when they compile), replaces each
+    device helper named in ``helpers`` by its jitted version in ``module`` (before any kernel
+    compiles, since the kernels call them by name), and jits every kernel. Under
+    ``TRITON_INTERPRET=1`` (read by triton when it is imported and when ``jit`` wraps) these are
+    interpreter functions that run on host tensors; ``interpreted`` says so.
+
+    Args:
+        module: The calling module's ``globals()``.
+        helpers: Names of the module's device helpers (``_arg_ptr`` is this module's).
+        kernels: ``{name: function}`` or ``{name: (function, jit keyword arguments)}``.
+        what: The kernels' job, named in the error without ``triton``.
+
+    Returns:
+        The jitted kernels by name, and ``interpreted``.
+    """
+    if not triton_available():
+        raise RuntimeError(f"megatron_lrmoe's {what} needs an importable `triton` package")
+    import triton
+    import triton.language as language
+    from triton.runtime.jit import JITFunction
+
+    module["tl"] = language
+    for name in helpers:
+        module[name] = triton.jit(module[name])
+    jitted = {}
+    for name, spec in kernels.items():
+        fn, options = spec if isinstance(spec, tuple) else (spec, {})
+        jitted[name] = triton.jit(fn, **options)
+    out = SimpleNamespace(**jitted)
+    out.interpreted = not isinstance(next(iter(jitted.values())), JITFunction)
+    return out
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

@@ -165,21 +165,17 @@ def _pair_write_kernel(
 @functools.lru_cache(maxsize=1)
 def _kernels() -> SimpleNamespace:
     """The kernel bodies wrapped by ``triton.jit`` (or the interpreter), built once."""
-    global tl
-    if not triton_common.triton_available():
-        raise RuntimeError("the pair plan kernels need an importable `triton` package")
-    import triton
-    import triton.language as language
-    from triton.runtime.jit import JITFunction
-
-    tl = language
-    kernels = SimpleNamespace(
-        count=triton.jit(_pair_count_kernel),
-        # The speculative build (n_pairs = T * K) and the real one (any count) share a binary.
-        write=triton.jit(_pair_write_kernel, do_not_specialize=["n_pairs", "fill_chunk"]),
+    return triton_common.jit_kernels(
+        globals(),
+        (),
+        {
+            "count": _pair_count_kernel,
+            # The speculative build (n_pairs = T * K) and the real one (any count) share a
+            # binary.
+            "write": (_pair_write_kernel, {"do_not_specialize": ["n_pairs", "fill_chunk"]}),
+        },
+        "pair plan kernels",
     )
-    kernels.interpreted = not isinstance(kernels.count, JITFunction)
-    return kernels
 
 
 # Largest map (T * E entries) the kernels serve. Measured on an H200 (gpu_run11,

@@ -36,7 +36,7 @@ from megatron_lrmoe.triton_common import (
     _tl_dtype,
     _unit_cols,
     checked_kernels,
-    triton_available,
+    jit_kernels,
 )
 
 __all__ = [
@@ -396,28 +396,20 @@ def _kernels() -> SimpleNamespace:
     Under ``TRITON_INTERPRET=1`` (read by triton when it is imported and when ``jit`` wraps)
     these are interpreter functions that run on host tensors; ``interpreted`` says so.
     """
-    global tl
-    if not triton_available():
-        raise RuntimeError("megatron_lrmoe Triton kernels need an importable `triton` package")
-    import triton
-    import triton.language as language
-    from triton.runtime.jit import JITFunction
-
-    tl = language
-    module = globals()
-    for name in _HELPERS:
-        module[name] = triton.jit(module[name])
-    kernels = SimpleNamespace(
-        scale_rows=triton.jit(_scale_rows_kernel),
-        row_dot=triton.jit(_row_dot_kernel),
-        gather_sum=triton.jit(_gather_sum_kernel),
-        gather_sum_args=triton.jit(_gather_sum_args_kernel),
-        pack_pairs=triton.jit(_pack_pairs_kernel),
-        row_of_args=triton.jit(_row_of_args_kernel),
-        row_dot_pack_args=triton.jit(_row_dot_pack_args_kernel),
+    return jit_kernels(
+        globals(),
+        _HELPERS,
+        {
+            "scale_rows": _scale_rows_kernel,
+            "row_dot": _row_dot_kernel,
+            "gather_sum": _gather_sum_kernel,
+            "gather_sum_args": _gather_sum_args_kernel,
+            "pack_pairs": _pack_pairs_kernel,
+            "row_of_args": _row_of_args_kernel,
+            "row_dot_pack_args": _row_dot_pack_args_kernel,
+        },
+        "row kernels",
     )
-    kernels.interpreted = not isinstance(kernels.scale_rows, JITFunction)
-    return kernels
 
 
 def _kernels_for(t: torch.Tensor) -> SimpleNamespace:

@@ -33,7 +33,7 @@ from megatron_lrmoe.triton_common import (
     _tl_dtype,
     _unit_cols,
     checked_kernels,
-    triton_available,
+    jit_kernels,
 )
 
 __all__ = [
@@ -234,24 +234,16 @@ def _kernels() -> SimpleNamespace:
     Under ``TRITON_INTERPRET=1`` (read by triton when it is imported and when ``jit`` wraps)
     these are interpreter functions that run on host tensors; ``interpreted`` says so.
     """
-    global tl
-    if not triton_available():
-        raise RuntimeError("megatron_lrmoe Triton kernels need an importable `triton` package")
-    import triton
-    import triton.language as language
-    from triton.runtime.jit import JITFunction
-
-    tl = language
-    module = globals()
-    for name in _HELPERS:
-        module[name] = triton.jit(module[name])
-    kernels = SimpleNamespace(
-        act_fwd=triton.jit(_act_fwd_kernel),
-        act_bwd=triton.jit(_act_bwd_kernel),
-        act_bwd_args=triton.jit(_act_bwd_args_kernel),
+    return jit_kernels(
+        globals(),
+        _HELPERS,
+        {
+            "act_fwd": _act_fwd_kernel,
+            "act_bwd": _act_bwd_kernel,
+            "act_bwd_args": _act_bwd_args_kernel,
+        },
+        "activation kernels",
     )
-    kernels.interpreted = not isinstance(kernels.act_fwd, JITFunction)
-    return kernels
 
 
 def _kernels_for(t: torch.Tensor) -> SimpleNamespace:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from megatron_lrmoe.experts.grouped_gemm import Counts, GroupSizes
-from megatron_lrmoe.triton_common import _cdiv, _device_ctx, triton_available, use_triton
+from megatron_lrmoe.triton_common import _cdiv, _device_ctx, jit_kernels, use_triton
 
 tl: Any = None  # bound to triton.language on first use (see triton_common.py)
 
@@ -222,19 +222,15 @@ def _wgrad_persistent_kernel(
 
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Any:
-    global tl
-    if not triton_available():
-        raise RuntimeError("megatron_lrmoe's grouped weight gradient needs an importable `triton`")
-    import triton
-    import triton.language as language
-
-    from triton.runtime.jit import JITFunction
-
-    tl = language
-    globals()["_wgrad_tile"] = triton.jit(_wgrad_tile)  # the kernels call the jitted helper
-    kernel = triton.jit(_wgrad_kernel)
-    persistent = triton.jit(_wgrad_persistent_kernel)
-    return kernel, persistent, not isinstance(kernel, JITFunction)
+    """``(kernel, persistent kernel, interpreted)``, jitted once on first launch (the kernels
+    call the jitted ``_wgrad_tile``)."""
+    jitted = jit_kernels(
+        globals(),
+        ("_wgrad_tile",),
+        {"kernel": _wgrad_kernel, "persistent": _wgrad_persistent_kernel},
+        "grouped weight gradient",
+    )
+    return jitted.kernel, jitted.persistent, jitted.interpreted
 
 
 @functools.lru_cache(maxsize=16)

@@ -89,7 +89,7 @@ from megatron_lrmoe import triton_common as tc
 from megatron_lrmoe.cuda_graphs import GraphCache, capture as capture_graph
 from megatron_lrmoe.dispatch import rows_triton
 from megatron_lrmoe.select import contract, scores_triton
-from megatron_lrmoe.triton_common import _cdiv, _device_ctx, triton_available
+from megatron_lrmoe.triton_common import _cdiv, _device_ctx, jit_kernels
 
 __all__ = [
     "Front",
@@ -619,31 +619,24 @@ def _kernels() -> SimpleNamespace:
     Under ``TRITON_INTERPRET=1`` these are interpreter functions that run on host tensors;
     ``interpreted`` says so.
     """
-    global tl
-    if not triton_available():
-        raise RuntimeError("megatron_lrmoe Triton selection needs an importable `triton` package")
-    import triton
-    import triton.language as language
-    from triton.runtime.jit import JITFunction
-
-    tl = language
-    module = globals()
-    for name in _HELPERS:
-        module[name] = triton.jit(module[name])
-    kernels = SimpleNamespace(
-        sort_key=triton.jit(_sort_key_kernel),
-        tile_sort=triton.jit(_tile_sort_kernel),
-        merge_rank=triton.jit(_merge_rank_kernel),
-        weights=triton.jit(_weights_kernel),
-        capping=triton.jit(_capping_kernel),
-        uncapped=triton.jit(_uncapped_kernel),
-        units=triton.jit(_units_kernel),
-        repair=triton.jit(_repair_kernel),
-        finalize=triton.jit(_finalize_kernel),
-        draw=triton.jit(_draw_kernel),
+    return jit_kernels(
+        globals(),
+        _HELPERS,
+        {
+            # ``interpreted`` is read off the first.
+            "draw": _draw_kernel,
+            "sort_key": _sort_key_kernel,
+            "tile_sort": _tile_sort_kernel,
+            "merge_rank": _merge_rank_kernel,
+            "weights": _weights_kernel,
+            "capping": _capping_kernel,
+            "uncapped": _uncapped_kernel,
+            "units": _units_kernel,
+            "repair": _repair_kernel,
+            "finalize": _finalize_kernel,
+        },
+        "Triton selection",
     )
-    kernels.interpreted = not isinstance(kernels.draw, JITFunction)
-    return kernels
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from megatron_lrmoe.triton_common import (
     _tl_dtype,
     _unit_cols,
     checked_kernels,
-    triton_available,
+    jit_kernels,
 )
 
 __all__ = [
@@ -202,25 +202,17 @@ def _kernels() -> SimpleNamespace:
     Under ``TRITON_INTERPRET=1`` (read by triton when it is imported and when ``jit`` wraps)
     these are interpreter functions that run on host tensors; ``interpreted`` says so.
     """
-    global tl
-    if not triton_available():
-        raise RuntimeError("megatron_lrmoe Triton kernels need an importable `triton` package")
-    import triton
-    import triton.language as language
-    from triton.runtime.jit import JITFunction
-
-    tl = language
-    module = globals()
-    for name in _HELPERS:
-        module[name] = triton.jit(module[name])
-    kernels = SimpleNamespace(
-        row_norms=triton.jit(_row_norms_kernel),
-        pair_scores=triton.jit(_pair_scores_kernel),
-        row_norms_args=triton.jit(_row_norms_args_kernel),
-        pair_scores_args=triton.jit(_pair_scores_args_kernel),
+    return jit_kernels(
+        globals(),
+        _HELPERS,
+        {
+            "row_norms": _row_norms_kernel,
+            "pair_scores": _pair_scores_kernel,
+            "row_norms_args": _row_norms_args_kernel,
+            "pair_scores_args": _pair_scores_args_kernel,
+        },
+        "scoring kernels",
     )
-    kernels.interpreted = not isinstance(kernels.row_norms, JITFunction)
-    return kernels
 
 
 def _kernels_for(t: torch.Tensor) -> SimpleNamespace:
