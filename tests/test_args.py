@@ -89,6 +89,7 @@ def test_every_config_field_has_a_flag() -> None:
         "lrmoe",
         "moe_layer_timing",
         "memory_cap_gib",
+        "lrmoe_trace_dir",
     } | {f"lrmoe_{f.name}" for f in dataclasses.fields(LRMoEConfig)}
 
 
@@ -163,6 +164,7 @@ def test_defaults_and_seed_follow_megatron_seed(monkeypatch: pytest.MonkeyPatch)
         ["--no-lrmoe-record-stats"],
         ["--lrmoe-debug-record-selection"],
         ["--lrmoe-debug-check-invariants"],
+        ["--lrmoe-trace-dir", "/tmp/trace"],
     ],
     ids=lambda a: a[0],
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.training.args import LRMOE_FLAGS, LRMOE_HELP_FLAG
+from megatron_lrmoe.training.args import LRMOE_FLAGS, LRMOE_HELP_FLAG, LRMOE_TRACE_FLAG
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -33,7 +33,7 @@ def _code_spans(text: str) -> list[str]:
 
 
 def test_every_lrmoe_flag_named_in_docs_and_scripts_exists() -> None:
-    known = {*LRMOE_FLAGS.values(), LRMOE_HELP_FLAG, "--lrmoe"}
+    known = {*LRMOE_FLAGS.values(), LRMOE_HELP_FLAG, LRMOE_TRACE_FLAG, "--lrmoe"}
     known |= {"--no-" + f[2:] for f in LRMOE_FLAGS.values()}  # BooleanOptionalAction's negation
     unknown = {
         (path.relative_to(ROOT).as_posix(), flag)

@@ -507,3 +507,36 @@ def test_moe_layer_timing_sums_the_pipeline_stages() -> None:
     line = results[1]["last"]
     assert f"moe layers: {per_iteration[-1]:.1f} ms/iter" in line
     assert f"moe layers cumulative: {cumulative[-1]:.3f} s |" in line
+
+
+def test_trace_dir_records_during_train_and_closes(
+    megatron_globals: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """``--lrmoe-trace-dir``: the train wrapper installs the routing recorder on the model being
+    trained, gives it every iteration's step, and closes it when train returns."""
+    from megatron_lrmoe.training import hooks as hooks_module
+
+    events: list[Any] = []
+
+    class Recorder:
+        def set_step(self, step: int) -> None:
+            events.append(("step", step))
+
+        def close(self) -> None:
+            events.append("closed")
+
+    def install(model: Any, directory: Any) -> Recorder:
+        events.append(("installed", len(model), directory))
+        return Recorder()
+
+    monkeypatch.setattr(hooks_module, "install_trace_recorder", install)
+    args = megatron_args(lrmoe_trace_dir=str(tmp_path))
+    megatron_globals(args)
+    module = fake_training_module()
+    install_lrmoe_training_log(args, module)
+    module.pretrain(forward_step, fake_model())
+    assert events[0] == ("installed", 1, str(tmp_path))
+    assert [e for e in events if isinstance(e, tuple) and e[0] == "step"] == [
+        ("step", i) for i in range(1, 6)
+    ]
+    assert events[-1] == "closed"

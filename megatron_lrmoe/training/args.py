@@ -35,6 +35,7 @@ from megatron_lrmoe.config import (
 __all__ = [
     "LRMOE_FLAGS",
     "LRMOE_HELP_FLAG",
+    "LRMOE_TRACE_FLAG",
     "add_lrmoe_args",
     "lrmoe_help_text",
     "lrmoe_config_from_args",
@@ -59,6 +60,7 @@ LRMOE_FLAGS: dict[str, str] = {name: _flag(name) for name in _DEFAULTS}
 """``LRMoEConfig`` field name -> its command-line flag."""
 
 LRMOE_HELP_FLAG = "--lrmoe-help"
+LRMOE_TRACE_FLAG = "--lrmoe-trace-dir"
 """Prints only the "LRMoE" argument group and exits (Megatron's ``--help`` is ~3,900 lines)."""
 
 _HELP: dict[str, str] = {
@@ -224,6 +226,16 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "runs too; does not need --lrmoe. Default: no cap."
         ),
     )
+    group.add_argument(
+        LRMOE_TRACE_FLAG,
+        default=None,
+        metavar="DIR",
+        help=(
+            "Record every LRMoE layer call's all-gathered [EP ranks, experts] routing counts "
+            "into DIR (on EP rank 0 of each EP group; about 5 us per call), for "
+            "`python -m megatron_lrmoe.replay --trace DIR` (docs/replay.md). Needs --lrmoe."
+        ),
+    )
     for name, default in _DEFAULTS.items():
         text = _HELP[name] % {"def": default}
         flag = LRMOE_FLAGS[name]
@@ -246,7 +258,10 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _given_lrmoe_flags(args: argparse.Namespace) -> list[str]:
-    return [f for n, f in LRMOE_FLAGS.items() if getattr(args, f"lrmoe_{n}", None) is not None]
+    given = [f for n, f in LRMOE_FLAGS.items() if getattr(args, f"lrmoe_{n}", None) is not None]
+    if getattr(args, "lrmoe_trace_dir", None) is not None:
+        given.append(LRMOE_TRACE_FLAG)
+    return given
 
 
 def lrmoe_config_from_args(args: argparse.Namespace) -> Optional[LRMoEConfig]:

@@ -11,7 +11,8 @@ while it runs. Instead :func:`install_lrmoe_training_log`, called explicitly by 
 * ``train(forward_step_func, model, ...)`` (called by ``pretrain``): the wrapper creates an
   :class:`~megatron_lrmoe.observe.metrics.LRMoEMetrics` over ``model`` (the model chunks being trained,
   DDP-wrapped) before calling the original, so its forward hooks see every training call, and
-  removes the hooks when ``train`` returns or raises.
+  removes the hooks when ``train`` returns or raises; with ``--lrmoe-trace-dir`` it also records
+  the routing (``megatron_lrmoe.training.trace``), keyed by the step ``training_log`` reports.
 * ``training_log(...)`` (called by ``train`` after every iteration): the wrapper calls the
   original unchanged, then, on the iterations on which Megatron prints its line
   (``iteration % --log-interval == 0`` or the first iteration of the run), reports: one
@@ -50,6 +51,7 @@ from typing import Any, Callable, Optional
 from megatron_lrmoe.layer import set_lrmoe_training_step
 from megatron_lrmoe.observe.metrics import LRMoEMetrics
 from megatron_lrmoe.observe.timing import MoELayerTimer
+from megatron_lrmoe.training.trace import TraceRecorder, install_trace_recorder
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +241,7 @@ class LRMoETrainingLog:
         self.moe_timing = moe_timing
         self.metrics: Optional[LRMoEMetrics] = None
         self.timer: Optional[MoELayerTimer] = None
+        self.recorder: Optional[TraceRecorder] = None
         self.model: Any = None
         self.last_line = ""
         self._module: Optional[ModuleType] = None
@@ -258,7 +261,9 @@ class LRMoETrainingLog:
             # The sampling stream follows the training step, so a resumed run draws what an
             # uninterrupted one would (see LRMoELayer.set_training_step).
             set_lrmoe_training_step(model, int(getattr(_megatron_args(), "iteration", 0) or 0))
-            previous = self.metrics, self.timer
+            trace_dir = getattr(_megatron_args(), "lrmoe_trace_dir", None)
+            previous = self.metrics, self.timer, self.recorder
+            self.recorder = install_trace_recorder(model, trace_dir) if trace_dir else None
             metrics = self.metrics = self.make_metrics(model) if self.lrmoe else None
             timer = self.timer = MoELayerTimer(model) if self.moe_timing else None
             self._timed_iteration = int(getattr(_megatron_args(), "iteration", 0) or 0)
@@ -270,7 +275,9 @@ class LRMoETrainingLog:
                     metrics.close()
                 if timer is not None:
                     timer.remove()
-                self.metrics, self.timer = previous
+                if self.recorder is not None:
+                    self.recorder.close()
+                self.metrics, self.timer, self.recorder = previous
 
         setattr(train, _MARKER, self)
         return train
@@ -288,6 +295,8 @@ class LRMoETrainingLog:
                 iteration = int(bound.arguments["iteration"])
                 if self.model is not None:
                     set_lrmoe_training_step(self.model, iteration)
+                if self.recorder is not None:
+                    self.recorder.set_step(iteration)
                 first = bool(bound.arguments["is_first_iteration"])
                 if first or iteration % _megatron_args().log_interval == 0:
                     self.report(iteration)
