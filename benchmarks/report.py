@@ -542,11 +542,18 @@ def section_memory_bound(root: Path) -> str:
             + " / ".join(f"{rows[k]['peak_mib']:.0f}" for k in (1.0, 0.5, 0.25))
             + " |"
         )
+    moe = json.loads((root / _RECOMPUTE[1]).read_text())
+    base = next(r for r in moe["rows"] if r["keep"] == 1.0)
+    forward, backward = base["fwd_ms"], base["bwd_ms"] - base["fwd_ms"]
+    bound = {k: (2 * forward + k * backward) / (2 * forward + backward) for k in (0.5, 0.25)}
     out += [
         "",
         "Under Megatron's MoE-layer recompute LRMoE gains less: the exact router gradient needs "
         "every pair's expert output, so the recomputed forward runs for every pair whatever the "
-        "keep ratio, and only the backward after it shrinks.",
+        "keep ratio, and only the backward after it shrinks. Even a backward that shrank exactly "
+        f"k-fold would take the layer to (2F + kB) / (2F + B) = {bound[0.5]:.2f}x at keep 0.5 and "
+        f"{bound[0.25]:.2f}x at keep 0.25 (F = {forward:.2f} ms, the forward; B = "
+        f"{backward:.2f} ms, the backward after the recompute, the keep-1.0 row above less F).",
     ]
     return "\n".join(out)
 
