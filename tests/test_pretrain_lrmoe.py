@@ -358,8 +358,9 @@ def test_main_installs_training_log_only_with_lrmoe(
     monkeypatch.setattr(training, "train", training.train)
     monkeypatch.setattr(training, "training_log", training.training_log)
     original = training.training_log
-    args = argparse.Namespace(lrmoe=lrmoe)
+    args = argparse.Namespace(lrmoe=lrmoe, memory_cap_gib=None)
     monkeypatch.setattr(compat, "use_prebuilt_dataset_helpers", lambda: True)
+    monkeypatch.setattr(entry, "parse_args", lambda provider: args)  # the early check's parse
     monkeypatch.setattr(entry, "parse_and_validate_args", lambda **kwargs: args)
     monkeypatch.setattr(entry, "check_args", lambda a: None)
     monkeypatch.setattr(entry, "gpt_model_config_from_args", lambda a: "model config")
