@@ -275,12 +275,22 @@ def test_report_from_synthetic_logs(tmp_path: Path) -> None:
     assert base["iterations_to_target"]["mean"] == pytest.approx(6.0)
     assert lrmoe["iterations_to_target"]["mean"] == pytest.approx(8.0)
     assert lrmoe["vs_baseline"]["moe_s_to_target"] == pytest.approx(0.14 / 0.2)
+    assert lrmoe["moe_s_to_target_vs_baseline_by_seed"] == {
+        "1": pytest.approx(0.7), "2": pytest.approx(0.7)
+    }
+    assert lrmoe["first_iteration_s"]["mean"] == 5.0
     assert lrmoe["final_val_loss"]["n"] == 2 and lrmoe["val_relative_se"]["mean"] == pytest.approx(0.004)
     assert (tmp_path / "loss_vs_time.png").stat().st_size > 0
     # Default target: 1 % above the baseline's mean final validation loss.
     default = json.loads(json.dumps(memory_bound.report(memory_bound.parser().parse_args(
         ["report", "--out", str(tmp_path)]))))
     assert default["target"] == pytest.approx(1.01)
+    # No baseline run and no --target: the table still prints, nothing reaches a target.
+    for log in (tmp_path / "converge").glob("stock_with_moe_*"):
+        log.unlink()
+    (tmp_path / "search.json").unlink()
+    lone = memory_bound.report(memory_bound.parser().parse_args(["report", "--out", str(tmp_path)]))
+    assert lone["target"] is None and lone["arms"]["k0.5+moe"]["vs_baseline"] is None
 
 
 # -- the memory cap and the validation spread --------------------------------------------------
