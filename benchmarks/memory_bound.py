@@ -179,6 +179,7 @@ class Run:
     cap_gib: Optional[float]
     layers: int
     evaluate: bool
+    evaluations: int = 4
 
     def env(self) -> dict[str, str]:
         env = dict(PROXY)
@@ -193,7 +194,8 @@ class Run:
             DATA_CACHE="/tmp/lrmoe_memory_bound_cache",
         )
         if self.evaluate:
-            env.update(EVAL_INTERVAL=str(max(1, self.iters // 4)), EVAL_ITERS="1")
+            interval = max(1, self.iters // max(1, self.evaluations))
+            env.update(EVAL_INTERVAL=str(interval), EVAL_ITERS="1")
         else:  # no evaluation inside the run (the one after it reads a single batch)
             env.update(EVAL_INTERVAL=str(self.iters + 1), EVAL_ITERS="1")
         if self.cap_gib is not None:
@@ -356,7 +358,8 @@ def converge(args: argparse.Namespace) -> None:
             if log.exists() and train_logs.parse_log(log).finished:
                 print(f"kept {log} (finished)")
                 continue
-            run = Run(arm, seed, args.iters, log, args.cap_gib, args.layers, evaluate=True)
+            run = Run(arm, seed, args.iters, log, args.cap_gib, args.layers, evaluate=True,
+                      evaluations=args.evaluations)
             parsed = launch(run, args.timeout_s, args.dry_run)
             if parsed is not None:
                 print(json.dumps(train_logs.summary(parsed, None)), flush=True)
@@ -524,6 +527,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=400,
                    help="converge: iterations per run (400: about 0.9 s each at 24 layers, with "
                    "four evaluations, fit one 10-minute device call)")
+    p.add_argument("--evaluations", type=int, default=4,
+                   help="converge: evaluations of the fixed validation set per run, evenly spaced")
     p.add_argument("--search-iters", type=int, default=10)
     p.add_argument("--target", type=float, default=None,
                    help="report: target validation loss (default: 1 %% above the baseline's mean "

@@ -190,6 +190,8 @@ def test_arm_flags() -> None:
     assert env["MEMORY_CAP_GIB"] == "78" and env["EVAL_INTERVAL"] == "100"
     assert run.flags()[-4:] == ["--eval-global-batch-size", "32", "--eval-micro-batch-size", "32"]
     assert "--full-validation" in run.flags()
+    two = memory_bound.Run(arms["stock"], 7, 6, Path("x.log"), 78.0, 24, evaluate=True, evaluations=2)
+    assert two.env()["EVAL_INTERVAL"] == "3"
     quick = memory_bound.Run(arms["stock"], 7, 10, Path("x.log"), None, 24, evaluate=False)
     assert "MEMORY_CAP_GIB" not in quick.env() and "--full-validation" not in quick.flags()
     # Megatron's scheduler needs the warm-up shorter than the run, short runs included.

@@ -242,6 +242,41 @@ def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
         compat.check_megatron_core_version()
 
 
+def test_full_validation_fix(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """One validation set: eval_iters reaches Megatron as the list it indexes; the end-of-training
+    evaluation is not repeated at an iteration the loop has just evaluated."""
+    import megatron.training as mt
+    from megatron.training import training
+
+    calls: list[tuple[str, int, Any]] = []
+    current = argparse.Namespace(eval_iters=38)
+
+    def original(prefix: str, fwd: Any, data: Any, model: Any, iteration: int, *a: Any, **kw: Any) -> str:
+        calls.append((prefix, iteration, current.eval_iters))
+        return prefix
+
+    monkeypatch.setattr(training, "evaluate_and_print_results", original)
+    monkeypatch.setattr(mt, "get_args", lambda: current)
+    assert compat.fix_full_validation(argparse.Namespace(full_validation=False)) is False
+    assert training.evaluate_and_print_results is original
+    args = argparse.Namespace(full_validation=True, multiple_validation_sets=False)
+    assert compat.fix_full_validation(args) is True
+    assert compat.fix_full_validation(args) is True  # idempotent
+    fixed = training.evaluate_and_print_results
+    assert fixed is not original and fixed.__wrapped__ is original
+    assert fixed("iteration 100", None, None, None, 100) == "iteration 100"
+    assert calls == [("iteration 100", 100, [38])]
+    # The end of training after an evaluation at another iteration evaluates, the test set too.
+    assert fixed("iteration 150 on validation set", None, None, None, 150) is not None
+    assert fixed("iteration 150 on test set", None, None, None, 150) is not None
+    fixed("iteration 200", None, None, None, iteration=200)
+    assert fixed("iteration 200 on validation set", None, None, None, 200) is None
+    assert [c[:2] for c in calls] == [
+        ("iteration 100", 100), ("iteration 150 on validation set", 150),
+        ("iteration 150 on test set", 150), ("iteration 200", 200)]
+    assert "not repeated" in capsys.readouterr().out
+
+
 def test_repair_help_strings() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--a", default=3, help="headroom (e.g. 1.10 = 10%).")

@@ -14,7 +14,9 @@ Nothing here runs on import. ``pretrain_lrmoe.main`` calls, in order:
   (``--moe-paged-stash-buffer-size-factor-cuda``) contains a bare ``%``, so ``--help`` raises
   ``ValueError: unsupported format character``; this escapes such strings.
 * :func:`fix_full_validation`: ``--full-validation`` with one validation set fails at the first
-  evaluation in megatron-core 0.19.2 (it indexes an int); this hands it the list it expects.
+  evaluation in megatron-core 0.19.2 (it indexes an int); this hands it the list it expects, and
+  does not run the end-of-training evaluation again when the last in-loop one already read the
+  same fixed set at the same iteration.
 * :func:`check_transformer_impl`: ``--transformer-impl transformer_engine`` (Megatron's default)
   without Transformer Engine fails deep in spec construction with ``'NoneType' object is not
   callable``; this names the fix instead.
@@ -138,6 +140,13 @@ def fix_full_validation(args: Any) -> bool:
     function a one-element list, which it turns back into the int itself, so every evaluation
     reads the whole (fixed) validation set as the flag intends.
 
+    After training Megatron evaluates the validation set once more ("iteration N on validation
+    set"). With ``--full-validation`` and ``--train-iters`` a multiple of ``--eval-interval`` the
+    in-loop evaluation has just read the same set with the same weights at the same iteration
+    (evaluation mode, no dropout: the same loss), so the wrapper prints a line saying so instead of
+    spending a second pass over the whole set (about a minute per run in
+    ``benchmarks/memory_bound.py``'s protocol).
+
     Explicit (``pretrain_lrmoe.main`` calls it), version-checked, idempotent; does nothing (and
     returns False) unless ``--full-validation`` is given without ``--multiple-validation-sets``.
     """
@@ -159,9 +168,22 @@ def fix_full_validation(args: Any) -> bool:
                 "megatron_lrmoe/training/compat.py::fix_full_validation"
             )
 
+    last_validated: list[int] = []  # the iteration of the last in-loop evaluation
+
     def evaluate_and_print_results(*a: Any, **kw: Any) -> Any:
         from megatron.training import get_args
+        from megatron.training.utils import print_rank_last
 
+        prefix = str(a[0] if a else kw.get("prefix", ""))
+        iteration = a[4] if len(a) > 4 else kw.get("iteration")
+        if prefix.endswith("on validation set") and last_validated == [iteration]:
+            print_rank_last(
+                f" validation at {prefix}: not repeated (--full-validation: the evaluation at "
+                f"iteration {iteration} read the same set with the same weights)"
+            )
+            return None
+        if not prefix.endswith(("on validation set", "on test set")):
+            last_validated[:] = [iteration]
         current = get_args()
         if isinstance(current.eval_iters, int):
             current.eval_iters = [current.eval_iters]
