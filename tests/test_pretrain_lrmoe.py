@@ -255,7 +255,11 @@ def test_full_validation_fix(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
         calls.append((prefix, iteration, current.eval_iters))
         return prefix
 
+    from megatron.training.datasets import data_samplers
+
     monkeypatch.setattr(training, "evaluate_and_print_results", original)
+    monkeypatch.setattr(data_samplers, "MegatronFullValidationSampler",
+                        data_samplers.MegatronFullValidationSampler)
     monkeypatch.setattr(mt, "get_args", lambda: current)
     assert compat.fix_full_validation(argparse.Namespace(full_validation=False)) is False
     assert training.evaluate_and_print_results is original
@@ -275,6 +279,34 @@ def test_full_validation_fix(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
         ("iteration 100", 100), ("iteration 150 on validation set", 150),
         ("iteration 150 on test set", 150), ("iteration 200", 200)]
     assert "not repeated" in capsys.readouterr().out
+    assert data_samplers.MegatronFullValidationSampler is compat.MicroBatchFullValidationSampler
+
+
+@pytest.mark.parametrize("total,dp,mbs", [(1200, 1, 32), (1200, 1, 1), (7, 2, 3), (3, 4, 2), (64, 4, 16)])
+def test_full_validation_sampler_reads_every_sequence_once(total: int, dp: int, mbs: int) -> None:
+    from megatron.training.datasets.data_samplers import MegatronFullValidationSampler as wheel
+
+    seen: list[int] = []
+    for rank in range(dp):
+        ours = compat.MicroBatchFullValidationSampler(total, rank, dp, micro_batch_size=mbs)
+        batches = list(ours)
+        assert len(batches) == len(ours) == -(-len(range(rank, total, dp)) // mbs)
+        assert all(1 <= len(b) <= mbs for b in batches) and all(len(b) == mbs for b in batches[:-1])
+        # The same sequences on the same rank as the wheel's one-sequence batches.
+        assert [i for b in batches for i in b] == [i for b in wheel(total, rank, dp) for i in b]
+        seen += [i for b in batches for i in b]
+    assert sorted(seen) == list(range(total))
+
+
+def test_full_validation_sampler_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import megatron.training as mt
+
+    with pytest.raises(ValueError, match="total_samples=0"):
+        compat.MicroBatchFullValidationSampler(0, 0, 1, 4)
+    with pytest.raises(ValueError, match="data_parallel_rank 2 not in"):
+        compat.MicroBatchFullValidationSampler(10, 2, 2, 4)
+    monkeypatch.setattr(mt, "get_args", lambda: argparse.Namespace(eval_micro_batch_size=8, micro_batch_size=2))
+    assert compat.MicroBatchFullValidationSampler(100, 0, 1).micro_batch_size == 8
 
 
 def test_repair_help_strings() -> None:

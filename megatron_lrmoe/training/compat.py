@@ -14,9 +14,10 @@ Nothing here runs on import. ``pretrain_lrmoe.main`` calls, in order:
   (``--moe-paged-stash-buffer-size-factor-cuda``) contains a bare ``%``, so ``--help`` raises
   ``ValueError: unsupported format character``; this escapes such strings.
 * :func:`fix_full_validation`: ``--full-validation`` with one validation set fails at the first
-  evaluation in megatron-core 0.19.2 (it indexes an int); this hands it the list it expects, and
-  does not run the end-of-training evaluation again when the last in-loop one already read the
-  same fixed set at the same iteration.
+  evaluation in megatron-core 0.19.2 (it indexes an int); this hands it the list it expects,
+  makes it read the set in micro-batches of ``--eval-micro-batch-size`` (the wheel's sampler
+  yields one sequence per forward pass), and does not run the end-of-training evaluation again
+  when the last in-loop one already read the same fixed set at the same iteration.
 * :func:`check_transformer_impl`: ``--transformer-impl transformer_engine`` (Megatron's default)
   without Transformer Engine fails deep in spec construction with ``'NoneType' object is not
   callable``; this names the fix instead.
@@ -29,7 +30,7 @@ import importlib
 import logging
 import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ __all__ = [
     "SUPPORTED_MEGATRON_CORE",
     "check_megatron_core_version",
     "check_transformer_impl",
+    "MicroBatchFullValidationSampler",
     "fix_full_validation",
     "megatron_core_version",
     "repair_help_strings",
@@ -128,6 +130,58 @@ def use_prebuilt_dataset_helpers() -> bool:
 
 _FULL_VALIDATION_MARKER = "__lrmoe_full_validation_fix__"
 _TRAINING_MODULE = "megatron.training.training"
+_SAMPLERS_MODULE = "megatron.training.datasets.data_samplers"
+
+
+class MicroBatchFullValidationSampler:
+    """``--full-validation``'s batch sampler with micro-batches of ``--eval-micro-batch-size``.
+
+    Data-parallel rank r reads the sequences r, r + dp, r + 2 dp, ... (as the wheel's sampler
+    does), ``micro_batch_size`` of them per batch, the last batch possibly shorter; every
+    sequence is read once per evaluation. Ranks' batch counts differ by at most one; Megatron
+    runs the largest count on every rank (its cyclic iterator starts over on the others), as
+    with the wheel's sampler.
+
+    Args:
+        total_samples: Sequences in the validation set.
+        data_parallel_rank, data_parallel_size: This rank and the data-parallel width.
+        micro_batch_size: Sequences per batch (None: ``--eval-micro-batch-size`` from Megatron's
+            arguments).
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        micro_batch_size: Optional[int] = None,
+    ) -> None:
+        if total_samples <= 0:
+            raise ValueError(f"full validation: no sequence to read (total_samples={total_samples})")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(
+                f"full validation: data_parallel_rank {data_parallel_rank} not in "
+                f"[0, {data_parallel_size})"
+            )
+        if micro_batch_size is None:
+            from megatron.training import get_args
+
+            args = get_args()
+            micro_batch_size = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
+        if micro_batch_size < 1:
+            raise ValueError(f"full validation: micro_batch_size {micro_batch_size} < 1")
+        self.total_samples = total_samples
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.micro_batch_size = int(micro_batch_size)
+        self._mine = range(data_parallel_rank, total_samples, data_parallel_size)
+
+    def __len__(self) -> int:
+        return -(-len(self._mine) // self.micro_batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(0, len(self._mine), self.micro_batch_size):
+            yield list(self._mine[start : start + self.micro_batch_size])
 
 
 def fix_full_validation(args: Any) -> bool:
@@ -139,6 +193,13 @@ def fix_full_validation(args: Any) -> bool:
     ``TypeError: 'int' object is not subscriptable``. The wrapper installed here hands the
     function a one-element list, which it turns back into the int itself, so every evaluation
     reads the whole (fixed) validation set as the flag intends.
+
+    The wheel's ``MegatronFullValidationSampler`` yields one sequence per batch whatever
+    ``--eval-micro-batch-size`` says, so every evaluation is one forward pass per sequence (on one
+    H200, 24 layers of the Qwen3 MoE shape: 1200 sequences took over two minutes, against about
+    half a second per 32-sequence forward pass). :class:`MicroBatchFullValidationSampler` takes
+    its place in ``megatron.training.datasets.data_samplers``: the same sequences on the same
+    data-parallel ranks, ``--eval-micro-batch-size`` of them per batch.
 
     After training Megatron evaluates the validation set once more ("iteration N on validation
     set"). With ``--full-validation`` and ``--train-iters`` a multiple of ``--eval-interval`` the
@@ -192,6 +253,15 @@ def fix_full_validation(args: Any) -> bool:
     setattr(evaluate_and_print_results, _FULL_VALIDATION_MARKER, True)
     evaluate_and_print_results.__wrapped__ = original  # type: ignore[attr-defined]
     module.evaluate_and_print_results = evaluate_and_print_results
+    samplers = importlib.import_module(_SAMPLERS_MODULE)
+    build = samplers.build_pretraining_data_loader
+    if "MegatronFullValidationSampler" not in build.__code__.co_names:
+        raise RuntimeError(
+            f"{_SAMPLERS_MODULE}.build_pretraining_data_loader no longer builds "
+            f"MegatronFullValidationSampler by its global name (megatron-core "
+            f"{megatron_core_version()}); update megatron_lrmoe/training/compat.py::fix_full_validation"
+        )
+    samplers.MegatronFullValidationSampler = MicroBatchFullValidationSampler
     logger.info("%s.evaluate_and_print_results takes --full-validation's count as a list",
                 _TRAINING_MODULE)
     return True
