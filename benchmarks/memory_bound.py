@@ -50,9 +50,10 @@ Phases:
 * ``converge``: the picked arms (or ``--arms``), each seed alone on the GPU under the cap (so
   their times are the arms' own), ``--iters`` iterations, a fixed held-out validation set
   (``--full-validation``: every evaluation reads the same ~1200 sequences; each evaluation prints
-  the standard error of its mean, ``megatron_lrmoe/training/validation_spread.py``), four
-  evaluations per run. A log that
-  already finished is kept: the phase can be spread over several calls or sessions.
+  the standard error of its mean, ``megatron_lrmoe/training/validation_spread.py``; read in
+  micro-batches of 32 through ``compat.fix_full_validation``, where megatron-core 0.19.2 reads
+  one sequence per forward pass), ``--evaluations`` evaluations per run (default four). A log
+  that already finished is kept: the phase can be spread over several calls or sessions.
 * ``report``: ``summary.json`` and ``loss_vs_time.png``: per arm and seed the iterations, the
   wall time and the MoE layers' time to the target validation loss (iteration 1, which
   compiles Triton kernels, left out and reported apart; ``benchmarks/train_logs.py``), the final
