@@ -7,7 +7,11 @@
 * a skewed synthetic pass: replicas lower the peak, budgets bind;
 * P = 1 and 2 against ``plan_call`` directly, and P = 2 against real LRMoE layers on the gloo
   harness: the trace they record, replayed, gives the layers' own per-rank statistics (forward
-  rows, kept rows, gradient-exchange bytes, quotas).
+  rows, kept rows, gradient-exchange bytes, quotas);
+* a trace of two pipeline stages read as one model: recorded by real layers over gloo (PP 2 x
+  EP 2), it equals the unsplit model's trace and replays the same; merged synthetic stages
+  replay as the stages' own replays concatenated; the console entry's --ep-group,
+  --common-calls and --rank on it.
 """
 
 from __future__ import annotations
@@ -257,6 +261,98 @@ def test_console_entry_on_a_trace(tmp_path, capsys) -> None:
     assert "EP 4: 2 layers per pass" in capsys.readouterr().out
 
 
+def _write_stages(directory: Path, groups: int = 1, short_stage: bool = False) -> list[np.ndarray]:
+    """A run of two pipeline stages (layers 1-2 and 3-4), ``groups`` EP groups of 2 ranks per
+    stage, 2 calls (stage 1 of group 0 only 1 with ``short_stage``); each rank's ``[4, 2, 8]``
+    counts, in rank order."""
+    from megatron_lrmoe.observe.trace import write_trace
+
+    written = []
+    for stage in (0, 1):
+        for g in range(groups):
+            rank = 2 * (stage * groups + g)
+            calls = [0] if short_stage and stage == 1 and g == 0 else [0, 1]
+            counts = synthetic_counts(4, 2, 8, 64, 2, zipf=1.0, seed=rank)[: 2 * len(calls)]
+            meta = dict(topk=2, pipeline_rank=stage, pipeline_size=2, ep_ranks=[rank, rank + 1])
+            layers = [2 * stage + 1, 2 * stage + 2]
+            write_trace(
+                directory, counts, layers=layers * len(calls), rank=rank, meta=meta,
+                calls=[k for k in calls for _ in layers],
+            )  # fmt: skip
+            written.append(counts)
+    return written
+
+
+def _same_calls(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for name in ("forward_rows", "backward_rows", "held_bytes", "network_bytes"):
+            assert np.array_equal(getattr(x, name), getattr(y, name)), name
+        for phase in x.exchange_bytes:
+            assert np.array_equal(x.exchange_bytes[phase], y.exchange_bytes[phase]), phase
+        assert x.phase_ms == y.phase_ms
+        assert (x.pairs, x.kept, x.replicas, x.binding) == (y.pairs, y.kept, y.replicas, y.binding)
+
+
+def test_merged_stages_replay_as_the_stages_concatenated(tmp_path) -> None:
+    """Each layer call of the merged pass is priced as in its own stage's replay (arms whose
+    budgets are absolute: relative ones scale with the pass's calls, now every stage's)."""
+    from megatron_lrmoe.observe.trace import read_trace
+
+    _write_stages(tmp_path)
+    arms = [parse_arm(a) for a in ("stock", "rep1", "keep0.5+rep1", "keep0.5+recompute")]
+    merged = list(read_trace(tmp_path).passes())
+    stages = [list(read_trace(tmp_path, rank=r).passes()) for r in (0, 2)]
+    assert len(merged) == 2
+    for k, (_, layers, counts) in enumerate(merged):
+        assert layers.tolist() == [1, 2, 3, 4]
+        virtual = np.stack([reshard(c, 4, "split") for c in counts])
+        got = replay_pass(virtual, arms, SMALL, LINEAR, Network())
+        parts = [
+            replay_pass(np.stack([reshard(c, 4, "split") for c in s[k][2]]), arms, SMALL,
+                        LINEAR, Network())
+            for s in stages
+        ]  # fmt: skip
+        for arm in got:
+            _same_calls(got[arm].calls, parts[0][arm].calls + parts[1][arm].calls)
+            moe = sum(p[arm].summary()["moe_ms"] for p in parts)
+            assert got[arm].summary()["moe_ms"] == pytest.approx(moe, rel=1e-12)
+
+
+def test_console_entry_on_a_pipeline_trace(tmp_path, capsys) -> None:
+    written = _write_stages(tmp_path / "t", groups=2)
+    out = tmp_path / "r.json"
+    args = ["--trace", str(tmp_path / "t"), "--ep", "4", "--arms", "stock", "--out", str(out)]
+    args += ["--hidden-size", "64", "--ffn-hidden-size", "32"]
+    assert replay_main(args + ["--ep-group", "all"]) == 0
+    payload = json.loads(out.read_text())
+    trace = payload["settings"]["trace"]
+    assert trace["ep_size"] == 4 and trace["ep_group"] == "all" and trace["layers"] == [1, 2, 3, 4]
+    assert [s["ranks"] for s in trace["stages"]] == [[0, 2], [4, 6]]
+    assert payload["settings"]["layers"] == 4 and payload["settings"]["passes"] == 1
+    assert "EP 4: 4 layers per pass" in capsys.readouterr().out
+    assert replay_main(args + ["--ep-group", "1", "--passes", "2"]) == 0
+    trace = json.loads(out.read_text())["settings"]["trace"]
+    assert [s["ranks"] for s in trace["stages"]] == [[2], [6]] and trace["ep_size"] == 2
+    assert replay_main(args + ["--rank", "4"]) == 0
+    assert json.loads(out.read_text())["settings"]["layers"] == 2
+    assert len(written) == 4
+    for bad, message in (
+        (["--ep-group", "x"], "--ep-group ('x') must be an index or 'all'"),
+        (["--ep-group", "2"], "ep_group (2) out of range"),
+    ):
+        with pytest.raises(SystemExit):
+            replay_main(args + bad)
+        assert message in capsys.readouterr().err
+    _write_stages(tmp_path / "short", short_stage=True)
+    short = ["--trace", str(tmp_path / "short"), "--ep", "2", "--arms", "stock", "--out", ""]
+    with pytest.raises(SystemExit):
+        replay_main(short)
+    assert "lacks call indices [1]" in capsys.readouterr().err
+    assert replay_main(short + ["--common-calls"]) == 0
+    assert "EP 2: 4 layers per pass" in capsys.readouterr().out
+
+
 # --- P = 2 against real layers on the gloo harness ---------------------------------------------
 CASES = [
     dict(keep_ratio=0.5),
@@ -359,3 +455,121 @@ def test_console_entry_synthetic_writes_a_trace(tmp_path, capsys) -> None:
     assert trace.counts.shape == (6, 2, 8) and trace.meta["topk"] == 2
     assert [layers.tolist() for _, layers, _ in trace.passes()] == [[1, 2, 3], [1, 2, 3]]
     assert "rep1" in capsys.readouterr().out
+
+
+# --- a pipeline of two stages, recorded on the gloo harness, read as one model ------------------
+def _pipeline_run(rank: int, world: int, directory: str) -> list[dict]:
+    """PP 2 x EP 2 on 4 ranks: stage 0 (ranks 0, 1) runs layer 1, sends its output to stage 1
+    (ranks 2, 3: layer 2) and receives the input gradient back; each stage records its layer
+    (pipeline rank from Megatron's parallel state). Stage 0's ranks then run both layers in one
+    stage (same weights: built again from the same seeds) and record that too: the unsplit
+    model on the same tokens. Returns the counts each layer all-gathered, per call."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_lrmoe import get_lrmoe_moe_spec
+    from megatron_lrmoe.testing import moe_transformer_config, skewed_routing_inputs
+    from megatron_lrmoe.training.trace import install_trace_recorder
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+    )
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    assert stage == rank // 2
+    pg = get_default_pg_collection()
+    cfg = moe_transformer_config(
+        num_layers=2, expert_model_parallel_size=2, moe_aux_loss_coeff=0.0
+    )
+
+    def build() -> list:
+        torch.manual_seed(1234)
+        model_parallel_cuda_manual_seed(1234)
+        spec = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=0.5))
+        return [spec(config=cfg, pg_collection=pg, layer_number=n) for n in (1, 2)]
+
+    def inputs(seed: int) -> "torch.Tensor":
+        return skewed_routing_inputs(48, cfg.hidden_size, seed=seed, rank=rank % 2)
+
+    seen: list[dict] = []
+    mine = build()[stage]  # every rank builds both layers: the same RNG draws everywhere
+    recorder = install_trace_recorder(mine, f"{directory}/pipeline")
+    assert (recorder is None) == (rank % 2 == 1)
+    for seed in (7, 8):
+        if stage == 0:
+            x = inputs(seed).requires_grad_(True)
+            y, _ = mine(x)
+            torch.distributed.send(y.detach().contiguous(), rank + 2)
+            grad = torch.empty_like(y)
+            torch.distributed.recv(grad, rank + 2)
+            y.backward(grad)
+        else:
+            x = torch.empty(48, 1, cfg.hidden_size)
+            torch.distributed.recv(x, rank - 2)
+            x.requires_grad_(True)
+            y, _ = mine(x)
+            y.sum().backward()
+            torch.distributed.send(x.grad.contiguous(), rank - 2)
+        seen.append(dict(layer=stage + 1, counts=mine.last_call_stats.global_counts.tolist()))
+    if recorder is not None:
+        recorder.close()
+    if stage == 0:
+        flat = build()
+        recorder = install_trace_recorder(
+            flat, f"{directory}/flat", pipeline_rank=0, pipeline_size=1
+        )
+        for seed in (7, 8):
+            h, _ = flat[0](inputs(seed).requires_grad_(True))
+            y, _ = flat[1](h)
+            y.sum().backward()
+        if recorder is not None:
+            recorder.close()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory) -> tuple[Path, list]:
+    from megatron_lrmoe.testing import run_distributed
+
+    directory = tmp_path_factory.mktemp("pipeline")
+    return directory, run_distributed(_pipeline_run, 4, str(directory), timeout=300)
+
+
+def test_two_stage_trace_reads_as_the_unsplit_model(pipeline_run) -> None:
+    from megatron_lrmoe.observe.trace import read_trace
+
+    directory, per_rank = pipeline_run
+    merged = read_trace(directory / "pipeline")
+    flat = read_trace(directory / "flat")
+    assert sorted(p.name for p in (directory / "pipeline").iterdir()) == [
+        "rank00000",
+        "rank00002",
+    ]
+    stage0, stage1 = (read_trace(directory / "pipeline", rank=r) for r in (0, 2))
+    assert (stage0.meta["pipeline_rank"], stage1.meta["pipeline_rank"]) == (0, 1)
+    assert stage0.meta["pipeline_size"] == 2 and stage1.meta["ep_ranks"] == [2, 3]
+    assert stage0.layers == [1] and stage1.layers == [2]
+    assert merged.meta["stages"] == [
+        {"pipeline_rank": 0, "ranks": [0], "layers": [1]},
+        {"pipeline_rank": 1, "ranks": [2], "layers": [2]},
+    ]
+    assert merged.layers == flat.layers == [1, 2] and merged.ep_size == 2
+    assert merged.layer.tolist() == flat.layer.tolist() == [1, 2, 1, 2]
+    assert merged.call.tolist() == flat.call.tolist() == [0, 0, 1, 1]
+    assert np.array_equal(merged.counts, flat.counts)
+    # What each stage's layer all-gathered, on both ranks of its EP group.
+    for rank, calls in enumerate(per_rank):
+        for k, call in enumerate(calls):
+            row = 2 * k + call["layer"] - 1
+            assert merged.counts[row].tolist() == call["counts"], (rank, k)
+    arms = [parse_arm(a) for a in ("stock", "keep0.5+rep1", "keep0.5+rep1+mem0.8x")]
+    cost = CostModel(hidden_size=32, ffn_hidden_size=48, activation_bytes=4, param_bytes=4)
+    for (_, _, a), (_, _, b) in zip(merged.passes(), flat.passes()):
+        got = replay_pass(a, arms, cost, DEFAULT_GEMM_TABLE, Network())
+        want = replay_pass(b, arms, cost, DEFAULT_GEMM_TABLE, Network())
+        for name in want:
+            assert got[name].summary() | {"plan_ms": 0} == want[name].summary() | {"plan_ms": 0}

@@ -14,15 +14,28 @@ one sub-directory named by its global rank::
     DIR/rank00000/chunk000001.npz   ...
 
 ``meta.json`` may carry more keys (``topk``, ``hidden_size``, ``ffn_hidden_size``, ``gated``,
-``activation_bytes``, ``param_bytes``: the layer's shape, for the replay's cost model). Each
-chunk holds whole calls in the order they ran: ``layer`` is Megatron's 1-based layer number,
-``call`` the layer's forward call counter (calls made with gradients enabled; the k-th call of
-every layer belongs to the k-th micro-batch forward, which is how :meth:`RoutingTrace.passes`
-groups them), ``step`` the training step when the recorder was told it, else -1. Chunks are
-written with ``numpy.savez`` (``numpy.savez_compressed`` with ``compress=True``: about 3 times
-smaller, 30 times slower) under a temporary name and renamed into place, so a reader never sees
-half a chunk; by default a background thread writes them, so the caller only copies counts. A
-reader refuses other formats and newer versions.
+``activation_bytes``, ``param_bytes``: the layer's shape, for the replay's cost model;
+``layers``, ``every``; and where the writer sits in the run: ``pipeline_rank``,
+``pipeline_size``, ``ep_rank``, ``ep_ranks``, the global ranks of its EP group). Each
+chunk holds whole calls in the order they ran: ``layer`` is Megatron's 1-based layer number
+(global: with the pipeline offset), ``call`` the layer's forward call counter (calls made with
+gradients enabled; the k-th call of every layer belongs to the k-th micro-batch forward, which
+is how :meth:`RoutingTrace.passes` groups them), ``step`` the training step when the recorder
+was told it, else -1. Chunks are written with ``numpy.savez`` (``numpy.savez_compressed`` with
+``compress=True``: about 3 times smaller, 30 times slower) under a temporary name and renamed
+into place, so a reader never sees half a chunk; by default a background thread writes them, so
+the caller only copies counts. A reader refuses other formats and newer versions.
+
+Reading a run (:func:`read_trace` without ``rank``): every pipeline stage's recording ranks
+write into the same directory, each its stage's layers. The reader groups the rank directories
+by ``pipeline_rank`` and, within a stage, by EP group (``ep_ranks``; groups ordered by their
+lowest rank, which in Megatron's rank order pairs group g of every stage with the same data-
+parallel replicas, so the same micro-batches), takes one EP group (``ep_group``; the lowest
+rank's copy where ``all_ranks=True`` recorded it several times) or all of them side by side,
+and merges the stages' calls into one pass of all layers per call index. The stages must agree
+on everything but their layers: pipeline size, shapes, calls, steps; a missing stage or a layer
+recorded twice is refused. A directory without these keys (written before they existed) reads
+as one stage of one pipeline whose rank directories are EP groups.
 """
 
 from __future__ import annotations
@@ -277,26 +290,11 @@ def write_trace(
     return writer.path
 
 
-def read_trace(directory: str | os.PathLike, rank: Optional[int] = None) -> RoutingTrace:
-    """Read one rank's trace: ``rank``, else the lowest rank in ``directory``.
+def _rank_directories(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("rank*") if (p / _META).is_file())
 
-    Raises:
-        ValueError: No trace there, a foreign format, a newer version, or chunks whose shapes
-            disagree with ``meta.json``.
-    """
-    directory = Path(directory)
-    if rank is None:
-        found = sorted(p for p in directory.glob("rank*") if (p / _META).is_file())
-        if not found:
-            raise ValueError(
-                f"read_trace: no routing trace in {directory} (expected rankNNNNN/{_META}; "
-                "record one with megatron_lrmoe.training.trace.install_trace_recorder)"
-            )
-        path = found[0]
-    else:
-        path = rank_directory(directory, rank)
-        if not (path / _META).is_file():
-            raise ValueError(f"read_trace: no trace of rank {rank} in {directory} ({path})")
+
+def _read_meta(path: Path) -> dict[str, Any]:
     meta = json.loads((path / _META).read_text())
     if meta.get("format") != TRACE_FORMAT:
         raise ValueError(f"read_trace: {path / _META} is not an {TRACE_FORMAT} header")
@@ -305,6 +303,10 @@ def read_trace(directory: str | os.PathLike, rank: Optional[int] = None) -> Rout
             f"read_trace: {path} is version {meta['version']}; this reader knows up to "
             f"{TRACE_VERSION} (update megatron-lrmoe)"
         )
+    return meta
+
+
+def _read_rank(path: Path, meta: dict[str, Any]) -> RoutingTrace:
     shape = (int(meta["ep_size"]), int(meta["num_experts"]))
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("counts", "layer", "call", "step")}
     for chunk in sorted(path.glob("chunk[0-9]*.npz")):
@@ -324,6 +326,234 @@ def read_trace(directory: str | os.PathLike, rank: Optional[int] = None) -> Rout
         for k, v in parts.items()
     }
     return RoutingTrace(meta=meta, **arrays)
+
+
+def read_trace(
+    directory: str | os.PathLike,
+    rank: Optional[int] = None,
+    *,
+    ep_group: int | str = 0,
+    common_calls: bool = False,
+    stages_without_moe: Sequence[int] = (),
+) -> RoutingTrace:
+    """Read a run's trace: every pipeline stage merged into one model, or one rank's directory.
+
+    With ``rank`` given, that rank's directory alone (one stage, one EP group), its calls in
+    the order they ran. Else the directory is read as one run (see the module docstring's
+    *Reading a run*): per pipeline stage (``meta.json``'s ``pipeline_rank``) the EP group
+    ``ep_group`` (groups ordered by their lowest global rank; of an EP group recorded on
+    several ranks, ``all_ranks=True``, the lowest rank's copy), the stages' calls merged into
+    one pass of every recorded layer per call index, sorted by (call, layer). ``ep_group="all"``
+    puts every group's sources side by side: ``[C, G p, E]``, the micro-batch of all G groups'
+    ranks as one EP group of ``G p`` sources. A trace without pipeline keys (recorded before
+    they existed) reads as one stage whose rank directories are its EP groups.
+
+    Args:
+        directory: The trace directory (``rankNNNNN/`` sub-directories).
+        rank: Read only this rank's directory.
+        ep_group: The EP group of every stage to read (an index) or ``"all"``.
+        common_calls: Keep only the calls that every stage read recorded completely (every
+            layer of the stage), instead of refusing stages that recorded different calls.
+        stages_without_moe: Pipeline stages that hold no LRMoE layer (they record nothing, so
+            their absence is not an error).
+
+    Raises:
+        ValueError: No trace there, a foreign format, a newer version, chunks whose shapes
+            disagree with ``meta.json``; when merging, stages or groups that disagree: a
+            missing stage, different pipeline sizes, shapes or layer shapes, a layer
+            recorded by two stages, different calls or steps (without ``common_calls``),
+            ``ep_group`` out of range.
+    """
+    directory = Path(directory)
+    if rank is not None:
+        path = rank_directory(directory, rank)
+        if not (path / _META).is_file():
+            raise ValueError(f"read_trace: no trace of rank {rank} in {directory} ({path})")
+        return _read_rank(path, _read_meta(path))
+    found = _rank_directories(directory)
+    if not found:
+        raise ValueError(
+            f"read_trace: no routing trace in {directory} (expected rankNNNNN/{_META}; "
+            "record one with megatron_lrmoe.training.trace.install_trace_recorder)"
+        )
+    grid = _stage_grid(directory, [(path, _read_meta(path)) for path in found], stages_without_moe)
+    groups = len(next(iter(grid.values())))
+    if ep_group == "all":
+        chosen = list(range(groups))
+    elif isinstance(ep_group, int) or str(ep_group).isdigit():
+        if not 0 <= int(ep_group) < groups:
+            raise ValueError(
+                f"read_trace: ep_group ({ep_group}) out of range: {directory} holds {groups} "
+                f"EP group(s) per pipeline stage (pass 0..{groups - 1} or 'all')"
+            )
+        chosen = [int(ep_group)]
+    else:
+        raise ValueError(f"read_trace: ep_group ({ep_group!r}) must be an index or 'all'")
+    parts = {
+        (g, stage): _read_rank(*grid[stage][g]) for stage in sorted(grid) for g in chosen
+    }
+    return _merge(directory, parts, chosen, common_calls)
+
+
+# Keys every stage and EP group of one run must agree on (the layers' shape and the recording).
+_SAME_KEYS = (
+    "ep_size", "num_experts", "topk", "hidden_size", "ffn_hidden_size", "gated",
+    "activation_bytes", "param_bytes", "every", "pipeline_size",
+)  # fmt: skip
+
+
+def _where(meta: dict[str, Any]) -> str:
+    return f"rank {meta['rank']} (pipeline stage {int(meta.get('pipeline_rank', 0))})"
+
+
+def _stage_grid(
+    directory: Path, found: list[tuple[Path, dict[str, Any]]], stages_without_moe: Sequence[int]
+) -> dict[int, list[tuple[Path, dict[str, Any]]]]:
+    """``stage -> [(path, meta) per EP group]``, groups by lowest global rank, checked."""
+    first = found[0][1]
+    for _, meta in found[1:]:
+        for key in _SAME_KEYS:
+            if meta.get(key) != first.get(key):
+                raise ValueError(
+                    f"read_trace: {key} is {meta.get(key)} in {_where(meta)} but "
+                    f"{first.get(key)} in {_where(first)} of {directory}; one trace directory "
+                    "holds one run (record each run into its own directory, or read one "
+                    "rank with rank= / --rank)"
+                )
+    stages = int(first.get("pipeline_size", 1))
+    by_stage: dict[int, dict[tuple[int, ...], tuple[Path, dict[str, Any]]]] = {}
+    for path, meta in found:  # ascending rank: an EP group's lowest recording rank wins
+        stage = int(meta.get("pipeline_rank", 0))
+        if not 0 <= stage < stages:
+            raise ValueError(
+                f"read_trace: {_where(meta)} of {directory} is outside pipeline_size "
+                f"({stages}); the trace's meta.json is damaged"
+            )
+        key = tuple(int(r) for r in meta.get("ep_ranks", [meta["rank"]]))
+        by_stage.setdefault(stage, {}).setdefault(key, (path, meta))
+    missing = sorted(set(range(stages)) - set(by_stage) - {int(s) for s in stages_without_moe})
+    if missing:
+        raise ValueError(
+            f"read_trace: pipeline stage(s) {missing} of {stages} have no trace in "
+            f"{directory} (stages recorded: {sorted(by_stage)}); copy every stage's "
+            "rankNNNNN directory into it, or, for a stage that holds no LRMoE layer, pass "
+            "stages_without_moe / --stages-without-moe"
+        )
+    grid = {s: [g[k] for k in sorted(g)] for s, g in sorted(by_stage.items())}
+    sizes = {s: len(g) for s, g in grid.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"read_trace: the pipeline stages of {directory} hold different numbers of EP "
+            f"groups {sizes} (stage: groups); a recording rank's directory is missing (copy "
+            "it in) or read one rank with rank= / --rank"
+        )
+    return grid
+
+
+def _merge(
+    directory: Path,
+    parts: dict[tuple[int, int], RoutingTrace],
+    chosen: list[int],
+    common_calls: bool,
+) -> RoutingTrace:
+    """One trace from ``(EP group, stage) -> trace``: checked, merged, sorted by (call, layer).
+
+    One part alone is returned as read (its calls in the order they ran), unless
+    ``common_calls`` asks for its complete passes only.
+    """
+    stages = sorted({s for _, s in parts})
+    for g in chosen:
+        owner: dict[int, dict[str, Any]] = {}
+        for s in stages:
+            trace = parts[g, s]
+            for layer in sorted({*trace.meta.get("layers", []), *trace.layers}):
+                if layer in owner:
+                    raise ValueError(
+                        f"read_trace: layer {layer} recorded twice, by {_where(owner[layer])} "
+                        f"and {_where(trace.meta)} of {directory}; a stage's layer numbers "
+                        "must be global (Megatron's, with the pipeline offset) and every "
+                        "rank directory must come from one run"
+                    )
+                owner[layer] = trace.meta
+    if len(parts) == 1 and not common_calls:
+        return next(iter(parts.values()))
+    # A part's complete calls: each of the layers it records once under that call index.
+    calls, complete = {}, {}
+    for key, trace in parts.items():
+        layers = np.asarray(trace.layers, dtype=trace.layer.dtype)
+        calls[key] = set(np.unique(trace.call).tolist())
+        complete[key] = {
+            k for k in calls[key] if np.array_equal(np.sort(trace.layer[trace.call == k]), layers)
+        }
+    every, keep = set.union(*calls.values()), set.intersection(*complete.values())
+    if not common_calls:
+        for key, trace in parts.items():
+            lacks, partial = sorted(every - calls[key]), sorted(calls[key] - complete[key])
+            if lacks or partial:
+                what = (
+                    f"lacks call indices {lacks[:5]} that other stages or EP groups recorded"
+                    if lacks
+                    else f"holds incomplete passes (call indices {partial[:5]}: not each of its "
+                    "layers once)"
+                )
+                raise ValueError(
+                    f"read_trace: {_where(trace.meta)} (EP group {key[0]}) of {directory} "
+                    f"{what}; the stages recorded different iterations (a process stopped "
+                    "before its recorder closed loses its unwritten calls): read the calls "
+                    "every stage holds completely with common_calls=True / --common-calls"
+                )
+    steps: dict[int, tuple[int, dict[str, Any]]] = {}
+    for trace in parts.values():
+        for k, step in zip(trace.call.tolist(), trace.step.tolist()):
+            if k not in keep:
+                continue
+            first_step, where = steps.setdefault(k, (step, trace.meta))
+            if first_step != step:
+                raise ValueError(
+                    f"read_trace: call {k} has step {first_step} in {_where(where)} but "
+                    f"{step} in {_where(trace.meta)} of {directory}; these stages come from "
+                    "different runs (record each run into its own directory)"
+                )
+    kept = np.array(sorted(keep), dtype=np.int64)
+    merged = []
+    for g in chosen:
+        rows = [(parts[g, s], np.isin(parts[g, s].call, kept)) for s in stages]
+        layer = np.concatenate([t.layer[m] for t, m in rows])
+        call = np.concatenate([t.call[m] for t, m in rows])
+        order = np.lexsort((layer, call))
+        counts = np.concatenate([t.counts[m] for t, m in rows])[order]
+        step = np.concatenate([t.step[m] for t, m in rows])[order]
+        merged.append((counts, layer[order], call[order], step))
+    for g, (_, layer, _, _) in zip(chosen[1:], merged[1:]):
+        if not np.array_equal(layer, merged[0][1]):
+            raise ValueError(
+                f"read_trace: EP group {g} of {directory} records other layers than group "
+                f"{chosen[0]} (a trace recorded without pipeline keys reads as one stage whose "
+                "rank directories are EP groups); read one group with ep_group= / --ep-group"
+            )
+
+    def layers_of(trace: RoutingTrace) -> list[int]:
+        return sorted({int(x) for x in trace.meta.get("layers", trace.layers)})
+
+    first = parts[chosen[0], stages[0]].meta
+    meta = {
+        **first,
+        "ep_size": int(first["ep_size"]) * len(chosen),
+        "layers": sorted({x for t in parts.values() for x in layers_of(t)}),
+        "ep_group": "all" if len(chosen) > 1 else chosen[0],
+        "ep_groups_read": len(chosen),
+        "stages": [
+            {
+                "pipeline_rank": s,
+                "ranks": [int(parts[g, s].meta["rank"]) for g in chosen],
+                "layers": layers_of(parts[chosen[0], s]),
+            }
+            for s in stages
+        ],
+    }
+    _, layer, call, step = merged[0]
+    counts = np.concatenate([m[0] for m in merged], axis=1)
+    return RoutingTrace(meta=meta, counts=counts, layer=layer, call=call, step=step)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

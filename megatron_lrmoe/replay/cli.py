@@ -2,13 +2,17 @@
 
     python -m megatron_lrmoe.replay --trace DIR --ep 8 16 32 64 [--arms stock rep2 keep0.5 ...]
         [--passes 1] [--tokens recorded|split] [--tokens-per-rank T] [--gemm-table FILE]
+        [--ep-group G|all] [--common-calls] [--stages-without-moe S ...] [--rank R]
         [--out replay.json]
     python -m megatron_lrmoe.replay --synthetic --layers 48 --experts 128 --zipf 1.2 --ep 64
         [--recorded-ep 8] [--write-trace DIR]
 
 Prints one table per EP size (MoE-layer time per pass, each arm over stock, peak rank load,
 memory and network bytes of the busiest rank, kept fraction, calls where a budget bound) and
-writes every number as JSON. See docs/replay.md for the model and its sources.
+writes every number as JSON. ``--trace`` takes the run's trace directory: the pipeline stages'
+recordings are merged into one pass of all layers (``read_trace``), one EP group of each stage
+(``--ep-group``, default 0) or all side by side; ``--rank`` reads one rank's directory alone.
+See docs/replay.md for the model and its sources.
 """
 
 from __future__ import annotations
@@ -48,9 +52,40 @@ def build_parser() -> argparse.ArgumentParser:
         "the LRMoE controller and price every rank's forward, backward and exchanges.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="routing trace directory (install_trace_recorder)")
+    src.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="the run's routing trace directory (install_trace_recorder): every pipeline "
+        "stage's rank directories, merged into one pass of all layers",
+    )
     src.add_argument("--synthetic", action="store_true", help="synthetic skewed counts")
-    p.add_argument("--rank", type=int, default=None, help="trace rank to read (lowest)")
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="read only this rank's directory (one stage, one EP group)",
+    )
+    p.add_argument(
+        "--ep-group",
+        default="0",
+        metavar="G",
+        help="EP group of each stage to read: an index (0: the lowest ranks) or 'all' (every "
+        "group's sources side by side: recorded EP x groups sources)",
+    )
+    p.add_argument(
+        "--common-calls",
+        action="store_true",
+        help="keep the calls every stage recorded completely (else stages that differ fail)",
+    )
+    p.add_argument(
+        "--stages-without-moe",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="S",
+        help="pipeline stages that hold no LRMoE layer (record nothing)",
+    )
     p.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64], help="virtual EP sizes")
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), help="arms (see docs)")
     p.add_argument("--passes", type=int, default=1, help="passes to replay (from --first)")
@@ -114,7 +149,14 @@ def _passes(args: argparse.Namespace) -> tuple[list[np.ndarray], dict[str, Any]]
                 meta={k: v for k, v in meta.items() if k not in ("ep_size", "num_experts")},
             )
         return counts, meta
-    trace = read_trace(args.trace, args.rank)
+    ep_group = args.ep_group if args.ep_group == "all" else _index(args.ep_group, "--ep-group")
+    trace = read_trace(
+        args.trace,
+        args.rank,
+        ep_group=ep_group,
+        common_calls=args.common_calls,
+        stages_without_moe=args.stages_without_moe,
+    )
     passes = [c.astype(np.int64) for _, _, c in trace.passes()]
     chosen = passes[args.first : args.first + args.passes]
     if not chosen:
@@ -123,6 +165,13 @@ def _passes(args: argparse.Namespace) -> tuple[list[np.ndarray], dict[str, Any]]
             f"{args.first} (lower --first)"
         )
     return chosen, {"source": os.fspath(args.trace), **trace.meta}
+
+
+def _index(text: str, flag: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{flag} ({text!r}) must be an index or 'all'") from None
 
 
 def _cost(args: argparse.Namespace, meta: dict[str, Any]) -> CostModel:

@@ -11,7 +11,10 @@ gradients enabled (``LRMoELayer.add_stats_listener``); the recorder copies the c
 all-gathered ``[P, E]`` counts (``CallStats.global_counts``) into a host buffer and writes
 compressed chunks in the format of :mod:`megatron_lrmoe.observe.trace`. The counts are the same
 on every rank of an EP group, so by default only EP rank 0 of each group records (pass
-``all_ranks=True`` for every rank). Needs ``LRMoEConfig.record_stats`` (the default).
+``all_ranks=True`` for every rank). Needs ``LRMoEConfig.record_stats`` (the default). Under
+pipeline parallelism every stage's recording ranks write their stage's layers (Megatron's global
+layer numbers) into the same directory, with their pipeline rank and EP group in ``meta.json``;
+``read_trace`` merges the stages into one model.
 
 Overhead, on the recording rank only: per recorded call one copy of ``P * E`` integers into a
 pre-touched host buffer (no device work: the counts are already on the host for the controller),
@@ -56,9 +59,16 @@ class TraceRecorder:
         chunk_calls: Calls per written chunk.
         compress: Compress the chunks (about 3 times smaller; the background thread's CPU time
             grows about 30 times).
+        pipeline_rank: This rank's pipeline stage (``meta.json``'s ``pipeline_rank``: the
+            reader merges the stages of a run into one model).
+        pipeline_size: The run's pipeline-parallel size.
+        ep_ranks: The global ranks of these layers' EP group, in EP rank order (``meta.json``'s
+            ``ep_ranks``: the reader pairs the EP groups of the stages by them); None leaves
+            the key out (the reader then takes each rank directory for its own group).
 
     Raises:
-        ValueError: No layers, layers of different EP sizes or expert counts, ``every < 1``.
+        ValueError: No layers, layers of different EP sizes or expert counts, ``every < 1``,
+            a pipeline rank outside ``[0, pipeline_size)``.
     """
 
     def __init__(
@@ -69,11 +79,19 @@ class TraceRecorder:
         every: int = 1,
         chunk_calls: int = 256,
         compress: bool = False,
+        pipeline_rank: int = 0,
+        pipeline_size: int = 1,
+        ep_ranks: Optional[Sequence[int]] = None,
     ) -> None:
         if not layers:
             raise ValueError("TraceRecorder: no LRMoE layers to record")
         if int(every) < 1:
             raise ValueError(f"TraceRecorder: every ({every}) must be >= 1")
+        if not 0 <= int(pipeline_rank) < int(pipeline_size):
+            raise ValueError(
+                f"TraceRecorder: pipeline_rank ({pipeline_rank}) must lie in [0, pipeline_size "
+                f"({pipeline_size}))"
+            )
         shapes = {
             (layer.token_dispatcher.ep_size, layer.config.num_moe_experts) for layer in layers
         }
@@ -94,7 +112,12 @@ class TraceRecorder:
             "param_bytes": cost.param_bytes,
             "layers": sorted(int(layer.layer_number or 1) for layer in layers),
             "every": int(every),
+            "pipeline_rank": int(pipeline_rank),
+            "pipeline_size": int(pipeline_size),
+            "ep_rank": int(layers[0].token_dispatcher.ep_rank),
         }
+        if ep_ranks is not None:
+            meta["ep_ranks"] = [int(r) for r in ep_ranks]
         self.every = int(every)
         self.step = -1
         self.writer = TraceWriter(
@@ -131,6 +154,18 @@ def _layers(model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> list[LR
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, LRMoELayer)]
 
 
+def _megatron_pipeline() -> tuple[int, int]:
+    """``(pipeline rank, pipeline size)`` from Megatron's parallel state, else ``(0, 1)``."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+
+
 def install_trace_recorder(
     model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     directory: Union[str, os.PathLike],
@@ -139,6 +174,8 @@ def install_trace_recorder(
     all_ranks: bool = False,
     chunk_calls: int = 256,
     compress: bool = False,
+    pipeline_rank: Optional[int] = None,
+    pipeline_size: Optional[int] = None,
 ) -> Optional[TraceRecorder]:
     """Record the routing of ``model``'s LRMoE layers into ``directory`` (explicit, one call).
 
@@ -149,6 +186,10 @@ def install_trace_recorder(
         all_ranks: Record on every rank, not only on EP rank 0 of each EP group.
         chunk_calls: Calls per written chunk.
         compress: See :class:`TraceRecorder`.
+        pipeline_rank: This rank's pipeline stage; None: Megatron's
+            (``parallel_state.get_pipeline_model_parallel_rank()``) when model parallelism is
+            initialised, else 0.
+        pipeline_size: The pipeline-parallel size; None: Megatron's, else 1.
 
     Returns:
         The recorder (flushed at process exit too), or None on a rank that records nothing.
@@ -167,9 +208,20 @@ def install_trace_recorder(
         layers = [layer for layer in layers if layer.token_dispatcher.ep_rank == 0]
     if not layers:
         return None
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    distributed = torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    stage, stages = _megatron_pipeline()
+    ep_group = layers[0].token_dispatcher.ep_group
     recorder = TraceRecorder(
-        layers, directory, rank, every=every, chunk_calls=chunk_calls, compress=compress
+        layers,
+        directory,
+        rank,
+        every=every,
+        chunk_calls=chunk_calls,
+        compress=compress,
+        pipeline_rank=stage if pipeline_rank is None else pipeline_rank,
+        pipeline_size=stages if pipeline_size is None else pipeline_size,
+        ep_ranks=torch.distributed.get_process_group_ranks(ep_group) if distributed else [rank],
     )
     atexit.register(recorder.close)
     logger.info(
