@@ -7,15 +7,17 @@ makes the backward numerically the stock Megatron-Core path (all pairs kept, no 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 Selection = Literal["sample", "topk"]
 Scope = Literal["local", "global"]
 ActivationMode = Literal["save", "recompute", "auto"]
 GradAccumulationFusion = Literal["auto", "on", "off"]
 ActivationKind = Literal["silu", "gelu"]
+KeepRatio = Union[float, Literal["auto"]]
 
 SELECTIONS: tuple[str, ...] = ("sample", "topk")
 SCOPES: tuple[str, ...] = ("local", "global")
@@ -32,6 +34,10 @@ class LRMoEConfig:
             pass: quota ``Q[e] = ceil(keep_ratio * N[e])`` for an expert that received ``N[e]``
             pairs in this layer call. ``1.0`` keeps every pair (numerically the stock backward);
             ``0.0`` gives the experts no gradient while the router gradient stays exact.
+            ``"auto"``: each layer sets its keep ratio per call from ``variance_target``
+            (``control/auto_keep.py``): the smallest ratio on a grid of sixteenths whose
+            sampling would have added at most that relative variance to the expert weight
+            gradients in the layer's recent calls. Needs ``selection="sample"``.
         selection: Which pairs survive. ``"sample"`` (default): an unbiased importance sample of
             exactly ``Q[e]`` pairs, inclusion probability proportional to ``sqrt(score)`` capped at
             1, kept rows weighted by ``1/probability`` (systematic sampling from a seeded stream).
@@ -80,9 +86,12 @@ class LRMoEConfig:
             Megatron-FSDP's parameters get their buffer from ``get_main_grad()``, written over
             where they set ``overwrite_main_grad``, as TE's layers do. Parameters without
             ``main_grad`` and fp64 weights always take the unfused path.
+        variance_target: With ``keep_ratio="auto"`` only: the variance the sample may add to
+            the expert weight gradients, relative to their own mini-batch noise
+            (``select/variance.py``; e.g. 0.1). Budgets stay hard limits over it.
     """
 
-    keep_ratio: float = 1.0
+    keep_ratio: KeepRatio = 1.0
     selection: Selection = "sample"
     scope: Scope = "local"
     activation_mode: ActivationMode = "save"
@@ -94,15 +103,10 @@ class LRMoEConfig:
     exchange_budget_bytes: Optional[int] = None
     max_replicas_per_rank: int = 0
     grad_accumulation_fusion: GradAccumulationFusion = "auto"
+    variance_target: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.keep_ratio, (int, float)) or not math.isfinite(self.keep_ratio):
-            raise ValueError(f"LRMoEConfig.keep_ratio ({self.keep_ratio!r}) must be a finite number")
-        if not 0.0 <= float(self.keep_ratio) <= 1.0:
-            raise ValueError(
-                f"LRMoEConfig.keep_ratio ({self.keep_ratio}) must be in [0, 1]; use 1.0 for the "
-                "stock backward"
-            )
+        self._check_keep_ratio()
         _check_choice("selection", self.selection, SELECTIONS)
         _check_choice("scope", self.scope, SCOPES)
         _check_choice("activation_mode", self.activation_mode, ACTIVATION_MODES)
@@ -123,6 +127,47 @@ class LRMoEConfig:
                 "int >= 0 (0: fixed ownership)"
             )
 
+    def _check_keep_ratio(self) -> None:
+        if self.keep_ratio == "auto":
+            target = self.variance_target
+            if _not_number(target) or not math.isfinite(target) or target <= 0:
+                raise ValueError(
+                    f"LRMoEConfig.variance_target ({target!r}) must be a number > 0 with "
+                    "keep_ratio='auto' (the relative variance the sample may add, e.g. 0.1)"
+                )
+            if self.selection != "sample":
+                raise ValueError(
+                    f"LRMoEConfig.keep_ratio ('auto') needs selection='sample' (got "
+                    f"{self.selection!r}: topk adds a bias, not a variance); use "
+                    "--lrmoe-selection sample or a fixed --lrmoe-keep-ratio"
+                )
+            return
+        if _not_number(self.keep_ratio) or not math.isfinite(self.keep_ratio):
+            raise ValueError(
+                f"LRMoEConfig.keep_ratio ({self.keep_ratio!r}) must be a finite number or 'auto'"
+            )
+        if not 0.0 <= float(self.keep_ratio) <= 1.0:
+            raise ValueError(
+                f"LRMoEConfig.keep_ratio ({self.keep_ratio}) must be in [0, 1]; use 1.0 for the "
+                "stock backward"
+            )
+        if self.variance_target is not None:
+            raise ValueError(
+                f"LRMoEConfig.variance_target ({self.variance_target!r}) applies only to "
+                f"keep_ratio='auto' (got keep_ratio={self.keep_ratio}); pass "
+                "--lrmoe-keep-ratio auto or drop --lrmoe-variance-target"
+            )
+
+    @property
+    def is_auto(self) -> bool:
+        """True when the layers choose their keep ratio per call (``keep_ratio="auto"``)."""
+        return self.keep_ratio == "auto"
+
+    def at_keep_ratio(self, keep_ratio: float) -> "LRMoEConfig":
+        """This config with a fixed ``keep_ratio`` (what an ``"auto"`` layer plans one call
+        with); ``variance_target`` is dropped with ``"auto"``."""
+        return dataclasses.replace(self, keep_ratio=float(keep_ratio), variance_target=None)
+
     def fuses_grad_accumulation(self, config: Any) -> bool:
         """Whether the expert weight gradients add into ``main_grad`` in their GEMMs, given the
         layer's Megatron ``TransformerConfig`` (``grad_accumulation_fusion="auto"`` follows its
@@ -134,7 +179,7 @@ class LRMoEConfig:
     @property
     def is_exact(self) -> bool:
         """True when every pair is kept, i.e. the backward equals the stock one."""
-        return float(self.keep_ratio) >= 1.0
+        return not self.is_auto and float(self.keep_ratio) >= 1.0
 
     def validate_against(self, config: Any, layer_name: str = "LRMoELayer") -> None:
         """Raise ``ValueError`` if ``config`` (a ``TransformerConfig``) uses settings LRMoE lacks.
@@ -158,6 +203,10 @@ class LRMoEConfig:
 
 def _not_int(value: Any) -> bool:
     return not isinstance(value, int) or isinstance(value, bool)
+
+
+def _not_number(value: Any) -> bool:
+    return not isinstance(value, (int, float)) or isinstance(value, bool)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -12,6 +12,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control.auto_keep import AutoKeepRatio
 from megatron_lrmoe.dispatch.dispatcher import LRAlltoAllTokenDispatcher
 from megatron_lrmoe.dispatch.replicas import ReplicaLayout
 from megatron_lrmoe.experts.grouped_gemm import grouped_mm_backend, grouped_mm_backend_for
@@ -85,6 +86,10 @@ class LRMoELayer(MoELayer):
         # Replica weights of other ranks' experts: a plain attribute, never a parameter or
         # buffer (not in state_dict, DDP buffers, the optimizer or checkpoints).
         self._replica_cache = ReplicaWeightCache()
+        # keep_ratio "auto": the keep ratio state, and the config resolved per keep ratio.
+        self._auto_keep: Optional[AutoKeepRatio] = None
+        self._resolved: dict[float, LRMoEConfig] = {}
+        self._resolved_from: Optional[LRMoEConfig] = None
         # Loaded weights invalidate every replica fetched before (all ranks load together).
         self.register_load_state_dict_post_hook(_clear_replica_cache)
 
@@ -172,7 +177,7 @@ class LRMoELayer(MoELayer):
         call_index = self._call_index
         if torch.is_grad_enabled():
             self._call_index += 1
-        lrmoe = self.lrmoe_config
+        lrmoe = self._call_config()
         # At EP 1 without the controller the forward needs no host integer when its grouped
         # GEMMs take device offsets: launch it before waiting for the counts (the plan, which
         # only the backward needs, is built behind it). The per-expert loop reads host sizes.
@@ -186,14 +191,14 @@ class LRMoELayer(MoELayer):
             resolved_first = dispatcher.counts_on_host
             if resolved_first:  # nothing to wait for (CPU): check the pair plan now
                 probs = dispatcher.resolve(probs)
-            call = self._expert_call()
+            call = self._expert_call(lrmoe)
             output = self._experts(hidden_states, probs, call, weights)
             if not resolved_first:
                 resolved = dispatcher.resolve(probs)
                 if resolved is not probs:  # fewer pairs than T * topk: run it again, rebuilt
-                    probs, call = resolved, self._expert_call()
+                    probs, call = resolved, self._expert_call(lrmoe)
                     output = self._experts(hidden_states, probs, call, weights)
-            call.set_plan(self._plan(None))
+            call.set_plan(self._plan(None, lrmoe))
         else:
             probs = dispatcher.resolve(probs)
             control = layout = replica_weights = None
@@ -216,7 +221,7 @@ class LRMoELayer(MoELayer):
                         layout, w1, w2, self.ep_group, step
                     )
                     fetched = self._replica_cache.last_fetched
-            call = self._expert_call(self._plan(control), layout, replica_weights)
+            call = self._expert_call(lrmoe, self._plan(control, lrmoe), layout, replica_weights)
             output = self._experts(hidden_states, probs, call, weights)
         # The op reads the statistics only in backward: filled here, behind the forward's work.
         stats = self._call_stats(call, call_index, 0 if deferred else fetched)
@@ -243,7 +248,27 @@ class LRMoELayer(MoELayer):
             == "torch_grouped_mm"
         )
 
-    def _plan(self, control: Optional[ControlPlan]) -> CallPlan:
+    def _call_config(self) -> LRMoEConfig:
+        """The config this call runs with: the layer's, or with ``keep_ratio="auto"`` the layer's
+        at the keep ratio :class:`AutoKeepRatio` gives for this call."""
+        lrmoe = self.lrmoe_config
+        if not lrmoe.is_auto:
+            return lrmoe
+        if self._resolved_from is not lrmoe:  # first call, or the config was swapped
+            self._auto_keep = AutoKeepRatio(float(lrmoe.variance_target))
+            self._resolved, self._resolved_from = {}, lrmoe
+        keep = self._auto_keep.keep_ratio()
+        resolved = self._resolved.get(keep)
+        if resolved is None:
+            resolved = self._resolved[keep] = lrmoe.at_keep_ratio(keep)
+        return resolved
+
+    @property
+    def auto_keep(self) -> Optional[AutoKeepRatio]:
+        """The keep ratio state with ``keep_ratio="auto"`` (after the first call), else None."""
+        return self._auto_keep if self.lrmoe_config.is_auto else None
+
+    def _plan(self, control: Optional[ControlPlan], lrmoe: LRMoEConfig) -> CallPlan:
         dispatcher = self.token_dispatcher
         layer_number = int(self.layer_number or 0)
         if control is not None:
@@ -252,13 +277,14 @@ class LRMoELayer(MoELayer):
             dispatcher.global_counts,
             ep_rank=dispatcher.ep_rank,
             num_local_experts=self.num_local_experts,
-            lrmoe=self.lrmoe_config,
+            lrmoe=lrmoe,
             layer_number=layer_number,
             stream=(),
         )
 
     def _expert_call(
         self,
+        lrmoe: LRMoEConfig,
         plan: Optional[CallPlan] = None,
         layout: Optional[ReplicaLayout] = None,
         replica_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
@@ -267,7 +293,7 @@ class LRMoELayer(MoELayer):
         dispatcher = self.token_dispatcher
         return ExpertCall(
             plan_source=plan,
-            lrmoe=self.lrmoe_config,
+            lrmoe=lrmoe,
             spec=self.experts.spec,
             group=self.ep_group,
             perm=dispatcher.pair_permutation,
@@ -276,7 +302,8 @@ class LRMoELayer(MoELayer):
             layout=layout,
             replica_weights=replica_weights,
             device_rows=dispatcher.device_rows_per_local_expert if plan is None else None,
-            fuse_grad_accumulation=self.lrmoe_config.fuses_grad_accumulation(self.config),
+            fuse_grad_accumulation=lrmoe.fuses_grad_accumulation(self.config),
+            auto_keep=self.auto_keep if torch.is_grad_enabled() else None,
         )
 
     def _experts(

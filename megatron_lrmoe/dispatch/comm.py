@@ -69,3 +69,10 @@ def all_reduce_max(values: torch.Tensor, group: Optional[dist.ProcessGroup]) -> 
     values = values.clone()
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values
+
+
+def all_reduce_sum(values: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Elementwise sum of ``values`` over ``group``, in place (stream-ordered under NCCL)."""
+    if group_size(group) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+    return values

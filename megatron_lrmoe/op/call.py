@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control.auto_keep import AutoKeepRatio
 from megatron_lrmoe.control.plan import CallPlan, ControlPlan
 from megatron_lrmoe.dispatch import comm
 from megatron_lrmoe.dispatch.compaction import chunk_transpose_index, inverse_permutation
@@ -37,7 +38,8 @@ class ExpertCall:
         plan_source: The integer plan of this call (host), or ``None`` until the layer sets
             it: at EP 1 without the controller the forward runs before the host has the counts
             (it needs none) and the layer fills the plan in behind it; read it as :attr:`plan`.
-        lrmoe: The layer's LRMoE configuration.
+        lrmoe: The LRMoE configuration of this call (an ``"auto"`` layer's resolved to the
+            call's keep ratio, ``LRMoEConfig.at_keep_ratio``).
         spec: Expert activation.
         group: The expert-parallel process group.
         perm: This rank's token <-> pair index plan.
@@ -52,6 +54,8 @@ class ExpertCall:
             runs before the plan exists (EP 1; the grouped GEMMs take device offsets).
         fuse_grad_accumulation: Add the expert weight gradients into the weights' ``main_grad``
             in the weight-gradient GEMMs (``LRMoEConfig.fuses_grad_accumulation``).
+        auto_keep: The layer's keep ratio state when it runs ``keep_ratio="auto"``: the
+            backward measures the call's added-variance curve into it (``op/keep_curve.py``).
     """
 
     plan_source: Optional[CallPlan]
@@ -65,6 +69,7 @@ class ExpertCall:
     replica_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     device_rows: Optional[torch.Tensor] = None
     fuse_grad_accumulation: bool = False
+    auto_keep: Optional[AutoKeepRatio] = None
     _indices: dict = field(default_factory=dict)
     _groups: Optional[GroupSizes] = None
 

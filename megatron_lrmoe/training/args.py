@@ -67,7 +67,9 @@ _HELP: dict[str, str] = {
     "keep_ratio": (
         "Fraction of each expert's token-expert pairs that survive the MoE backward: quota "
         "ceil(K * pairs) per expert and layer call. 1.0 keeps every pair (the stock backward); "
-        "the forward is always exact. Default: %(def)s."
+        "the forward is always exact. 'auto': each layer picks K per call (a multiple of 1/16) "
+        "from --lrmoe-variance-target, from the scores of its recent calls (needs "
+        "--lrmoe-selection sample). Default: %(def)s."
     ),
     "selection": (
         "Which pairs survive. 'sample': an unbiased importance sample (probability ~ "
@@ -127,6 +129,11 @@ _HELP: dict[str, str] = {
         "'off': DDP adds the bf16 gradient. 'auto': follow --gradient-accumulation-fusion / "
         "--no-gradient-accumulation-fusion. Default: %(def)s."
     ),
+    "variance_target": (
+        "With --lrmoe-keep-ratio auto: the variance the pair sample may add to the expert "
+        "weight gradients, relative to their own mini-batch noise (e.g. 0.1; the 'added "
+        "variance' metric). Budgets stay hard limits. Default: none (required with auto)."
+    ),
 }
 
 _BYTE_COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
@@ -144,6 +151,18 @@ def parse_bytes(text: str) -> int:
     number, unit = match.group(1), (match.group(2) or "").lower()
     scale = 1024 ** ("kmgt".index(unit[0]) + 1) if unit.endswith("i") else _BYTE_UNITS[unit]
     return int(float(number) * scale)
+
+
+def _keep_ratio(text: str) -> float | str:
+    """``--lrmoe-keep-ratio``: a number, or ``auto`` (argparse ``type``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a number in [0, 1] nor 'auto'"
+        ) from None
 
 
 class _LRMoEHelpAction(argparse.Action):
@@ -242,7 +261,9 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if name in _CHOICES:
             group.add_argument(flag, choices=_CHOICES[name], default=None, help=text)
         elif name == "keep_ratio":
-            group.add_argument(flag, type=float, default=None, metavar="K", help=text)
+            group.add_argument(flag, type=_keep_ratio, default=None, metavar="K|auto", help=text)
+        elif name == "variance_target":
+            group.add_argument(flag, type=float, default=None, metavar="V", help=text)
         elif name == "seed":
             group.add_argument(flag, type=int, default=None, metavar="SEED", help=text)
         elif name.endswith("_bytes"):
