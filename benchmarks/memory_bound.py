@@ -35,8 +35,8 @@ Arms (``ARMS``): "stock" is the stock math with grouped-GEMM experts, i.e. LRMoE
 experts are ``SequentialMLP``, a loop over the experts, listed as "megatron-sequential" for
 reference. Each arm sets Megatron's recompute (``none``: attention scores only; ``moe``:
 Megatron's selective recompute of the whole MoE layer; ``full``: every transformer layer), the
-micro-batch (tokens per iteration fixed) and, for LRMoE, the keep ratio and
-``--lrmoe-activation-mode``. There is no ``moe_act`` arm: LRMoE's experts never keep the
+micro-batch (tokens per iteration fixed) and, for LRMoE, the keep ratio (``auto0.1``: keep ratio
+"auto" at a variance target of 0.1, issue 38) and ``--lrmoe-activation-mode``. There is no ``moe_act`` arm: LRMoE's experts never keep the
 activation's output (they recompute it in the backward, as Megatron's ``moe_act`` recompute does;
 ``tests/test_layer_robustness.py::test_experts_never_save_the_activation_output``), and Megatron
 allows ``moe_act`` only with ``--moe-grouped-gemm``, which needs Transformer Engine here.
@@ -115,27 +115,31 @@ class Arm:
     Attributes:
         name: Its label in logs, JSON and plots.
         lrmoe: LRMoE layers (False: Megatron's own, ``SequentialMLP`` without TE).
-        keep: LRMoE keep ratio (1.0: the stock math).
+        keep: LRMoE keep ratio (1.0: the stock math), or "auto" with ``variance_target``.
         recompute: Megatron's recompute: "none", "moe_act", "moe" or "full".
         mbs: Sequences per micro-batch (``PROXY``'s GBS per iteration stays).
         activation_mode: ``--lrmoe-activation-mode``.
+        variance_target: ``--lrmoe-variance-target`` (with ``keep="auto"``).
     """
 
     name: str
     lrmoe: bool = True
-    keep: float = 1.0
+    keep: float | str = 1.0
     recompute: str = "none"
     mbs: int = 16
     activation_mode: str = "save"
+    variance_target: Optional[float] = None
 
     @property
     def is_stock(self) -> bool:
-        return not self.lrmoe or self.keep >= 1.0
+        return not self.lrmoe or (self.keep != "auto" and float(self.keep) >= 1.0)
 
     def env(self) -> dict[str, str]:
         env = {"LRMOE": "1" if self.lrmoe else "0", "MBS": str(self.mbs)}
         if self.lrmoe:
             env.update(KEEP_RATIO=str(self.keep), ACTIVATION_MODE=self.activation_mode)
+            if self.variance_target is not None:
+                env.update(VARIANCE_TARGET=str(self.variance_target))
         return env
 
     def flags(self) -> list[str]:
@@ -165,6 +169,7 @@ ARMS: dict[str, Arm] = {
         Arm("k0.5+moe", keep=0.5, recompute="moe"),
         Arm("k0.25-recompute", keep=0.25, activation_mode="recompute"),
         Arm("k0.25+moe", keep=0.25, recompute="moe"),
+        Arm("auto0.1-recompute", keep="auto", variance_target=0.1, activation_mode="recompute"),
     )
 }
 

@@ -45,6 +45,10 @@ LRMOE_ARGS=()
 if [ "$LRMOE" = 1 ]; then
     LRMOE_ARGS=(--lrmoe --lrmoe-keep-ratio "$KEEP_RATIO" --lrmoe-selection "$SELECTION"
                 --lrmoe-scope "$SCOPE" --lrmoe-activation-mode "$ACTIVATION_MODE")
+    if [ -n "${VARIANCE_TARGET:-}" ]; then
+        # With KEEP_RATIO=auto: the relative variance the pair sample may add (e.g. 0.1).
+        LRMOE_ARGS+=(--lrmoe-variance-target "$VARIANCE_TARGET")
+    fi
     if [ "$TRANSFORMER_IMPL" = local ]; then
         # Megatron's own layers need apex for --gradient-accumulation-fusion; the LRMoE experts
         # add their weight gradients into main_grad without it (LRMOE_GRAD_FUSION=off: DDP adds

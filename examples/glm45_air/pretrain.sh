@@ -21,6 +21,7 @@
 # Environment (default):
 #   LRMOE (1)            1: --lrmoe with the flags below; 0: stock Megatron MoE layers
 #   KEEP_RATIO (0.5) SELECTION (sample) SCOPE (local) ACTIVATION_MODE (save)   --lrmoe-* values
+#   VARIANCE_TARGET ()   with KEEP_RATIO=auto: --lrmoe-variance-target (e.g. 0.1)
 #   DATA_PREFIX ()       indexed dataset prefix; empty: --mock-data
 #   TOKENIZER_MODEL ()   HF tokenizer (must match DATA_PREFIX); empty: NullTokenizer with EOD 256
 #                        (byte-level data from examples/make_indexed_dataset.py, or mock data)
