@@ -89,6 +89,17 @@ def _training_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         for p in m.experts.weights()
     ]
     trainer.close()
+    # keep_ratio "auto" through DDP, the optimizer and the schedule: the ratio each layer
+    # planned its last call with.
+    auto = LRMoEConfig(keep_ratio="auto", variance_target=0.1)
+    trainer = Trainer(shape, settings, corpus, lrmoe=auto, init_from=init)
+    out["auto"] = _losses(trainer.run())
+    out["auto_planned"] = [
+        m.auto_keep.planned
+        for m in trainer.model.modules()
+        if getattr(m, "lrmoe_config", None) is not None
+    ]
+    trainer.close()
     _, out["lrmoe"] = uninterrupted(keep_half, init, dirs["lrmoe"])
     # Stock checkpoint -> LRMoE on (keep 0.5, and keep 1.0), and stock again as the reference.
     out["stock_to_lrmoe"] = resumed(keep_half, dirs["stock"])
@@ -163,6 +174,16 @@ def test_keep_half_trains(curves: dict[str, Any]) -> None:
     assert curves["lrmoe"][0] == pytest.approx(curves["stock"][0], rel=RTOL_EXACT)
     _assert_close(curves["lrmoe"], curves["stock"], 0.01, "LRMoE keep 0.5 vs stock")
     assert curves["lrmoe"][-1] < curves["lrmoe"][0]
+
+
+def test_auto_keep_ratio_trains(curves: dict[str, Any]) -> None:
+    """Keep ratio "auto": the first step is keep 1.0's (the forward is exact and the first call
+    of every layer keeps every pair), the run trains, and every MoE layer planned its calls."""
+    auto, keep1 = curves["auto"], curves["keep1"]
+    assert auto[0] == pytest.approx(keep1[0], rel=RTOL_EXACT)
+    assert all(math.isfinite(x) for x in auto) and auto[-1] < auto[0]
+    planned = curves["auto_planned"]
+    assert planned and all(0 < k <= 1 for k in planned), planned
 
 
 def test_stock_checkpoint_resumes_with_lrmoe_on(curves: dict[str, Any]) -> None:
