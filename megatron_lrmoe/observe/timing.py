@@ -23,7 +23,10 @@ __all__ = ["MoELayerTimer"]
 class MoELayerTimer:
     """Accumulates the forward and backward time of every ``MoELayer`` of ``model``.
 
-    Forwards without gradients (evaluation) are not counted.
+    Evaluation forwards (the layer in eval mode, as Megatron's ``evaluate`` sets it) are not
+    counted. A training forward without gradients is: under full activation recompute Megatron
+    runs each transformer layer's first forward with gradients off and again in the backward,
+    and both forwards are MoE-layer time.
 
     Args:
         model: A module or a list of model chunks (DDP-wrapped or not).
@@ -51,9 +54,8 @@ class MoELayerTimer:
     def _now(self) -> Any:
         return timestamp(self._cuda)
 
-    def _start(self, key: int, phase: str, *_: Any) -> None:
-        # Backward hooks run with grad mode off, so the check is for the forward phase only.
-        if phase == "fwd" and not torch.is_grad_enabled():
+    def _start(self, key: int, phase: str, module: torch.nn.Module, *_: Any) -> None:
+        if phase == "fwd" and not _training_forward(module):
             return
         self._open[(key, phase)] = self._now()
 
@@ -62,9 +64,14 @@ class MoELayerTimer:
         if start is not None:
             self._spans.append((start, self._now()))
 
-    def _stop_forward(self, key: int, *_: Any) -> None:
-        if torch.is_grad_enabled():
+    def _stop_forward(self, key: int, module: torch.nn.Module, *_: Any) -> None:
+        if _training_forward(module):
             self._stop(key, "fwd")
+
+    @property
+    def spans(self) -> int:
+        """Forward and backward spans recorded since the last :meth:`take`."""
+        return len(self._spans)
 
     def take(self) -> float:
         """Seconds in MoE layers since the last call (added to ``total_seconds``).
@@ -81,3 +88,9 @@ class MoELayerTimer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _training_forward(module: torch.nn.Module) -> bool:
+    """A forward of training: gradients on, or the module in training mode (a checkpointed
+    first forward runs with gradients off)."""
+    return torch.is_grad_enabled() or module.training
