@@ -421,8 +421,8 @@ def main() -> None:
     # After parsing, so that --help / --lrmoe-help / a bad flag answer without it; before
     # pretrain(), whose initialisation would run `make`.
     compat.use_prebuilt_dataset_helpers()
-    compat.fix_full_validation(args)
     try:
+        compat.fix_full_validation(args)
         check_args(args)
         # Before Megatron's initialisation allocates anything on the GPU.
         memory_cap.apply_memory_cap(args.memory_cap_gib)

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import memory_bound  # noqa: E402
 import train_logs  # noqa: E402
 
+from megatron_lrmoe.training import compat
 from megatron_lrmoe.training.memory_cap import GIB, apply_memory_cap, describe, plan_memory_cap
 from megatron_lrmoe.training.validation_spread import ValidationSpread
 
@@ -230,6 +231,9 @@ def test_every_arm_passes_megatron_validation(monkeypatch: pytest.MonkeyPatch, n
     assert args.num_experts == 16 and args.seq_length == 1024 and args.micro_batch_size == arm.mbs
     assert args.global_batch_size == 16 and args.num_layers == 24 and args.vocab_size == 512
     assert args.eval_micro_batch_size == 32 and args.split == "80,20,0"
+    # --full-validation's sampler (compat.fix_full_validation): one micro-batch of 32 per
+    # evaluation step, so an evaluation is ceil(sequences / 32) forward passes.
+    assert compat.evaluation_micro_batches_per_step(args) == 1
     config = arguments.core_transformer_config_from_args(args)
     if arm.recompute == "full":
         assert config.recompute_granularity == "full"

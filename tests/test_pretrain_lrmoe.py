@@ -244,7 +244,8 @@ def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_full_validation_fix(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """One validation set: eval_iters reaches Megatron as the list it indexes; the end-of-training
-    evaluation is not repeated at an iteration the loop has just evaluated."""
+    evaluation is not repeated at an iteration the loop has just evaluated; the test set is read
+    for --eval-iters steps (the count as given when the data iterators are built)."""
     import megatron.training as mt
     from megatron.training import training
 
@@ -253,11 +254,14 @@ def test_full_validation_fix(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 
     def original(prefix: str, fwd: Any, data: Any, model: Any, iteration: int, *a: Any, **kw: Any) -> str:
         calls.append((prefix, iteration, current.eval_iters))
+        current.eval_iters = current.eval_iters[0]  # as Megatron's does after its broadcast
         return prefix
 
     from megatron.training.datasets import data_samplers
 
     monkeypatch.setattr(training, "evaluate_and_print_results", original)
+    for name in ("build_pretraining_data_loader", "build_train_valid_test_data_iterators"):
+        monkeypatch.setattr(training, name, getattr(training, name))
     monkeypatch.setattr(data_samplers, "MegatronFullValidationSampler",
                         data_samplers.MegatronFullValidationSampler)
     monkeypatch.setattr(mt, "get_args", lambda: current)
@@ -269,7 +273,7 @@ def test_full_validation_fix(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     fixed = training.evaluate_and_print_results
     assert fixed is not original and fixed.__wrapped__ is original
     assert fixed("iteration 100", None, None, None, 100) == "iteration 100"
-    assert calls == [("iteration 100", 100, [38])]
+    assert calls == [("iteration 100", 100, [38])] and current.eval_iters == 38
     # The end of training after an evaluation at another iteration evaluates, the test set too.
     assert fixed("iteration 150 on validation set", None, None, None, 150) is not None
     assert fixed("iteration 150 on test set", None, None, None, 150) is not None
@@ -280,22 +284,50 @@ def test_full_validation_fix(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
         ("iteration 150 on test set", 150), ("iteration 200", 200)]
     assert "not repeated" in capsys.readouterr().out
     assert data_samplers.MegatronFullValidationSampler is compat.MicroBatchFullValidationSampler
+    for name in ("build_pretraining_data_loader", "build_train_valid_test_data_iterators"):
+        assert getattr(training, name).__wrapped__ is not None, name
 
 
-@pytest.mark.parametrize("total,dp,mbs", [(1200, 1, 32), (1200, 1, 1), (7, 2, 3), (3, 4, 2), (64, 4, 16)])
-def test_full_validation_sampler_reads_every_sequence_once(total: int, dp: int, mbs: int) -> None:
+def test_full_validation_refuses_ranks_without_a_validation_set() -> None:
+    for layout in (dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=4),
+                   dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)):
+        args = argparse.Namespace(full_validation=True, multiple_validation_sets=False, **layout)
+        with pytest.raises(ValueError, match="build no validation set"):
+            compat.fix_full_validation(args)
+
+
+@pytest.mark.parametrize(
+    "total,dp,mbs,per_step",
+    [(1200, 1, 32, 1), (1200, 1, 1, 1), (7, 2, 3, 1), (3, 4, 2, 1), (64, 4, 16, 1),
+     (187, 2, 3, 2), (372, 1, 2, 4), (5, 3, 1, 2)],
+)  # fmt: skip
+def test_full_validation_sampler_reads_every_sequence_once(
+    total: int, dp: int, mbs: int, per_step: int
+) -> None:
     from megatron.training.datasets.data_samplers import MegatronFullValidationSampler as wheel
 
     seen: list[int] = []
+    lengths = set()
     for rank in range(dp):
-        ours = compat.MicroBatchFullValidationSampler(total, rank, dp, micro_batch_size=mbs)
+        ours = compat.MicroBatchFullValidationSampler(total, rank, dp, mbs, per_step)
         batches = list(ours)
-        assert len(batches) == len(ours) == -(-len(range(rank, total, dp)) // mbs)
-        assert all(1 <= len(b) <= mbs for b in batches) and all(len(b) == mbs for b in batches[:-1])
+        # Every rank: the same whole number of steps of full batches.
+        most = -(-total // dp)
+        assert len(batches) == len(ours) == ours.steps * per_step
+        assert ours.steps == -(-(-(-most // mbs)) // per_step)
+        assert all(len(b) == mbs for b in batches)
+        lengths.add(len(ours))
+        mine = [i for b in batches for i in b if i is not None]
+        assert sum(i is None for b in batches for i in b) == ours.padding
+        # Padding only after this rank's last sequence.
+        flat = [i for b in batches for i in b]
+        assert flat[: len(mine)] == mine and not any(i is not None for i in flat[len(mine) :])
         # The same sequences on the same rank as the wheel's one-sequence batches.
-        assert [i for b in batches for i in b] == [i for b in wheel(total, rank, dp) for i in b]
-        seen += [i for b in batches for i in b]
+        assert mine == [i for b in wheel(total, rank, dp) for i in b]
+        seen += mine
+    assert len(lengths) == 1
     assert sorted(seen) == list(range(total))
+    assert ours.padding_all_ranks == dp * len(ours) * mbs - total
 
 
 def test_full_validation_sampler_errors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -305,8 +337,35 @@ def test_full_validation_sampler_errors(monkeypatch: pytest.MonkeyPatch) -> None
         compat.MicroBatchFullValidationSampler(0, 0, 1, 4)
     with pytest.raises(ValueError, match="data_parallel_rank 2 not in"):
         compat.MicroBatchFullValidationSampler(10, 2, 2, 4)
-    monkeypatch.setattr(mt, "get_args", lambda: argparse.Namespace(eval_micro_batch_size=8, micro_batch_size=2))
-    assert compat.MicroBatchFullValidationSampler(100, 0, 1).micro_batch_size == 8
+    with pytest.raises(ValueError, match="micro_batches_per_step 0"):
+        compat.MicroBatchFullValidationSampler(10, 0, 2, 4, 0)
+    monkeypatch.setattr(mt, "get_args", lambda: argparse.Namespace(
+        eval_micro_batch_size=8, micro_batch_size=2, eval_global_batch_size=32,
+        data_parallel_size=2))  # fmt: skip
+    sampler = compat.MicroBatchFullValidationSampler(100, 0, 2)
+    assert (sampler.micro_batch_size, sampler.micro_batches_per_step) == (8, 2)
+    assert "sequences: 100 | data-parallel ranks: 2 | micro-batches per rank: 8 of 8" in (
+        sampler.describe()
+    )
+
+
+def test_padded_validation_set() -> None:
+    class Split:
+        index_split = "valid"
+
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, idx: int) -> dict:
+            return {"tokens": torch.full((4,), idx), "loss_mask": torch.ones(4)}
+
+    padded = compat.PaddedValidationSet(Split())
+    assert len(padded) == 3 and padded.index_split == "valid"
+    assert padded[2]["tokens"].tolist() == [2] * 4 and padded[2]["loss_mask"].sum() == 4
+    assert padded[None]["tokens"].tolist() == [0] * 4 and padded[None]["loss_mask"].sum() == 0
+    assert not hasattr(padded, "__getitems__")
+    with pytest.raises(ValueError, match="no 'loss_mask'"):
+        compat.PaddedValidationSet([{"tokens": torch.zeros(2)}])[None]
 
 
 def test_repair_help_strings() -> None:
