@@ -6,8 +6,8 @@
 ``--layers`` LRMoE layers of the Qwen3-30B-A3B MoE shape (``--experts`` experts each, weight
 gradients fused into an fp32 ``main_grad``) run forward and backward ``--calls`` times each, one
 layer after the other; each layer's backward graph is captured on its second call
-(``experts/backward_graph.py``). After every round this prints ``memory_allocated``,
-``memory_reserved`` and what the graphs hold (``backward_graph.graph_memory_bytes``: the fronts'
+(``graphs/backward.py``). After every round this prints ``memory_allocated``,
+``memory_reserved`` and what the graphs hold (that module's ``graph_memory_bytes``: the fronts'
 buffers and the graphs' memory pool). Keep 1.0 captures nothing and is the baseline.
 
 ``--stream-per-capture`` records every capture on a new side stream, as ``cuda_graphs.capture``
@@ -54,7 +54,7 @@ def main() -> None:
         raise SystemExit("graph_memory.py needs a GPU (the backward graphs are CUDA graphs)")
 
     from megatron_lrmoe import LRMoEConfig, cuda_graphs, get_lrmoe_moe_spec
-    from megatron_lrmoe.experts import backward_graph
+    from megatron_lrmoe.graphs import backward as bg
 
     if args.stream_per_capture:
         cuda_graphs._side_stream = lambda device: torch.cuda.Stream(device)
@@ -83,8 +83,8 @@ def main() -> None:
             call=call,
             allocated_mib=torch.cuda.memory_allocated() / 2**20,
             reserved_mib=torch.cuda.memory_reserved() / 2**20,
-            graphs_mib=backward_graph.graph_memory_bytes() / 2**20,
-            layer_graphs=len(backward_graph._GRAPHS.graphs),
+            graphs_mib=bg.graph_memory_bytes() / 2**20,
+            layer_graphs=len(bg._GRAPHS.graphs),
         )
         rows.append(row)
         print(

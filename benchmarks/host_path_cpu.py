@@ -9,7 +9,7 @@ measured on the CPU (no GPU).
         [--experts 32] [--hidden 64]
 
 At EP 1 with the weight gradients fused into ``main_grad`` the whole trimmed backward is one
-replayed CUDA graph per layer (``experts/backward_graph.py``). What the host does around that
+replayed CUDA graph per layer (``graphs/backward.py``). What the host does around that
 replay (the uniforms, the checks, the argument block, the kept plan, the statistics) bounds the
 layer at 4096-8192 tokens per GPU, where the GPU waits for it (docs/history/notebook.md section 15).
 This script times that host code where no GPU is lent: the layer runs on the CPU (the CPU shim,
@@ -177,7 +177,7 @@ def measure(
     front and the layer graph). EP ``world`` > 1: keep ``keep``, the eager backward, its front
     replayed (``front="graph"``) or eager; only the stage calls inside ``out.backward`` count.
     """
-    from megatron_lrmoe.experts import backward_graph
+    from megatron_lrmoe.graphs import backward as bg
     from megatron_lrmoe.testing.host_graphs import graphs_on_host, layer_graphs_on_host
 
     if world == 1:
@@ -225,7 +225,7 @@ def measure(
     stage_us.update({k: statistics.median(clock.us[k]) for k in labels if any(clock.us[k])})
     return {
         "stage_us": stage_us,
-        "layer_graphs": len(backward_graph._GRAPHS.graphs),
+        "layer_graphs": len(bg._GRAPHS.graphs),
         "torch": torch.__version__,
     }
 
@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument(
         "--time", nargs="*", default=[], metavar="MODULE:NAME",
         help="more functions for the stage clock (as host_trace.py --time), e.g. "
-        "megatron_lrmoe.select.kernels:_host_block",
+        "megatron_lrmoe.select.select_triton:_host_block",
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_path.json"))
     args = parser.parse_args()

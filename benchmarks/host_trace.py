@@ -57,7 +57,7 @@ PHASES = ("lrmoe_bench::forward", "lrmoe_bench::backward")
 # in every module of the op that looks them up (OP_MODULES).
 STAGES = (
     "replayed_front", "front_triton", "_record_selection", "row_dot", "select_kept",
-    "score_and_select", "token_norms", "pair_scores", "_local_segments", "_local_plan",
+    "replayed_score_and_select", "token_norms", "pair_scores", "_local_segments", "_local_plan",
     "pack_kept", "exchange_kept", "_kept_inputs", "expert_backward_parts", "return_dx",
     "gather_sum", "_record_trimmed", "_record_exact", "_graphed_backward", "run_layer_graph",
     "scored_call", "expert_graph_rows", "expert_graph_wanted", "_trimmed_grads",
@@ -283,8 +283,9 @@ def main() -> None:
                         help="list GPU idle gaps of at least this many us per phase (0: none)")
     parser.add_argument(
         "--time", nargs="*", default=[], metavar="MODULE:NAME",
-        help="more functions for the stage clock, e.g. megatron_lrmoe.select.kernels:_host_table "
-        "or megatron_lrmoe.select.kernels:_Captured.run (looked up by name at call time)",
+        help="more functions for the stage clock, e.g. "
+        "megatron_lrmoe.select.select_triton:_host_table or "
+        "megatron_lrmoe.select.select_triton:_Captured.run (looked up by name at call time)",
     )
     parser.add_argument(
         "--main-grad",

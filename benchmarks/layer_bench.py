@@ -21,7 +21,7 @@ Per variant and token count (medians over ``--iters`` after ``--warmup``):
         can be recorded inside it; the ``--eager-experts`` variant times that front.
     saved_mib: memory allocated after the forward with the output alive, minus before.
     peak_mib: peak allocated during the backward, minus before the forward.
-    graph_mib: what the expert graphs (``experts/backward_graph.py``) hold from call to call,
+    graph_mib: what the expert graphs (``graphs/backward.py``) hold from call to call,
         beside peak_mib: their shared buffers (with the front's static buffers) and memory
         pool (a replay's intermediates live in the pool, which memory_allocated does not
         count). Measured on a replay after a fresh capture.
@@ -386,7 +386,7 @@ def main() -> None:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
-    from megatron_lrmoe.experts import backward_graph
+    from megatron_lrmoe.graphs import backward as bg
 
     ep = int(os.environ.get("WORLD_SIZE", "1"))
     pg = init_distributed(ep)
@@ -443,11 +443,11 @@ def main() -> None:
                 # The expert graphs' memory, per variant: captured afresh and measured on a
                 # replay (the first call of a shape gets no shared buffers, the second runs
                 # eagerly on them, the third captures).
-                backward_graph.reset()
+                bg.reset()
                 for _ in range(3):
                     _memory_step(layer_for(v), x, up, Variant("warmup", None))
                 _memory_step(layer_for(v), x, up, v)
-                v.add("graph_mib", backward_graph.graph_memory_bytes() / 2**20)
+                v.add("graph_mib", bg.graph_memory_bytes() / 2**20)
                 if not args.no_profile and rank == 0 and ep == 1:
                     # Profiling one rank of several would desynchronise the collectives; at
                     # EP > 1 run benchmarks/profile_layer.py instead.

@@ -43,11 +43,11 @@ both orders. Reported:
 input only and runs its forward again inside the backward, which bwd_ms then includes): the
 stock arm a memory-bound run falls back to, and LRMoE at keep < 1 under the same recompute.
     peak_mib: peak memory allocated during one round above what the layers hold before it.
-    graphs_mib: what the expert graphs hold (``backward_graph.graph_memory_bytes``).
+    graphs_mib: what the expert graphs hold (``graphs.backward.graph_memory_bytes``).
     stale_layers: layers of the previous keep ratio still alive when this one's were built
         (0, or its memory figures count them too; a warning says so).
     reserved_mib: memory reserved after the rounds (the graphs' pool included; each keep
-        ratio starts without graphs or shared buffers, ``backward_graph.reset``), and what it
+        ratio starts without graphs or shared buffers, ``graphs.backward.reset``), and what it
         holds then: allocated_mib (live tensors, the layers' weights and ``main_grad`` and the
         graphs' pool included), inactive_split_mib (free pieces of partly used segments, which
         the allocator cannot give back: fragmentation), segments (their number); the rest of
@@ -333,7 +333,7 @@ def main() -> None:
         parser.error(f"--experts {args.experts}: not a multiple of EP {ep} (the processes)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pg = init_distributed(ep, device.type)
-    from megatron_lrmoe.experts import backward_graph
+    from megatron_lrmoe.graphs import backward as bg
 
     base_cfg = moe_config(ep)
     heads = base_cfg.num_attention_heads
@@ -370,7 +370,7 @@ def main() -> None:
             memory = (
                 (torch.cuda.max_memory_allocated() - base) / 2**20,
                 torch.cuda.memory_reserved() / 2**20,
-                backward_graph.graph_memory_bytes() / 2**20,
+                bg.graph_memory_bytes() / 2**20,
                 torch.cuda.memory_allocated() / 2**20,
                 stats.get("inactive_split_bytes.all.current", 0) / 2**20,
                 stats.get("segment.all.current", 0),
@@ -399,7 +399,7 @@ def main() -> None:
                 "the next keep ratio's memory counts them (stale_layers)",
                 file=sys.stderr,
             )
-        backward_graph.reset()
+        bg.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rank != 0:

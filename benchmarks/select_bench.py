@@ -17,13 +17,13 @@ and both policies (``topk``, ``sample``):
 (c) the sort alone, on the bench's segments and on equal ones: the merge sort
     (``_tile_sort_kernel`` + ``_merge_rank_kernel``) at a few tiles against the 64-bit
     ``torch.sort``, same order checked, device time of one call, and which of the two the
-    selection picks (``kernels.merge_tile``); ``--sort-only`` runs this part alone;
+    selection picks (``select_triton.merge_tile``); ``--sort-only`` runs this part alone;
 (d) everything goes to the JSON file ``--out``.
 
 Each part runs in its own ``try``: a failure prints ``FAIL`` with the error and the script goes
 on. Every check prints one ``PASS`` / ``FAIL`` line; the exit status is 1 if any check failed.
-Runs without megatron-core installed (only ``megatron_lrmoe.select``, ``megatron_lrmoe.triton_common``
-and ``megatron_lrmoe.dispatch.rows_triton`` are needed).
+Runs without megatron-core installed (only ``megatron_lrmoe.select``,
+``megatron_lrmoe.triton_common`` and ``megatron_lrmoe.cuda_graphs`` are needed).
 """
 
 from __future__ import annotations
@@ -47,20 +47,21 @@ sys.path.insert(0, ROOT)
 
 
 def _import_select() -> tuple[Any, Any]:
-    """``scoring`` and ``kernels``; without megatron-core the package ``__init__`` is skipped."""
+    """``scoring`` and ``select_triton``; without megatron-core the package ``__init__`` is
+    skipped."""
     try:
-        from megatron_lrmoe.select import kernels, scoring
+        from megatron_lrmoe.select import scoring, select_triton
     except ImportError:
         for name in ("megatron_lrmoe", "megatron_lrmoe.select"):
             sys.modules.pop(name, None)
         package = types.ModuleType("megatron_lrmoe")
         package.__path__ = [os.path.join(ROOT, "megatron_lrmoe")]
         sys.modules["megatron_lrmoe"] = package
-        from megatron_lrmoe.select import kernels, scoring
-    return scoring, kernels
+        from megatron_lrmoe.select import scoring, select_triton
+    return scoring, select_triton
 
 
-scoring, kernels = _import_select()
+scoring, select_triton = _import_select()
 
 FAILURES: list[str] = []
 
@@ -137,7 +138,7 @@ def adversarial_scores(kind: str, n: int, seed: int) -> torch.Tensor:
 
 def run_policy(impl: str, policy: str, scores, counts, quota, uniforms):
     if impl == "triton":
-        return kernels.select_triton(policy, scores, counts, quota, uniforms)
+        return select_triton.select_triton(policy, scores, counts, quota, uniforms)
     if policy == "topk":
         return scoring.select_topk(scores, counts, quota)
     return scoring.select_sample(scores, counts, quota, uniforms)
@@ -216,7 +217,7 @@ def ptx_report() -> dict[str, Any]:
     """Counts of float64 division / sqrt instructions (IEEE or approximate) in the compiled
     selection kernels' PTX."""
     found: dict[str, Any] = {}
-    jitted = [k for k in vars(kernels._kernels()).values() if hasattr(k, "device_caches")]
+    jitted = [k for k in vars(select_triton._kernels()).values() if hasattr(k, "device_caches")]
     caches = [c for k in jitted for c in (getattr(k, "device_caches", None) or {}).values()]
     for cache in caches:
         entries = cache[0] if isinstance(cache, tuple) else cache
@@ -242,24 +243,24 @@ def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespa
     """The selection's sort alone on these segments: the merge sort at several tiles
     against the 64-bit ``torch.sort`` (``_sort_order_reference``), same order checked, device
     time of one call from the profiler."""
-    k = kernels._kernels()
+    k = select_triton._kernels()
     n, g = int(counts.sum()), counts.numel()
     scores = lrm_like_scores(n, args.seed + 1).to(device)
-    table = kernels._segment_table(counts, counts, None, device)
-    key = kernels._sort_keys(k, scores, table, kernels._BLOCK)
-    ref_key, ref_order = kernels._sort_order_reference(key)
+    table = select_triton._segment_table(counts, counts, None, device)
+    key = select_triton._sort_keys(k, scores, table, select_triton._BLOCK)
+    ref_key, ref_order = select_triton._sort_order_reference(key)
     out: dict[str, Any] = {
         "sum_sq": int((counts.double() ** 2).sum()),
         "max": int(counts.max()),
         # What the selection picks for these segments.
-        "merge_tile": (tile := kernels.merge_tile(counts)) and tile._asdict(),
+        "merge_tile": (tile := select_triton.merge_tile(counts)) and tile._asdict(),
     }
     print(f"sort N={n} G={g}: the selection sorts by {tile or 'torch.sort'}")
 
-    fns = {"sort64": lambda: kernels._sort_order_reference(key)}
+    fns = {"sort64": lambda: select_triton._sort_order_reference(key)}
     for bi, size, unroll, w in MERGE_TILES:
         fns[f"merge_{bi}_t{size}_u{unroll}_w{w}"] = functools.partial(
-            kernels._sort_order, k, key, table, kernels.MergeTile(bi, size, unroll, w)
+            select_triton._sort_order, k, key, table, select_triton.MergeTile(bi, size, unroll, w)
         )
     for name, fn in fns.items():
         got_key, got_order = fn()

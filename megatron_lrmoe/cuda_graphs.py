@@ -1,6 +1,6 @@
-"""Capturing and caching the CUDA graphs the backward replays (the selection's front alone in
-``select/kernels.py``; at EP 1 the front and the expert half together, one graph per layer, in
-``experts/backward_graph.py``).
+"""Capturing and caching the CUDA graphs the backward replays (the selection alone in
+``select/select_triton.py``, the selection's front in ``graphs/front.py``; at EP 1 the front and
+the expert half together, one graph per layer, in ``graphs/backward.py``).
 
 A graph replaces the host's per-kernel launch work by one launch; what it reads and writes
 must stay at the addresses it was captured with, so every user keeps those buffers on the

@@ -2,7 +2,7 @@
 
 The kernels live beside the stage that uses them: ``dispatch/rows_triton.py`` (row scaling,
 gathers, row dots, packing), ``dispatch/pair_plan_kernels.py``, ``select/scores_triton.py`` (row
-norms, pair scores), ``select/kernels.py`` (the selection), ``experts/activation_triton.py``,
+norms, pair scores), ``select/select_triton.py`` (the selection), ``experts/activation_triton.py``,
 ``experts/wgrad_triton.py``.
 
 Selection: :func:`use_triton` is true when every tensor is on CUDA, ``triton`` imports, and the
@@ -284,7 +284,7 @@ ARG_Z, ARG_SLOT_PLAN, ARG_D_PROBS = 4, 5, 6  # the router gradient's row-dot: in
 ARG_G_OUT, ARG_X_OUT, ARG_COUNT = 7, 8, 9  # packing: dense outputs, the rows they get
 
 
-# The expert graph (experts/backward_graph.py): the saved fc1 output and the kept rows of it
+# The expert graph (graphs/backward.py): the saved fc1 output and the kept rows of it
 # (the activation backward), the map to packed rows and the output (the return's gather-sum;
 # it reads the slot plan at ARG_SLOT_PLAN).
 ARG_H, ARG_H_ROWS, ARG_ROW_OF, ARG_OUT = 10, 11, 12, 13

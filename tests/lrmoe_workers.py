@@ -450,7 +450,8 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     scoring launched before the replayed selection). Returns the largest difference of each
     graph mode from ``eager`` over outputs and the input, router and expert weight gradients,
     and the scoring graphs each mode left, with and without a front."""
-    from megatron_lrmoe.select import kernels
+    from megatron_lrmoe.graphs import front as front_graph
+    from megatron_lrmoe.select import select_triton
 
     pg = init_megatron_parallel(ep=1)
     cfg = _config(1, moe_aux_loss_coeff=0.0, bf16=True, params_dtype=torch.bfloat16)
@@ -464,7 +465,7 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     graphs = {}
     for mode, env in modes.items():
         os.environ.update(env)
-        kernels._GRAPHS = kernels._GraphCache()
+        select_triton._GRAPHS = select_triton._GraphCache()
         torch.manual_seed(5)
         lr = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=0.5))(
             config=cfg, pg_collection=pg, layer_number=1
@@ -479,7 +480,9 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
             got["fc1"], got["fc2"] = (w.grad.clone() for w in lr.experts.weights())
             runs[mode].append(got)
         captured = [
-            v for v in kernels._GRAPHS.graphs.values() if isinstance(v, kernels._CapturedScored)
+            v
+            for v in select_triton._GRAPHS.graphs.values()
+            if isinstance(v, front_graph._CapturedScored)
         ]
         graphs[mode] = {
             "front": sum(v.has_front for v in captured),
@@ -508,7 +511,7 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     ``LRMOE_EXPERT_GRAPHS=0``. Returns per case the largest
     difference of outputs, input and router gradients and ``main_grad`` (after every call) and
     the expert graphs each mode left."""
-    from megatron_lrmoe.experts import backward_graph
+    from megatron_lrmoe.graphs import backward as bg
 
     pg = init_megatron_parallel(ep=1)
     cfg = _config(1, moe_aux_loss_coeff=0.0, bf16=True, params_dtype=torch.bfloat16)
@@ -520,9 +523,9 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     result: dict[str, Any] = {"device": str(device), "diff": {}, "graphs": {}}
     for case, overrides in cases.items():
         runs: dict[str, list[torch.Tensor]] = {}
-        for mode, env in {"graph": {}, "eager": {backward_graph.EXPERT_GRAPHS_ENV: "0"}}.items():
+        for mode, env in {"graph": {}, "eager": {bg.EXPERT_GRAPHS_ENV: "0"}}.items():
             os.environ.update(env)
-            backward_graph.reset()
+            bg.reset()
             lrmoe = LRMoEConfig(keep_ratio=0.5, grad_accumulation_fusion="on", **overrides)
             layers = []
             for number in (1, 2):
@@ -547,7 +550,7 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
                     runs[mode] += [got["out"], got["dx"], layer.router.weight.grad.clone()]
                     runs[mode] += [p.main_grad.clone() for p in layer.experts.weights()]
                     layer.router.weight.grad = None
-            result["graphs"].setdefault(case, {})[mode] = len(backward_graph._GRAPHS.graphs)
+            result["graphs"].setdefault(case, {})[mode] = len(bg._GRAPHS.graphs)
             for name in env:
                 del os.environ[name]
         result["diff"][case] = max(
@@ -600,7 +603,7 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
     the same four keep-0.5 calls with ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the
     torch paths). Returns the largest differences of outputs and gradients, whether the kept
     pairs were the same, and the fronts captured."""
-    from megatron_lrmoe.select import kernels
+    from megatron_lrmoe.select import select_triton
     from megatron_lrmoe.testing.host_graphs import graphs_on_host
 
     graphs_on_host()
@@ -612,13 +615,13 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
     for mode in ("front", "stages"):
         if mode == "stages":
             os.environ["LRMOE_FRONT_GRAPHS"] = "0"
-        kernels._GRAPHS = kernels._GraphCache()
+        select_triton._GRAPHS = select_triton._GraphCache()
         torch.manual_seed(5)
         lrmoe = LRMoEConfig(keep_ratio=0.5, selection=selection, debug_record_selection=True)
         lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
         runs[mode] = _run_calls(lr, inputs, main_grad=False)
         fronts[mode] = sum(
-            getattr(v, "has_front", False) for v in kernels._GRAPHS.graphs.values()
+            getattr(v, "has_front", False) for v in select_triton._GRAPHS.graphs.values()
         )
     del os.environ["LRMOE_FRONT_GRAPHS"]
     return {**_same_kept_and_diffs(runs["front"], runs["stages"]), "fronts": fronts}
@@ -637,8 +640,8 @@ def interp_graphed_backward_matches_stages(
     ones (host group sizes add up to the rows), which headroom 0 gives. Returns the largest
     relative differences of outputs and gradients, whether the kept pairs were the same, and
     the layer graphs each mode left."""
-    from megatron_lrmoe.experts import backward_graph as bg
-    from megatron_lrmoe.select import kernels
+    from megatron_lrmoe.graphs import backward as bg
+    from megatron_lrmoe.select import select_triton
     from megatron_lrmoe.testing.host_graphs import layer_graphs_on_host
 
     layer_graphs_on_host()
@@ -650,7 +653,7 @@ def interp_graphed_backward_matches_stages(
     for mode in ("graph", "stages"):
         if mode == "stages":
             os.environ.update({bg.EXPERT_GRAPHS_ENV: "0", "LRMOE_FRONT_GRAPHS": "0"})
-        kernels._GRAPHS = kernels._GraphCache()
+        select_triton._GRAPHS = select_triton._GraphCache()
         bg.reset()
         torch.manual_seed(5)
         lrmoe = LRMoEConfig(

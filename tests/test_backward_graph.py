@@ -1,4 +1,4 @@
-"""Host-side bookkeeping of the expert graphs (``experts/backward_graph.py``): which calls get
+"""Host-side bookkeeping of the expert graphs (``graphs/backward.py``): which calls get
 the shared buffers, when they are replaced, and what is dropped with them.
 
 The graphs themselves need CUDA (``test_cuda_expert_graph_matches_eager_layer`` in
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lrmoe.experts import backward_graph as bg
+from megatron_lrmoe.graphs import backward as bg
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +68,7 @@ def test_at_most_max_shapes_keep_buffers(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_the_front_graph_alone_refuses_rows_left_to_a_layer_graph() -> None:
     """Only the layer graph allocates the kept rows itself; the front graph alone packs into
     the caller's buffers, so it rejects the stand-ins rather than pack to address 0."""
-    from megatron_lrmoe.select import kernels
+    from megatron_lrmoe.graphs import front as front_graph
 
     assert _rows(5, tokens=6) is None
     rows = _rows(5, tokens=6)
@@ -76,7 +76,7 @@ def test_the_front_graph_alone_refuses_rows_left_to_a_layer_graph() -> None:
                                torch.zeros(12))  # fmt: skip
     g = torch.zeros(6, 16)
     with pytest.raises(ValueError, match="rows_in_graph"):
-        kernels.front_triton(
+        front_graph.front_triton(
             "topk", g, g, torch.zeros(12), torch.zeros(12, dtype=torch.int64),
             torch.tensor([4, 4, 4]), torch.tensor([2, 2, 2]), None, front,
         )  # fmt: skip

@@ -1,4 +1,4 @@
-"""Fused Triton selection (``select/kernels.py``) against the torch reference, bit for bit.
+"""Fused Triton selection (``select/select_triton.py``) against the torch reference, bit for bit.
 
 Shape legend: N rows, G segments, K kept rows.
 
@@ -27,7 +27,8 @@ import torch
 
 from megatron_lrmoe import triton_common
 from megatron_lrmoe.dispatch import rows_triton
-from megatron_lrmoe.select import contract, kernels, scores_triton, scoring
+from megatron_lrmoe.graphs import front as front_graph
+from megatron_lrmoe.select import contract, scores_triton, scoring, select_triton
 from megatron_lrmoe.testing.interpreter import run_interpreter_tests
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -115,7 +116,7 @@ def _reference(policy: str, case: Case) -> contract.Selection:
 
 def _check(policy: str, case: Case, **kwargs) -> contract.Selection:
     scores, counts, quota, uniforms = case
-    got = kernels.select_triton(policy, scores, counts, quota, uniforms, **kwargs)
+    got = select_triton.select_triton(policy, scores, counts, quota, uniforms, **kwargs)
     ref = _reference(policy, case)
     assert torch.equal(got.kept_index.cpu(), ref.kept_index), (got.kept_index, ref.kept_index)
     assert torch.equal(got.weight.cpu(), ref.weight), (policy, got.weight, ref.weight)
@@ -138,7 +139,7 @@ def test_select_takes_the_torch_path_on_host_tensors(monkeypatch: pytest.MonkeyP
     def fail(*args, **kwargs):
         raise AssertionError("host tensors must not reach the Triton path")
 
-    monkeypatch.setattr(kernels, "select_triton", fail)
+    monkeypatch.setattr(select_triton, "select_triton", fail)
     scores, counts, quota, uniforms = _case([torch.rand(9), torch.rand(4)], [3, 2])
     for policy in ("topk", "sample"):
         got = scoring.select(policy, scores, counts, quota, uniforms)
@@ -157,7 +158,7 @@ def test_select_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         calls.append(policy)
         return "fused"
 
-    monkeypatch.setattr(kernels, "select_triton", fake)
+    monkeypatch.setattr(select_triton, "select_triton", fake)
     monkeypatch.setattr(scoring, "use_triton", lambda *tensors: True)
     scores, counts, quota, uniforms = _case([torch.rand(6)], [2])
     assert scoring.select("topk", scores, counts, quota) == "fused"
@@ -177,16 +178,16 @@ def test_select_triton_rejects_host_tensors_without_the_interpreter() -> None:
         pytest.skip("needs triton, outside the interpreter")
     scores, counts, quota, uniforms = _case([torch.rand(6)], [2])
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        kernels.select_triton("topk", scores, counts, quota)
+        select_triton.select_triton("topk", scores, counts, quota)
 
 
 # MERGE_TILES that force each sort: cub's radix sort, or the merge sort (at 4 rows per tile, so
 # that the random cases' segments span many tiles).
-SORTS = {"radix": (), "merge": ((1 << 40, kernels.MergeTile(8, 4, 4, 1)),)}
+SORTS = {"radix": (), "merge": ((1 << 40, select_triton.MergeTile(8, 4, 4, 1)),)}
 
 
 def _force_sort(monkeypatch: pytest.MonkeyPatch, sort: str) -> None:
-    monkeypatch.setattr(kernels, "MERGE_TILES", SORTS[sort])
+    monkeypatch.setattr(select_triton, "MERGE_TILES", SORTS[sort])
 
 
 @cuda
@@ -215,7 +216,7 @@ def test_gpu_captured_selection_matches_reference(
     """Calls of one shape (N, G): the first runs eagerly, the second is captured into a CUDA
     graph, the rest replay it; every call equals the reference, and a replay never changes the
     outputs an earlier call returned. ``LRMOE_SELECT_GRAPHS=0`` launches eagerly."""
-    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(11)
     n, g = 5000, 16
     calls = []
@@ -228,17 +229,17 @@ def test_gpu_captured_selection_matches_reference(
         uniforms = torch.rand(g, generator=gen, dtype=torch.float64)  # host: graphed
         got = _check(policy, (scores.cuda(), counts, quota, uniforms))
         calls.append(((scores, counts, quota, uniforms), got))
-        assert len(kernels._GRAPHS.graphs) == (0 if call == 0 else 1)
+        assert len(select_triton._GRAPHS.graphs) == (0 if call == 0 else 1)
     torch.cuda.synchronize()
     for case, got in calls:
         ref = _reference(policy, case)
         assert torch.equal(got.kept_index.cpu(), ref.kept_index)
         assert torch.equal(got.weight.cpu(), ref.weight)
     monkeypatch.setenv("LRMOE_SELECT_GRAPHS", "0")
-    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
     for case, _ in calls[:3]:
         _check(policy, (case[0].cuda(), *case[1:]))
-    assert not kernels._GRAPHS.graphs and not kernels._GRAPHS.seen
+    assert not select_triton._GRAPHS.graphs and not select_triton._GRAPHS.seen
 
 
 @cuda
@@ -246,18 +247,18 @@ def test_gpu_merge_sort_product_launches_give_torch_sorts_order() -> None:
     """Every launch of the product table (MERGE_TILES), on segments that pick it: tied and
     sanitized scores, a largest segment at the launch's bound among smaller ones."""
     gen = torch.Generator().manual_seed(7)
-    k = kernels._kernels()
-    for bound, tile in kernels.MERGE_TILES:
+    k = select_triton._kernels()
+    for bound, tile in select_triton.MERGE_TILES:
         smaller = torch.randint(1, bound // 4, (24,), generator=gen)
         counts = torch.cat([smaller[:12], torch.tensor([bound, 0]), smaller[12:]])
-        assert kernels.merge_tile(counts) == tile
+        assert select_triton.merge_tile(counts) == tile
         n = int(counts.sum())
         scores = torch.randint(0, 50, (n,), generator=gen).float()
         scores[torch.randperm(n, generator=gen)[: n // 8]] = float("nan")
-        table = kernels._segment_table(counts, counts, None, torch.device("cuda"))
-        key = kernels._sort_keys(k, scores.cuda(), table, kernels._BLOCK)
-        sorted_key, order = kernels._sort_order(k, key, table, tile)
-        ref_key, ref_order = kernels._sort_order_reference(key)
+        table = select_triton._segment_table(counts, counts, None, torch.device("cuda"))
+        key = select_triton._sort_keys(k, scores.cuda(), table, select_triton._BLOCK)
+        sorted_key, order = select_triton._sort_order(k, key, table, tile)
+        ref_key, ref_order = select_triton._sort_order_reference(key)
         assert torch.equal(order, ref_order), tile
         assert torch.equal(sorted_key, ref_key), tile
 
@@ -265,20 +266,20 @@ def test_gpu_merge_sort_product_launches_give_torch_sorts_order() -> None:
 @cuda
 def test_gpu_captured_selection_keys_on_the_sort(monkeypatch: pytest.MonkeyPatch) -> None:
     """One shape, segments that pick either sort: a graph for each, both equal the reference."""
-    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
     n, g = 4096, 8
     even = torch.full((g,), n // g)
     skewed = torch.tensor([n - 7 * 8] + [8] * 7)
-    tile = kernels.MergeTile(128, 256, 4, 4)
-    monkeypatch.setattr(kernels, "MERGE_TILES", ((n // g, tile),))
-    assert [kernels.merge_tile(c) for c in (even, skewed)] == [tile, None]
+    tile = select_triton.MergeTile(128, 256, 4, 4)
+    monkeypatch.setattr(select_triton, "MERGE_TILES", ((n // g, tile),))
+    assert [select_triton.merge_tile(c) for c in (even, skewed)] == [tile, None]
     gen = torch.Generator().manual_seed(2)
     for call in range(6):
         counts = even if call % 2 else skewed
         quota = counts // 3
         uniforms = torch.rand(g, generator=gen, dtype=torch.float64)
         _check("sample", (torch.rand(n, generator=gen).cuda(), counts, quota, uniforms))
-    assert len(kernels._GRAPHS.graphs) == 2
+    assert len(select_triton._GRAPHS.graphs) == 2
 
 
 @cuda
@@ -286,7 +287,7 @@ def test_gpu_replayed_selection_unowned_outputs(monkeypatch: pytest.MonkeyPatch)
     """``owned=False`` (the layer's backward): replays hand out the graph's buffers; what a
     caller queues before the next replay reads that call's selection, and the next replay
     reuses the same memory (no copies). The default copies."""
-    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(5)
     n, g = 3000, 8
     counts = torch.full((g,), n // g, dtype=torch.int64)
@@ -295,7 +296,7 @@ def test_gpu_replayed_selection_unowned_outputs(monkeypatch: pytest.MonkeyPatch)
         quota = (counts.double() * torch.rand(g, generator=gen, dtype=torch.float64)).long()
         scores = torch.rand(n, generator=gen)
         uniforms = torch.rand(g, generator=gen, dtype=torch.float64)
-        got = kernels.select_triton(
+        got = select_triton.select_triton(
             "sample", scores.cuda(), counts, quota, uniforms, owned=False
         )
         # A consumer queued before the next call, as the backward's packing is.
@@ -308,7 +309,7 @@ def test_gpu_replayed_selection_unowned_outputs(monkeypatch: pytest.MonkeyPatch)
         assert torch.equal(weight.cpu(), ref.weight)
     # Calls 2-4 replayed the graph captured in call 1: the same output buffer every time.
     assert len({ptr for *_, ptr in seen[2:]}) == 1
-    owned = kernels.select_triton("sample", scores.cuda(), counts, quota, uniforms)
+    owned = select_triton.select_triton("sample", scores.cuda(), counts, quota, uniforms)
     assert owned.kept_index.data_ptr() != seen[-1][2]
 
 
@@ -328,29 +329,33 @@ def _scoring_case(gen: torch.Generator, t: int, h: int, k: int, e: int, poison: 
     return (g.cuda(), x.cuda(), probs.cuda(), token.cuda()), counts, quota, uniforms
 
 
+def _scored_graphs() -> list:
+    """The front graphs (``graphs/front.py``) among the selection's captured graphs."""
+    graphs = select_triton._GRAPHS.graphs.values()
+    return [v for v in graphs if isinstance(v, front_graph._CapturedScored)]
+
+
 @cuda
 @pytest.mark.parametrize("policy", ["topk", "sample"])
 def test_gpu_captured_scoring_matches_eager(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
-    """``score_and_select``: the first call of a shape scores and selects eagerly, the second
-    captures both into one graph, later calls replay it on new tensors (read in place). Every
-    call gives the bits of the eager steps (norms, pair scores, poison, total, selection),
+    """``replayed_score_and_select``: the first call of a shape scores and selects eagerly, the
+    second captures both into one graph, later calls replay it on new tensors (read in place).
+    Every call gives the bits of the eager steps (norms, pair scores, poison, total, selection),
     with a non-finite gradient too; ``owned=False`` hands out the graph's own buffers."""
-    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(3)
     pointers = []
     for call in range(5):
         tensors, counts, quota, uniforms = _scoring_case(gen, 300, 136, 4, 16, call == 3)
         owned = call != 4
-        scored, sel, kept_total = scoring.score_and_select(
+        scored, sel, kept_total = front_graph.replayed_score_and_select(
             policy, *tensors, counts, quota, uniforms, kept_total=True, owned=owned
         )
         got = (scored.scores, scored.poison, scored.total, sel.kept_index, sel.weight)
         got = tuple(t.clone() for t in got)  # queued before the next call, as in the backward
         kept_total = kept_total.clone()
         pointers.append(scored.scores.data_ptr())
-        graphs = [
-            v for v in kernels._GRAPHS.graphs.values() if isinstance(v, kernels._CapturedScored)
-        ]
+        graphs = _scored_graphs()
         assert len(graphs) == (0 if call == 0 else 1)
         with monkeypatch.context() as eager:
             eager.setenv("LRMOE_SELECT_GRAPHS", "0")
@@ -374,25 +379,25 @@ def test_gpu_captured_scoring_matches_eager(monkeypatch: pytest.MonkeyPatch, pol
 def test_gpu_captured_scoring_declines_unreadable_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inputs the graph cannot read in place (a misaligned ``probs``) and device uniforms take
     the eager steps: same results, no scoring graph."""
-    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
         (g, x, probs, token), counts, quota, uniforms = _scoring_case(gen, 64, 64, 2, 4, False)
         shifted = torch.cat([probs.new_zeros(1), probs])[1:]  # 4 bytes off 16
-        assert kernels.score_select_triton(
+        assert front_graph.score_select_triton(
             "sample", g, x, shifted, token, counts, quota, uniforms
         ) is None
-        assert kernels.score_select_triton(
+        assert front_graph.score_select_triton(
             "sample", g, x, probs, token, counts, quota, uniforms.cuda()
         ) is None
-        scored, sel, kept_total = scoring.score_and_select(
+        scored, sel, kept_total = front_graph.replayed_score_and_select(
             "sample", g, x, shifted, token, counts, quota, uniforms, kept_total=True
         )
         ref = scoring.select("sample", scored.scores, counts, quota, uniforms)
         assert torch.equal(sel.kept_index, ref.kept_index)
         kept_scores = scored.scores[ref.kept_index].nan_to_num(0.0, 0.0, 0.0)
         assert torch.equal(kept_total, kept_scores.sum())
-    assert not any(isinstance(v, kernels._CapturedScored) for v in kernels._GRAPHS.graphs.values())
+    assert not _scored_graphs()
 
 
 @cuda
@@ -404,7 +409,7 @@ def test_gpu_front_graph_matches_steps(monkeypatch: pytest.MonkeyPatch, policy: 
     call to call and a non-finite gradient once. Every call gives the bits of the eager steps
     (``row_dot``, ``score_and_select`` without graphs, ``pack_pairs`` with the map of packed
     rows)."""
-    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
+    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(6)
     t, h, k = 300, 136, 4
     for call in range(5):
@@ -414,16 +419,14 @@ def test_gpu_front_graph_matches_steps(monkeypatch: pytest.MonkeyPatch, policy: 
         token = token.cuda()
         z = torch.randn(t * k, h, generator=gen).to(torch.bfloat16).cuda()
         num_kept = int(quota.sum())
-        buffers = kernels.FrontBuffers(
+        buffers = front_graph.FrontBuffers(
             z, slots, torch.empty_like(probs), g.new_empty(num_kept, h), x.new_empty(num_kept, h)
         )
-        got = kernels.front_triton(
+        got = front_graph.front_triton(
             policy, g, x, probs, token, counts, quota, uniforms, buffers, kept_total=True,
             owned=False,
         )
-        graphs = [
-            v for v in kernels._GRAPHS.graphs.values() if isinstance(v, kernels._CapturedScored)
-        ]
+        graphs = _scored_graphs()
         assert (got is None) == (call == 0) and len(graphs) == (call > 0)
         if got is None:
             continue
@@ -469,20 +472,20 @@ def test_interp_scored_graph_body_matches_steps(
     kept-score sum under the device's kept count) and the outputs it hands out, over calls of
     one shape on new tensors, against the eager steps. (CUDA graphs themselves need a GPU: the
     ``test_gpu_captured_scoring_*`` tests.)"""
-    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
-    monkeypatch.setattr(kernels, "_graphs_wanted", lambda device: True)
+    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "_graphs_wanted", lambda device: True)
 
     def capture(self, launch, device) -> None:
         launch()  # the eager run that precedes every capture
         self.graph = _EagerGraph(launch)
 
-    monkeypatch.setattr(kernels._Captured, "_capture", capture)
-    block = kernels._host_block
+    monkeypatch.setattr(select_triton._Captured, "_capture", capture)
+    block = select_triton._host_block
 
     def host_block(counts, quota, uniforms, _pin, lead) -> torch.Tensor:
         return block(counts, quota, uniforms, False, lead)  # no pinned memory without CUDA
 
-    monkeypatch.setattr(kernels, "_host_block", host_block)
+    monkeypatch.setattr(select_triton, "_host_block", host_block)
     monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
     gen = torch.Generator().manual_seed(9)
     t, h, k, e = 30, 24, 3, 5
@@ -494,7 +497,7 @@ def test_interp_scored_graph_body_matches_steps(
         counts = torch.tensor([20, 0, 31, 17, 22])
         quota = torch.tensor([7, 0, 31, 1, 10 + call])
         uniforms = torch.rand(e, generator=gen, dtype=torch.float64)
-        got = kernels.score_select_triton(
+        got = front_graph.score_select_triton(
             policy, g, x, probs, token, counts, quota, uniforms, kept_total=True, owned=call != 3
         )
         assert (got is None) == (call == 0)  # the first sighting of a shape runs eagerly
@@ -521,17 +524,17 @@ def test_interp_front_graph_body_matches_steps(
     gradient's row-dot, the scoring and selection, and the packing of the kept rows with the
     map from pairs to packed rows, into new per-call buffers on every call, against the eager
     steps (``row_dot_triton``, ``pack_pairs_triton`` on the reference selection)."""
-    monkeypatch.setattr(kernels, "_GRAPHS", kernels._GraphCache())
-    monkeypatch.setattr(kernels, "_graphs_wanted", lambda device: True)
+    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "_graphs_wanted", lambda device: True)
 
     def capture(self, launch, device) -> None:
         launch()
         self.graph = _EagerGraph(launch)
 
-    monkeypatch.setattr(kernels._Captured, "_capture", capture)
-    block = kernels._host_block
+    monkeypatch.setattr(select_triton._Captured, "_capture", capture)
+    block = select_triton._host_block
     monkeypatch.setattr(
-        kernels, "_host_block", lambda c, q, u, _pin, lead: block(c, q, u, False, lead)
+        select_triton, "_host_block", lambda c, q, u, _pin, lead: block(c, q, u, False, lead)
     )
     monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
     gen = torch.Generator().manual_seed(10)
@@ -547,11 +550,11 @@ def test_interp_front_graph_body_matches_steps(
         quota = torch.tensor([7, 0, 31, 1, 10 + call])
         uniforms = torch.rand(counts.numel(), generator=gen, dtype=torch.float64)
         num_kept = int(quota.sum())
-        buffers = kernels.FrontBuffers(
+        buffers = front_graph.FrontBuffers(
             z, slots, torch.empty_like(probs), torch.empty(num_kept, h, dtype=g.dtype),
             torch.empty(num_kept, h, dtype=x.dtype),
         )
-        got = kernels.front_triton(
+        got = front_graph.front_triton(
             policy, g, x, probs, token, counts, quota, uniforms, buffers, kept_total=True,
             owned=call != 3,
         )
@@ -574,7 +577,8 @@ def test_interp_front_graph_body_matches_steps(
         assert torch.equal(got.row_of_pair, row_of)
     # Buffers the graph cannot use in place: no graph, the caller runs the steps.
     bad = buffers._replace(g_kept=torch.empty(num_kept - 1, h, dtype=g.dtype))
-    assert kernels.front_triton(policy, g, x, probs, token, counts, quota, uniforms, bad) is None
+    got = front_graph.front_triton(policy, g, x, probs, token, counts, quota, uniforms, bad)
+    assert got is None
 
 
 def _slot_plan(token: torch.Tensor, t: int, k: int) -> torch.Tensor:
@@ -603,13 +607,13 @@ def test_interp_random_cases(monkeypatch: pytest.MonkeyPatch, policy: str, sort:
 def test_interp_adversarial_cases(monkeypatch: pytest.MonkeyPatch, policy: str, sort: str) -> None:
     _force_sort(monkeypatch, sort)
     tables = []
-    segment_table = kernels._segment_table
+    segment_table = select_triton._segment_table
 
     def recording(*args, **kw):
         tables.append(segment_table(*args, **kw))
         return tables[-1]
 
-    monkeypatch.setattr(kernels, "_segment_table", recording)
+    monkeypatch.setattr(select_triton, "_segment_table", recording)
     seen: set[str] = set()
     for name, case in _adversarial_cases().items():
         tables.clear()
@@ -620,15 +624,15 @@ def test_interp_adversarial_cases(monkeypatch: pytest.MonkeyPatch, policy: str, 
         for g in range(case[1].numel()):
             if int(case[2][g]) == 0:
                 continue
-            c_star, grow = int(t[kernels._CSTAR, g]), int(t[kernels._GROW, g])
-            moved1 = int(t[kernels._WIN_HI, g]) > int(t[kernels._WIN_LO, g])
-            moved2 = int(t[kernels._RFULL, g]) > 0 or int(t[kernels._REST, g]) > 0
+            c_star, grow = int(t[select_triton._CSTAR, g]), int(t[select_triton._GROW, g])
+            moved1 = int(t[select_triton._WIN_HI, g]) > int(t[select_triton._WIN_LO, g])
+            moved2 = int(t[select_triton._RFULL, g]) > 0 or int(t[select_triton._REST, g]) > 0
             seen |= {"capped"} if c_star > 0 else set()
             seen |= {"capped across block chunks"} if c_star > BLOCK * BLOCK else set()
             seen |= {"all capped"} if c_star == int(case[1][g]) else set()
             seen |= {f"pass 1 {'grow' if grow & 1 else 'shrink'}"} if moved1 else set()
             seen |= {f"pass 2 {'grow' if grow & 2 else 'shrink'}"} if moved2 else set()
-            if moved2 and int(t[kernels._RFULL, g]) > c_star:
+            if moved2 and int(t[select_triton._RFULL, g]) > c_star:
                 seen.add("pass 2 fills whole rows")
     if policy == "sample":
         assert seen >= {
@@ -668,8 +672,8 @@ def _sort_case(num_segments: int, max_count: int = 150) -> tuple[torch.Tensor, t
     scores = torch.randint(0, 5, (n,), generator=gen).float()
     scores[torch.randperm(n, generator=gen)[: n // 6]] = float("nan")
     scores[torch.randperm(n, generator=gen)[: n // 6]] = -float("inf")
-    table = kernels._segment_table(counts, counts, None, torch.device("cpu"))
-    return kernels._sort_keys(kernels._kernels(), scores, table, BLOCK), table
+    table = select_triton._segment_table(counts, counts, None, torch.device("cpu"))
+    return select_triton._sort_keys(select_triton._kernels(), scores, table, BLOCK), table
 
 
 @interp
@@ -682,9 +686,9 @@ def test_interp_merge_sort_gives_torch_sorts_order(
     several tiles searched at once: segments spanning many tiles, tiles and blocks of rows
     spanning several segments, empty segments, a padded last tile, ties (by row)."""
     key, table = _sort_case(num_segments)
-    tile = kernels.MergeTile(*tile)
-    sorted_key, order = kernels._sort_order(kernels._kernels(), key, table, tile)
-    ref_key, ref_order = kernels._sort_order_reference(key)
+    tile = select_triton.MergeTile(*tile)
+    sorted_key, order = select_triton._sort_order(select_triton._kernels(), key, table, tile)
+    ref_key, ref_order = select_triton._sort_order_reference(key)
     assert torch.equal(order, ref_order)
     assert torch.equal(sorted_key, ref_key)
 
@@ -706,27 +710,27 @@ def test_interp_select_bench_sort_part_checks_every_launch(monkeypatch: pytest.M
     launches = {name: got for name, got in out.items() if isinstance(got, dict) and "same" in got}
     assert len(launches) == len(select_bench.MERGE_TILES) + 1
     assert all(got["same"] for got in launches.values()) and not select_bench.FAILURES
-    assert out["merge_tile"] == kernels.merge_tile(counts)._asdict()
+    assert out["merge_tile"] == select_triton.merge_tile(counts)._asdict()
 
 
 def test_merge_tile_by_largest_segment_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    small, large = kernels.MergeTile(8, 4, 1, 1), kernels.MergeTile(8, 16, 2, 1)
-    monkeypatch.setattr(kernels, "MERGE_TILES", ((4, small), (9, large)))
-    merge_tile = kernels.merge_tile
+    small, large = select_triton.MergeTile(8, 4, 1, 1), select_triton.MergeTile(8, 16, 2, 1)
+    monkeypatch.setattr(select_triton, "MERGE_TILES", ((4, small), (9, large)))
+    merge_tile = select_triton.merge_tile
     assert merge_tile(torch.tensor([3, 4, 0])) == small
     assert merge_tile(torch.tensor([3, 5])) == large
     assert merge_tile(torch.tensor([9, 9])) == large
     assert merge_tile(torch.tensor([3, 10])) is None  # torch.sort
     assert merge_tile(torch.tensor([], dtype=torch.int64)) == small
     # Up to MERGE_SORT_MAX_SEARCHES: 3 rows search 2 tiles of 16 at most, 9 rows 2 as well.
-    assert kernels.merge_searches(np.array([3, 9]), 16) == 3 * 2 + 9 * 2
-    assert kernels.merge_searches(np.array([40]), 16) == 40 * 4
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_SEARCHES", 24)
+    assert select_triton.merge_searches(np.array([3, 9]), 16) == 3 * 2 + 9 * 2
+    assert select_triton.merge_searches(np.array([40]), 16) == 40 * 4
+    monkeypatch.setattr(select_triton, "MERGE_SORT_MAX_SEARCHES", 24)
     assert merge_tile(torch.tensor([3, 9])) == large
     assert merge_tile(torch.tensor([4, 9])) is None
-    monkeypatch.setattr(kernels, "MERGE_SORT_MAX_SEARCHES", 1 << 62)
+    monkeypatch.setattr(select_triton, "MERGE_SORT_MAX_SEARCHES", 1 << 62)
     # The packed (key, row) comparison: fewer than 2**11 segments and 2**21 rows, else torch.
-    monkeypatch.setattr(kernels, "MERGE_TILES", ((1 << 40, large),))
+    monkeypatch.setattr(select_triton, "MERGE_TILES", ((1 << 40, large),))
     assert merge_tile(torch.ones(2047, dtype=torch.int64)) == large
     assert merge_tile(torch.ones(2048, dtype=torch.int64)) is None
     assert merge_tile(torch.tensor([(1 << 21) - 1])) == large
@@ -737,16 +741,16 @@ def test_merge_tiles_cover_growing_segments() -> None:
     """The product table: bounds increase, tiles are powers of two, the first bound covers
     one row, and the torch fallback starts past the last bound and the search limit (a very
     large layer call: 64 experts of 16384 pairs each)."""
-    bounds = [bound for bound, _ in kernels.MERGE_TILES]
+    bounds = [bound for bound, _ in select_triton.MERGE_TILES]
     assert bounds == sorted(set(bounds)) and bounds[0] >= 1
-    for _, tile in kernels.MERGE_TILES:
+    for _, tile in select_triton.MERGE_TILES:
         assert tile.tile & (tile.tile - 1) == 0 and tile.block_i & (tile.block_i - 1) == 0
-    assert kernels.merge_tile(torch.tensor([bounds[-1]])) is not None
-    assert kernels.merge_tile(torch.tensor([bounds[-1] + 1])) is None
-    assert kernels.merge_tile(torch.full((64,), bounds[-1])) is None
+    assert select_triton.merge_tile(torch.tensor([bounds[-1]])) is not None
+    assert select_triton.merge_tile(torch.tensor([bounds[-1] + 1])) is None
+    assert select_triton.merge_tile(torch.full((64,), bounds[-1])) is None
     # The shapes the issue names take the merge sort (equal segments).
     for experts, tokens in ((128, 4096), (128, 16384), (16, 4096), (16, 8192), (16, 16384)):
-        assert kernels.merge_tile(torch.full((experts,), tokens * 8 // experts)) is not None
+        assert select_triton.merge_tile(torch.full((experts,), tokens * 8 // experts)) is not None
 
 
 @interp
@@ -761,17 +765,19 @@ def test_interp_empty_inputs() -> None:
 def test_interp_rejects_what_the_reference_rejects() -> None:
     scores, counts, quota, uniforms = _case([torch.rand(4), torch.rand(2)], [1, 1])
     with pytest.raises(ValueError, match="unknown selection policy"):
-        kernels.select_triton("best", scores, counts, quota, uniforms)
+        select_triton.select_triton("best", scores, counts, quota, uniforms)
     with pytest.raises(ValueError, match="needs uniforms"):
-        kernels.select_triton("sample", scores, counts, quota)
+        select_triton.select_triton("sample", scores, counts, quota)
     with pytest.raises(ValueError, match="segment 1"):
-        kernels.select_triton("topk", scores, counts, torch.tensor([1, 3]))
+        select_triton.select_triton("topk", scores, counts, torch.tensor([1, 3]))
     with pytest.raises(ValueError, match="add up"):
-        kernels.select_triton("topk", scores, torch.tensor([4, 1]), quota)
+        select_triton.select_triton("topk", scores, torch.tensor([4, 1]), quota)
     with pytest.raises(ValueError, match="uniforms must be"):
-        kernels.select_triton("sample", scores, counts, quota, torch.rand(3, dtype=torch.float64))
+        select_triton.select_triton(
+            "sample", scores, counts, quota, torch.rand(3, dtype=torch.float64)
+        )
     with pytest.raises(ValueError, match="power of two"):
-        kernels.select_triton("topk", scores, counts, quota, block=24)
+        select_triton.select_triton("topk", scores, counts, quota, block=24)
 
 
 @pytest.mark.parametrize(

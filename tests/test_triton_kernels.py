@@ -723,7 +723,7 @@ def test_interp_act_backward_from_arg_block(
 def test_interp_layer_graph_body_matches_front_and_eager_stages(
     monkeypatch: pytest.MonkeyPatch, save: bool, policy: str, accumulate: bool
 ) -> None:
-    """What the layer graph records (``backward_graph.run_layer_graph``: the front's kernels,
+    """What the layer graph records (``graphs/backward.run_layer_graph``: the front's kernels,
     then the expert half on the front's buffers, in the interpreter; the CUDA graph replaced by
     re-running its launches) against the stages on the torch paths: the router gradient
     (``row_dot``), the selection (``score_and_select``), the packing (``pack_pairs``), the
@@ -737,13 +737,14 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
     from types import SimpleNamespace
 
     from megatron_lrmoe.dispatch.rows import gather_sum, pack_pairs, row_dot
-    from megatron_lrmoe.experts import backward_graph as bg
     from megatron_lrmoe.experts.mlp import expert_backward
     from megatron_lrmoe.experts.wgrad_triton import MainGrads
-    from megatron_lrmoe.select import kernels
+    from megatron_lrmoe.graphs import backward as bg
+    from megatron_lrmoe.graphs import front as front_graph
+    from megatron_lrmoe.select import select_triton
 
-    host_block = kernels._host_block
-    monkeypatch.setattr(kernels, "_host_block", lambda c, q, u, _pin, lead: host_block(
+    host_block = select_triton._host_block
+    monkeypatch.setattr(select_triton, "_host_block", lambda c, q, u, _pin, lead: host_block(
         c, q, u, False, lead
     ))
     monkeypatch.setattr(bg, "capture", lambda launch, device, pool: (
@@ -782,8 +783,8 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
         d_probs = torch.full((pairs,), 7.0)
         d_hidden = torch.full((tokens, width), 7.0)
         front = rows.front_buffers(z, slot_plan, d_probs)
-        scored = kernels.scored_call(
-            policy, kernels.ScoreInputs(g, x, probs, token), counts, quota, uniforms, front,
+        scored = front_graph.scored_call(
+            policy, front_graph.ScoreInputs(g, x, probs, token), counts, quota, uniforms, front,
             kept_total=True,
         )
         assert scored is not None

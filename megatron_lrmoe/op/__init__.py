@@ -44,11 +44,11 @@ to run per backward:
   (switched off, inside another capture, a shape's first sighting, inputs it cannot read in
   place):
   - the whole backward as one graph per layer (``trimmed._graphed_backward``,
-    ``experts/backward_graph.py``'s ``run_layer_graph``): at EP 1, with the weight gradients
+    ``graphs/backward.py``'s ``run_layer_graph``): at EP 1, with the weight gradients
     fused into ``main_grad`` buffers that stay put (DDP's, not Megatron-FSDP's), bf16/fp16
     tensors Triton and torch's grouped GEMM take, ``LRMOE_EXPERT_GRAPHS`` not ``0`` and the
     front graphs on (``expert_graph_wanted``), and at least one kept pair;
-  - the front only (``stages.replayed_front``, ``select/kernels.py``'s ``front_triton``): the
+  - the front only (``stages.replayed_front``, ``graphs/front.py``'s ``front_triton``): the
     router gradient, scoring, selection and packing as one graph, at any EP; the exchange,
     expert backward and return then run as in the eager route. Needs Triton
     (``LRMOE_TRITON``) and ``LRMOE_SELECT_GRAPHS``, ``LRMOE_SCORE_GRAPHS``,

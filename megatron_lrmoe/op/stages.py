@@ -27,17 +27,16 @@ from megatron_lrmoe.dispatch.compaction import (
 )
 from megatron_lrmoe.dispatch.replicas import KeptLayout
 from megatron_lrmoe.dispatch.rows import gather_rows, gather_sum, pack_pairs
+from megatron_lrmoe.graphs.front import (
+    FrontBuffers,
+    front_graphs_wanted,
+    front_triton,
+    replayed_score_and_select,
+)
 from megatron_lrmoe.observe.stats import SpanTimer
 from megatron_lrmoe.op.call import ExpertCall
 from megatron_lrmoe.select.contract import PairScores, Selection
-from megatron_lrmoe.select.kernels import FrontBuffers, front_graphs_wanted, front_triton
-from megatron_lrmoe.select.scoring import (
-    draw_uniforms,
-    pair_scores,
-    score_and_select,
-    select,
-    token_norms,
-)
+from megatron_lrmoe.select.scoring import draw_uniforms, pair_scores, select, token_norms
 from megatron_lrmoe.triton_common import use_triton
 
 __all__ = ["KeptPlan", "exchange_kept", "pack_kept", "replayed_front", "return_dx", "select_kept"]
@@ -122,8 +121,8 @@ def select_kept(
     (:func:`token_norms`), each relative to its largest value in the call (in the EP group for
     scope global, where sources compete), so the fp32 scores cannot overflow and need no sync
     (:func:`pair_scores`). Where this source selects among its own pairs (scope local or EP 1,
-    no replicas) scoring and selection are one step (:func:`score_and_select`: on CUDA one
-    replayed graph), and its time is the ``selection`` span.
+    no replicas) scoring and selection are one step (:func:`replayed_score_and_select`: on CUDA
+    one replayed graph), and its time is the ``selection`` span.
     """
     lrmoe, token_of_pair, stats = call.lrmoe, call.perm.token_of_pair, call.stats
     kept_total = None
@@ -131,7 +130,7 @@ def select_kept(
         if timer:
             timer.start("selection")
         counts, quota, uniforms = _local_segments(call, key)
-        scored, sel, kept_total = score_and_select(
+        scored, sel, kept_total = replayed_score_and_select(
             lrmoe.selection, g, hidden, probs, token_of_pair, counts, quota, uniforms,
             kept_total=stats is not None, owned=False,
         )
@@ -196,7 +195,7 @@ def replayed_front(
     timer: Optional[SpanTimer],
 ) -> Optional[tuple[torch.Tensor, KeptPlan, torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
     """The router gradient, :func:`select_kept` and :func:`pack_kept` as one replayed CUDA
-    graph (``select/kernels.py``, ``front_triton``), where a source selects among its own pairs
+    graph (``graphs/front.py``, ``front_triton``), where a source selects among its own pairs
     (scope local or EP 1, no replicas) on CUDA; ``None`` elsewhere and where the graph cannot
     run (its first sighting of a shape, graphs off, inputs it cannot read in place), and the
     caller runs the stages one by one: the same kernels, so the same bits.

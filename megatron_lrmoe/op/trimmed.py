@@ -16,14 +16,15 @@ from typing import Optional
 import torch
 
 from megatron_lrmoe.dispatch.rows import gather_rows, gather_sum, row_dot
-from megatron_lrmoe.experts.backward_graph import (
+from megatron_lrmoe.experts.grouped_gemm import GroupSizes
+from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
+from megatron_lrmoe.experts.wgrad_triton import MainGrads
+from megatron_lrmoe.graphs.backward import (
     expert_graph_rows,
     expert_graph_wanted,
     run_layer_graph,
 )
-from megatron_lrmoe.experts.grouped_gemm import GroupSizes
-from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
-from megatron_lrmoe.experts.wgrad_triton import MainGrads
+from megatron_lrmoe.graphs.front import ScoreInputs, scored_call
 from megatron_lrmoe.observe.stats import SpanTimer
 from megatron_lrmoe.op.call import ExpertCall
 from megatron_lrmoe.op.record import _record_trimmed
@@ -42,7 +43,6 @@ from megatron_lrmoe.op.stages import (
     select_kept,
 )
 from megatron_lrmoe.op.weight_grads import _fused_weight_grads, _main_grad_targets
-from megatron_lrmoe.select.kernels import ScoreInputs, scored_call
 
 __all__ = ["TrimmedMoEFunction"]
 
@@ -165,7 +165,7 @@ def _graphed_backward(
     into: MainGrads,
 ) -> Optional[tuple[torch.Tensor, KeptPlan, Optional[torch.Tensor]]]:
     """The trimmed backward at EP 1 as one replayed graph per layer
-    (``experts/backward_graph.py``): the router gradient, scoring, selection and packing of
+    (``graphs/backward.py``): the router gradient, scoring, selection and packing of
     :func:`replayed_front`, then the expert backward into ``main_grad`` and the return, with one
     argument block copied in and one graph launched. Returns ``(d_probs, kept, d_hidden)``
     (without the poison, which :func:`_trimmed_grads` adds), or ``None`` where the graph does

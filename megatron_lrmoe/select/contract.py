@@ -1,10 +1,10 @@
-"""What the torch reference (``scoring.py``) and the fused kernels (``kernels.py``) share.
+"""What the torch reference (``scoring.py``) and the fused kernels (``select_triton.py``) share.
 
 Shapes: N rows (token-expert pairs), G segments (contiguous row runs sharing a quota), K kept rows.
 
 The result types of scoring and selection, and the input checks both paths run, so that both
-reject the same inputs with the same messages. Kept apart so that ``kernels.py`` does not import
-``scoring.py``, which calls into it.
+reject the same inputs with the same messages. Kept apart so that ``select_triton.py`` does not
+import ``scoring.py``, which calls into it.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def host_segments(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Checks ``counts`` / ``quota`` against ``n`` rows; returns both as host int64 tensors.
 
-    Shared by the torch path and the Triton path (``select/kernels.py``), so both reject the same
-    inputs with the same messages. What the planner hands the backward (host int64 ``[G]``
+    Shared by the torch path and the Triton path (``select/select_triton.py``), so both reject the
+    same inputs with the same messages. What the planner hands the backward (host int64 ``[G]``
     tensors) takes one combined test, since this runs in every backward before the first GEMM;
     anything else, and anything that test rejects, goes through :func:`checked_segments`, whose
     checks name what is wrong.
@@ -177,7 +177,7 @@ def checked_segments(
 
 def check_policy(policy: str, uniforms: torch.Tensor | None) -> bool:
     """Rejects an unknown policy and ``"sample"`` without uniforms; returns whether it samples.
-    Shared by ``scoring.select`` and the fused paths (``select/kernels.py``)."""
+    Shared by ``scoring.select`` and the fused paths (``select/select_triton.py``)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown selection policy {policy!r}; expected one of {POLICIES}")
     if policy == "sample" and uniforms is None:

@@ -6,7 +6,7 @@ Shape legend:
 Why: the torch reference (``select/scoring.py``: ``token_norms``, ``pair_scores``) widens the
 token rows to fp32 and spends a kernel per step; here each input is read once, the fp32 math
 stays in registers. The ``*_from_args`` forms read their tensors' addresses from an argument
-block, for the selection's CUDA graph (``select/kernels.py``).
+block, for the front's CUDA graph (``graphs/front.py``).
 
 The switch, the lazy import of triton and the interpreter: ``megatron_lrmoe/triton_common.py``.
 """

@@ -25,7 +25,7 @@ and uniforms give bit-identical selections on every device and run.
 
 Implementations. :func:`select_topk` and :func:`select_sample` are the torch reference (any
 device). :func:`select` is what callers use: on CUDA it runs the fused Triton kernels of
-``select/kernels.py``, which give bit-identical results in a handful of launches (switch:
+``select/select_triton.py``, which give bit-identical results in a handful of launches (switch:
 ``LRMOE_TRITON=0``, see ``triton_common.use_triton``), and the torch functions elsewhere.
 
 Device-to-host syncs: none when ``counts`` and ``quota`` are CPU tensors (the controller plans on
@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_lrmoe import triton_common
-from megatron_lrmoe.select import kernels, scores_triton
+from megatron_lrmoe.select import scores_triton, select_triton
 from megatron_lrmoe.select.contract import (
     PairScores,
     Scored,
@@ -562,12 +562,12 @@ def score_and_select(
     """Score every pair (:func:`token_norms`, each kind relative to its largest value in the
     call, :func:`pair_scores`) and :func:`select` the survivors of each segment.
 
-    On CUDA, from the second call of a shape on, the whole of it is one replayed CUDA graph that
-    reads ``g``, ``x``, ``probs`` and ``token`` in place (``select/kernels.py``,
-    ``score_select_triton``: the same kernels, so the same bits); elsewhere, and where the graph
-    cannot take the inputs, the steps below run one by one (the reference). For sources that
-    compete over the EP group (scope ``global``), the norms' maxima need an all-reduce between
-    the steps: call them one by one there.
+    The steps run one by one (the reference). On CUDA the whole of it can be one replayed CUDA
+    graph that reads ``g``, ``x``, ``probs`` and ``token`` in place, from the second call of a
+    shape on: ``graphs/front.py``'s ``replayed_score_and_select`` (the same kernels, so the same
+    bits), which falls back to this. For sources that compete over the EP group (scope
+    ``global``), the norms' maxima need an all-reduce between the steps: call them one by one
+    there.
 
     Args:
         policy: ``"topk"`` or ``"sample"``.
@@ -581,13 +581,6 @@ def score_and_select(
         kept_total: Also sum the kept rows' finite scores (statistics).
         owned: As in :func:`select` (for every output).
     """
-    if use_triton(g, x, probs, token):
-        fused = kernels.score_select_triton(
-            policy, g, x, probs, token, counts, quota, uniforms,
-            kept_total=kept_total, owned=owned,
-        )
-        if fused is not None:
-            return fused
     norms = token_norms(g, x)  # [2, T]
     top = norms.amax(dim=1) if norms.shape[1] else norms.new_zeros(2)
     scored = pair_scores(probs, token, norms, top)
@@ -610,10 +603,10 @@ def select(
 ) -> Selection:
     """:func:`select_topk` (``"topk"``) or :func:`select_sample` (``"sample"``), fused on CUDA.
 
-    CUDA scores take the fused Triton path (``select/kernels.py``: a handful of launches instead
-    of about a hundred, bit-identical results) when triton imports and ``LRMOE_TRITON`` is not
-    ``"0"`` (``triton_common.use_triton``); everything else takes the torch functions, which stay
-    the reference.
+    CUDA scores take the fused Triton path (``select/select_triton.py``: a handful of launches
+    instead of about a hundred, bit-identical results) when triton imports and ``LRMOE_TRITON``
+    is not ``"0"`` (``triton_common.use_triton``); everything else takes the torch functions,
+    which stay the reference.
 
     Args:
         policy: ``"topk"`` or ``"sample"``.
@@ -622,9 +615,9 @@ def select(
         quota: ``[G]`` rows to keep per segment.
         uniforms: ``[G]`` uniforms, required by ``"sample"``, ignored by ``"topk"``.
         owned: ``False`` lets a replayed selection hand out its graph's own output buffers
-            instead of copies (``select/kernels.py``): they stay valid until the next selection
-            of the same shape is queued, so only a caller that queues every use of them before
-            that (on the same stream) may pass it; the layer's backward does.
+            instead of copies (``select/select_triton.py``): they stay valid until the next
+            selection of the same shape is queued, so only a caller that queues every use of them
+            before that (on the same stream) may pass it; the layer's backward does.
 
     Returns:
         The selection.
@@ -635,7 +628,7 @@ def select(
     """
     check_policy(policy, uniforms)
     if use_triton(scores):
-        return kernels.select_triton(policy, scores, counts, quota, uniforms, owned=owned)
+        return select_triton.select_triton(policy, scores, counts, quota, uniforms, owned=owned)
     if policy == "sample" and uniforms.device != scores.device and scores.is_cuda:
         # Pinned, so the copy is queued instead of waiting for the stream to drain.
         uniforms = uniforms.pin_memory().to(scores.device, non_blocking=True)

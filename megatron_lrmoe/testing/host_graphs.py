@@ -9,9 +9,10 @@ tests that compare outputs) or does nothing (``replay=False``: what is left to t
 code around the replays, ``benchmarks/host_path_cpu.py``).
 
 They patch module attributes of ``megatron_lrmoe.op.stages`` and ``megatron_lrmoe.op.trimmed``
-(the modules that look the switches up), ``megatron_lrmoe.select.kernels`` and
-``megatron_lrmoe.experts.backward_graph`` for the rest of the process: call them only in a
-worker process of its own (``run_distributed``).
+(the modules that look the switches up), ``megatron_lrmoe.select.select_triton`` (whose switch,
+argument block and capture ``graphs/front.py`` uses too) and ``megatron_lrmoe.graphs.backward``
+for the rest of the process: call them only in a worker process of its own
+(``run_distributed``).
 """
 
 from __future__ import annotations
@@ -42,31 +43,31 @@ def _graph(launch: Callable[[], None], replay: bool) -> _Rerun | _Skip:
 
 
 def graphs_on_host(replay: bool = True) -> None:
-    """The front graph (``select/kernels.py``) on the host: the op told Triton may run (the row
+    """The front graph (``graphs/front.py``) on the host: the op told Triton may run (the row
     kernels of ``dispatch/rows`` still see CPU tensors), pageable argument blocks, captures that
     run their launches once."""
     from megatron_lrmoe.dispatch import rows_triton
     from megatron_lrmoe.op import stages
-    from megatron_lrmoe.select import kernels
+    from megatron_lrmoe.select import select_triton
 
     assert rows_triton._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
     stages.use_triton = lambda *tensors: True
-    kernels._graphs_wanted = lambda device: True
-    host_block = kernels._host_block
-    kernels._host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
+    select_triton._graphs_wanted = lambda device: True
+    host_block = select_triton._host_block
+    select_triton._host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
 
     def capture(self, launch, device) -> None:
         self.graph = _graph(launch, replay)
 
-    kernels._Captured._capture = capture
+    select_triton._Captured._capture = capture
 
 
 def layer_graphs_on_host(replay: bool = True) -> None:
-    """:func:`graphs_on_host`, and the one graph per layer (``experts/backward_graph.py``):
+    """:func:`graphs_on_host`, and the one graph per layer (``graphs/backward.py``):
     wanted wherever the weight gradients go into ``main_grad`` and ``LRMOE_EXPERT_GRAPHS`` is
     not ``0``, no memory pool, and room for exactly the kept rows (on the host the grouped
     GEMMs' group sizes must add up to the rows: calls must keep the same count)."""
-    from megatron_lrmoe.experts import backward_graph as bg
+    from megatron_lrmoe.graphs import backward as bg
     from megatron_lrmoe.op import trimmed
 
     graphs_on_host(replay)

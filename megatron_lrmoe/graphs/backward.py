@@ -1,7 +1,7 @@
 """The trimmed backward at EP 1 as one replayed CUDA graph per layer.
 
 At EP 1 the trimmed backward is the front (router gradient, scoring, selection, packing of the
-kept rows: ``select/kernels.py``, ``FrontWork``) and then fixed work on the ``K`` kept rows:
+kept rows: ``graphs/front.py``, ``FrontWork``) and then fixed work on the ``K`` kept rows:
 fc2's input gradient, the activation backward on the kept rows of the saved fc1 output (or its
 recomputation), both weight gradients added into the weights' ``main_grad``, fc1's input
 gradient and the return (each token adds up its kept pairs' ``dx``). Launched stage by stage
@@ -72,7 +72,7 @@ from megatron_lrmoe.experts.wgrad_triton import (
     config_for,
     grouped_wgrad_triton,
 )
-from megatron_lrmoe.select.kernels import (
+from megatron_lrmoe.graphs.front import (
     Front,
     FrontBuffers,
     FrontWork,
@@ -397,7 +397,7 @@ def run_layer_graph(
 
     Args:
         rows: From :func:`expert_graph_rows`; ``call.front`` packs into ``rows.kept(K)``.
-        call: From ``select.kernels.scored_call``, with a front.
+        call: From ``graphs.front.scored_call``, with a front.
         h: The saved ``[S, F1]`` fc1 output (``save``), or ``None`` (``recompute``).
         slot_plan: ``[T, slots]`` int64 pair of each token slot (``PairPermutation.slot_pair``;
             the front's row-dot reads the same one).
