@@ -16,12 +16,13 @@ pass, the all-reduce; no device-to-host sync.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from megatron_lrmoe.control.auto_keep import KEEP_GRID
 from megatron_lrmoe.dispatch import comm
+from megatron_lrmoe.dispatch.compaction import HostCounts, host_to_device
 from megatron_lrmoe.op.call import ExpertCall
 from megatron_lrmoe.select.variance import added_variance_curve
 
@@ -53,7 +54,8 @@ def observe_keep_curve(
     finite = torch.isfinite(scores).all()
     scores = torch.nan_to_num(scores, nan=0.0, posinf=0.0, neginf=0.0)
     plan = call.plan
-    counts = plan.global_counts[plan.ep_rank]  # this source's pairs per expert (pair order)
+    # This source's pairs per expert (pair order), queued to the device without a stall.
+    counts = host_to_device(plan.global_counts[plan.ep_rank], scores.device)
     curve = added_variance_curve(scores, counts, KEEP_GRID)
     values = torch.cat((curve, scores.sum().view(1)))
     values = torch.where(finite, values, torch.full_like(values, float("nan")))
@@ -61,20 +63,13 @@ def observe_keep_curve(
 
 
 class DeviceCurve:
-    """A curve on its way to the host (``control.auto_keep.PendingCurve``)."""
+    """A curve on its way to the host (``control.auto_keep.PendingCurve``): its copy is queued
+    behind the backward's work and read when the layer plans its next call (normally done
+    long before)."""
 
     def __init__(self, values: torch.Tensor) -> None:
-        self._event: Optional[torch.cuda.Event] = None
-        if values.is_cuda:
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = values
+        self._copy = HostCounts(values)
 
     def result(self) -> tuple[Sequence[float], float]:
-        if self._event is not None:
-            self._event.synchronize()  # recorded a whole step ago: normally already done
-        values = self._host.tolist()
+        values = self._copy.wait().tolist()
         return values[:-1], values[-1]

@@ -116,7 +116,8 @@ def added_variance_curve(
     Args:
         scores: ``[N]`` LRM scores, finite and non-negative (float64 is best: the sums span
             many magnitudes).
-        counts: ``[G]`` rows per segment, contiguous and in order, summing to N.
+        counts: ``[G]`` rows per segment, contiguous and in order, summing to N; on the scores'
+            device (a host tensor is copied there, which on CUDA waits for the stream).
         fractions: C kept fractions, each in ``(0, 1]``.
 
     Raises:
@@ -130,9 +131,8 @@ def added_variance_curve(
     device = scores.device
     counts = counts.to(device=device, dtype=torch.int64)
     num_rows, num_segments = scores.numel(), counts.numel()
-    frac = torch.tensor([float(f) for f in fractions], dtype=torch.float64, device=device)
     if num_rows == 0:
-        return frac * 0
+        return _zeros(len(fractions), device)
     s = scores.to(torch.float64)
     seg = torch.repeat_interleave(torch.arange(num_segments, device=device), counts, output_size=num_rows)
     # Decreasing score within each segment: segments are contiguous, so a stable sort of the
@@ -150,7 +150,8 @@ def added_variance_curve(
     t_end = torch.cat((t_all, t_all.new_zeros(1))).index_select(0, end)
     suffix_w = (r_all - r_end.index_select(0, seg)).clamp(min=0)
     suffix_s = (t_all - t_end.index_select(0, seg)).clamp(min=0)
-    quota = frac.unsqueeze(1) * counts.to(torch.float64).unsqueeze(0)  # [C, G]
+    counts_f = counts.to(torch.float64)
+    quota = torch.stack([counts_f * float(f) for f in fractions])  # [C, G], no host copy
     room = quota.index_select(1, seg) - rank.to(torch.float64)  # [C, N]: q - c at row c
     # The first row of each segment that needs no cap; rows at or past the quota always pass.
     passes = room * w <= suffix_w * (1.0 + 1e-12)
@@ -197,6 +198,10 @@ def added_variance_curve_reference(
                 total += (1.0 / pi - 1.0) * seg_s[j]
         out.append(total)
     return torch.tensor(out, dtype=torch.float64)
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.float64, device=device)
 
 
 def _suffix_sum(values: torch.Tensor) -> torch.Tensor:
