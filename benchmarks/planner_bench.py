@@ -42,7 +42,8 @@ from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.control import native, placement
 from megatron_lrmoe.control.controller import plan_call
 from megatron_lrmoe.control.costs import CostModel
-from megatron_lrmoe.control.placement import place_replicas, reference_optimal_peak
+from megatron_lrmoe.control.placement import place_replicas
+from megatron_lrmoe.control.reference import reference_optimal_peak
 
 # Qwen3-30B-A3B-like expert shapes (bf16), as in benchmarks/common.py.
 COST = CostModel(hidden_size=2048, ffn_hidden_size=768, gated=True, activation_bytes=2)

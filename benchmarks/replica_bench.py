@@ -56,7 +56,7 @@ layer's per-step cache, as with many micro-batches per step).
 
 Peak-load optimum for the replica limit: at EP 2 exactly, in closed form (min-cut duality, see
 ``optimal_peak_two_ranks``); at larger EP by the repo's brute force
-(``control.placement.reference_optimal_peak``) when the placements to try are few
+(``control.reference.reference_optimal_peak``) when the placements to try are few
 (``--brute-force-limit``), else only the lower bound ``max(ceil(total/P), max_e ceil(W[e]/P))``
 that ignores the replica limit (``peak_opt_kind`` says which).
 
@@ -259,7 +259,7 @@ def peak_optimum(load: np.ndarray, num_ranks: int, slots: int, limit: int) -> tu
         ``(peak, kind)``, kind one of ``"exact (EP 2 closed form)"``, ``"exact (brute force)"``,
         ``"lower bound"``.
     """
-    from megatron_lrmoe.control.placement import reference_optimal_peak
+    from megatron_lrmoe.control.reference import reference_optimal_peak
 
     if num_ranks == 2:
         return optimal_peak_two_ranks(load, slots), "exact (EP 2 closed form)"

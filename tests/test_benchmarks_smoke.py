@@ -31,7 +31,7 @@ from benchmarks.replica_bench import (
     optimal_peak_two_ranks,
     zipf_shares,
 )
-from megatron_lrmoe.control.placement import reference_optimal_peak
+from megatron_lrmoe.control.reference import reference_optimal_peak
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_TIMEOUT_S = 600  # start-up of two ranks on a loaded 2-core machine dominates

@@ -1,6 +1,6 @@
 """Exact min-max assignment over replicas (control/balance.py): the fast solver against the
-max-flow reference and both against brute force, with rank and edge capacities; the interval
-split that turns per-holder amounts into per-source sub-chunks.
+max-flow reference (control/reference.py) and both against brute force, with rank and edge
+capacities; the interval split that turns per-holder amounts into per-source sub-chunks.
 
 Shapes: E experts, P ranks, S sources.
 """
@@ -17,12 +17,12 @@ import torch
 
 from megatron_lrmoe.control.balance import (
     HolderGraph,
-    balance_over_replicas,
     caps_cut,
     interval_split_np,
     min_max_balance,
     min_max_lists,
 )
+from megatron_lrmoe.control.reference import reference_min_max_balance
 
 
 def _brute_force(
@@ -109,7 +109,7 @@ def test_both_solvers_match_brute_force(capacities: str) -> None:
             rank_capacity=None if rank_cap is None else torch.tensor(rank_cap),
             edge_capacity=None if edge_cap is None else torch.tensor(edge_cap),
         )
-        for solver in (balance_over_replicas, min_max_balance):
+        for solver in (reference_min_max_balance, min_max_balance):
             got = solver(torch.tensor(load), adm, torch.tensor(base), **kwargs)
             if best is None:
                 assert got is None, solver.__name__
@@ -143,7 +143,7 @@ def test_fast_solver_matches_reference_on_larger_cases() -> None:
             kwargs["rank_capacity"] = torch.tensor(
                 [b + rng.randint(0, total // num_ranks + 50) for b in base]
             )
-        ref = balance_over_replicas(torch.tensor(load), adm, torch.tensor(base), **kwargs)
+        ref = reference_min_max_balance(torch.tensor(load), adm, torch.tensor(base), **kwargs)
         fast = min_max_balance(torch.tensor(load), adm, torch.tensor(base), **kwargs)
         assert (ref is None) == (fast is None)
         if ref is not None:

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from megatron_lrmoe import LRMoEConfig
-from megatron_lrmoe.control.balance import balance_over_replicas
 from megatron_lrmoe.control.controller import (
     ControlPlan,
     check_budgets,
@@ -30,6 +29,7 @@ from megatron_lrmoe.control.quota import (
     split_np,
     split_quota_over_sources,
 )
+from megatron_lrmoe.control.reference import reference_min_max_balance
 
 COST = CostModel(hidden_size=64, ffn_hidden_size=32, gated=True, activation_bytes=2)
 
@@ -216,7 +216,7 @@ def test_memory_budget_water_fills_the_largest_cap(mode: str, replicas: int) -> 
     bigger = plan.uncapped_quota.clamp(max=cap + 1)
     edge = plan.forward_load if mode == "save" else None
     assert (
-        balance_over_replicas(
+        reference_min_max_balance(
             bigger, plan.holds, rank_capacity=room.clamp(min=0), edge_capacity=edge
         )
         is None
@@ -305,10 +305,10 @@ def test_backward_peak_is_the_exact_optimum_for_the_placement() -> None:
             )
             plan = plan_call(counts, 0, lrmoe, COST, check=True)
             edge = plan.forward_load if mode == "save" else None
-            ref = balance_over_replicas(plan.quota, plan.holds, edge_capacity=edge)
+            ref = reference_min_max_balance(plan.quota, plan.holds, edge_capacity=edge)
             assert plan.backward_peak == int(ref.sum(0).max())
             exact = plan_call(counts, 0, lrmoe, COST, exact_forward=True, check=True)
-            ref = balance_over_replicas(exact.counts.sum(0), exact.holds)
+            ref = reference_min_max_balance(exact.counts.sum(0), exact.holds)
             assert exact.forward_peak == int(ref.sum(0).max()) <= plan.forward_peak
 
 

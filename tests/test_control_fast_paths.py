@@ -27,6 +27,11 @@ from megatron_lrmoe.control.quota import (
     reference_largest_cap,
     water_fill_np,
 )
+from megatron_lrmoe.control.reference import (
+    reference_best_fit_greedy,
+    reference_improve,
+    reference_threshold_greedy,
+)
 
 from test_control_controller import COST, zipf_counts
 
@@ -98,20 +103,16 @@ def _same(a: ControlPlan, b: ControlPlan) -> None:
 
 def _reference_greedies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both greedies of the placement search replaced by their slow references."""
-    monkeypatch.setattr(
-        placement, "_greedy", lambda *a: placement.reference_threshold_greedy(*a[:5])
-    )
-    monkeypatch.setattr(
-        placement, "_best_fit", lambda *a: placement.reference_best_fit_greedy(*a[:5])
-    )
+    monkeypatch.setattr(placement, "_greedy", lambda *a: reference_threshold_greedy(*a[:5]))
+    monkeypatch.setattr(placement, "_best_fit", lambda *a: reference_best_fit_greedy(*a[:5]))
 
 
 @pytest.mark.parametrize("best_fit", [False, True])
 def test_threshold_greedy_matches_reference(best_fit: bool) -> None:
     fast, slow = (
-        (placement.best_fit_greedy, placement.reference_best_fit_greedy)
+        (placement.best_fit_greedy, reference_best_fit_greedy)
         if best_fit
-        else (placement.threshold_greedy, placement.reference_threshold_greedy)
+        else (placement.threshold_greedy, reference_threshold_greedy)
     )
     rng = random.Random(5)
     outcomes = {True: 0, False: 0}
@@ -187,7 +188,7 @@ def test_improve_matches_reference() -> None:
             replicas = sorted((e, g) for e, g, _ in moves)
             args = (load, num_ranks, slots, moves, low, low + rng.choice([0, 0, 1, 5]))
             got = placement._improve(*args)
-            assert got == placement.reference_improve(*args)
+            assert got == reference_improve(*args)
             changed += got[1] != replicas
     assert changed > 60
 
@@ -202,7 +203,7 @@ def test_place_replicas_same_with_the_reference_search(monkeypatch: pytest.Monke
         slots = rng.choice([1, 1, 2, [0, 1, 2, 1, 1][:num_ranks]])
         cases.append((counts.sum(0), num_ranks, slots))
     fast = [placement.place_replicas(*c) for c in cases]
-    monkeypatch.setattr(placement, "_improve", placement.reference_improve)
+    monkeypatch.setattr(placement, "_improve", reference_improve)
     improved = 0
     for c, got in zip(cases, fast):
         ref = placement.place_replicas(*c)

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from megatron_lrmoe.control import placement as placement_module
-from megatron_lrmoe.control.balance import balance_over_replicas
 from megatron_lrmoe.control.placement import (
     _Excess,
     best_fit_greedy,
     place_replicas,
-    reference_optimal_peak,
     threshold_greedy,
 )
+from megatron_lrmoe.control.reference import reference_min_max_balance, reference_optimal_peak
 
 
 def _holds(num_experts: int, num_ranks: int, replicas: dict[int, tuple[int, ...]]):
@@ -48,7 +47,7 @@ def _greedy_peak(load: list[int], num_ranks: int, slots: int) -> tuple[int, int,
         forward[e, e // local] -= amount
         replicas.setdefault(int(g), []).append(int(e))
     holds = _holds(num_experts, num_ranks, {g: tuple(es) for g, es in replicas.items()})
-    exact = balance_over_replicas(torch.tensor(load), holds)
+    exact = reference_min_max_balance(torch.tensor(load), holds)
     return int(forward.sum(0).max()), int(exact.sum(0).max()), placement
 
 

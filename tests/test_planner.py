@@ -1,4 +1,5 @@
-"""Tests for megatron_lrmoe.control.quota and .balance: quotas, their split over sources, balancing.
+"""Tests for megatron_lrmoe.control.quota and the exact balance reference (control/reference.py):
+quotas, their split over sources, the min-max assignment over replicas against brute force.
 
 Shapes: E experts, P ranks.
 """
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.control.balance import balance_over_replicas, greedy_balance_over_replicas
 from megatron_lrmoe.control.quota import expert_quotas, split_np, split_quota_over_sources
+from megatron_lrmoe.control.reference import reference_min_max_balance
 
 # --------------------------------------------------------------------------------------------- #
 # Quotas
@@ -242,96 +243,61 @@ def test_balance_matches_brute_force_on_tiny_cases() -> None:
         adm = torch.tensor(admissible)
         best = _brute_force_peak(load, admissible, base)
         assert _cut_bound_peak(load, admissible, base) == best  # the oracle used below
-        exact = balance_over_replicas(torch.tensor(load), adm, torch.tensor(base))
+        exact = reference_min_max_balance(torch.tensor(load), adm, torch.tensor(base))
         _check_assignment(exact, load, adm)
         assert _peak(exact, base) == best
-        greedy = greedy_balance_over_replicas(torch.tensor(load), adm, torch.tensor(base))
-        _check_assignment(greedy, load, adm)
-        assert _peak(greedy, base) >= best
 
 
 def test_balance_is_optimal_on_random_larger_cases() -> None:
     rng = random.Random(2)
-    gaps = 0
     for _ in range(40):
         num_experts, num_ranks = rng.randint(4, 48), rng.randint(2, 8)
         load = [rng.choice([0, 1, 5, 20, 300, 1000]) for _ in range(num_experts)]
         admissible = _random_admissible(rng, num_experts, num_ranks, rng.choice([0.1, 0.3, 0.8]))
         base = [rng.choice([0, 0, 10, 500]) for _ in range(num_ranks)]
         adm = torch.tensor(admissible)
-        exact = balance_over_replicas(torch.tensor(load), adm, torch.tensor(base))
+        exact = reference_min_max_balance(torch.tensor(load), adm, torch.tensor(base))
         _check_assignment(exact, load, adm)
-        optimum = _cut_bound_peak(load, admissible, base)
-        assert _peak(exact, base) == optimum
-        greedy = greedy_balance_over_replicas(torch.tensor(load), adm, torch.tensor(base))
-        _check_assignment(greedy, load, adm)
-        assert _peak(greedy, base) >= optimum
-        gaps += _peak(greedy, base) > optimum
+        assert _peak(exact, base) == _cut_bound_peak(load, admissible, base)
         # Deterministic: the same inputs give the same assignment.
-        again = balance_over_replicas(torch.tensor(load), adm, torch.tensor(base))
+        again = reference_min_max_balance(torch.tensor(load), adm, torch.tensor(base))
         assert torch.equal(exact, again)
-    assert gaps > 0  # the heuristic is not secretly exact on these cases
 
 
-def test_greedy_equals_exact_on_simple_cases() -> None:
-    # Every expert everywhere: water-filling keeps ranks within one unit, so it is optimal.
+def test_balance_on_simple_cases() -> None:
+    # Every expert everywhere: the ranks end within one unit of each other.
     rng = random.Random(3)
     for _ in range(30):
         num_experts, num_ranks = rng.randint(1, 20), rng.randint(1, 6)
         load = torch.tensor([rng.randint(0, 50) for _ in range(num_experts)])
         adm = torch.ones(num_experts, num_ranks, dtype=torch.bool)
-        base = [0] * num_ranks
-        exact = balance_over_replicas(load, adm)
-        greedy = greedy_balance_over_replicas(load, adm)
-        assert _peak(greedy, base) == _peak(exact, base) == -(-int(load.sum()) // num_ranks)
-    # No choice at all (each expert on its owner only): both are the owner placement.
+        exact = reference_min_max_balance(load, adm)
+        assert _peak(exact, [0] * num_ranks) == -(-int(load.sum()) // num_ranks)
+    # No choice at all (each expert on its owner only): the owner placement.
     load = torch.tensor([4, 0, 7, 2])
     owner = torch.eye(4, dtype=torch.bool)
-    assert torch.equal(balance_over_replicas(load, owner), torch.diag(load))
-    assert torch.equal(greedy_balance_over_replicas(load, owner), torch.diag(load))
-
-
-def test_greedy_order_and_water_filling() -> None:
-    # Largest expert first: the rigid expert 1 (load 4) lands before expert 0 takes rank 0.
+    assert torch.equal(reference_min_max_balance(load, owner), torch.diag(load))
+    # The flexible expert leaves the rank the rigid one needs (spread evenly, it would end at 3).
     adm = torch.tensor([[True, True], [True, False]])
-    assert greedy_balance_over_replicas(torch.tensor([1, 4]), adm).tolist() == [[0, 1], [4, 0]]
-    # Water-filling from base loads (0, 2, 5): raise rank 0 to 2, then ranks 0 and 1 together to 4,
-    # and the last unit to the lower rank id.
-    got = greedy_balance_over_replicas(
-        torch.tensor([7]), torch.ones(1, 3, dtype=torch.bool), torch.tensor([0, 2, 5])
-    )
-    assert got.tolist() == [[5, 2, 0]]
-
-
-def test_greedy_can_be_worse_than_exact() -> None:
-    # The docstring's example: the flexible expert goes first and takes the rank the other needs.
-    load = torch.tensor([2, 2])
-    adm = torch.tensor([[True, True], [True, False]])
-    assert _peak(greedy_balance_over_replicas(load, adm), [0, 0]) == 3
-    exact = balance_over_replicas(load, adm)
-    assert exact.tolist() == [[0, 2], [2, 0]]
+    assert reference_min_max_balance(torch.tensor([2, 2]), adm).tolist() == [[0, 2], [2, 0]]
 
 
 def test_balance_with_base_load_and_edge_cases() -> None:
     load = torch.tensor([6])
     adm = torch.tensor([[True, True, True]])
     # Levels the totals at 3: the unique optimum.
-    assert balance_over_replicas(load, adm, torch.tensor([2, 0, 1])).tolist() == [[1, 3, 2]]
-    assert greedy_balance_over_replicas(load, adm, torch.tensor([2, 0, 1])).tolist() == [[1, 3, 2]]
+    assert reference_min_max_balance(load, adm, torch.tensor([2, 0, 1])).tolist() == [[1, 3, 2]]
     # A base load above everything else sets the peak; the rest only has to stay below it.
-    assert _peak(balance_over_replicas(load, adm, torch.tensor([5, 0, 1])), [5, 0, 1]) == 5
-    assert (
-        balance_over_replicas(torch.tensor([0, 0]), torch.ones(2, 2, dtype=torch.bool)).sum() == 0
-    )
-    empty = balance_over_replicas(
+    assert _peak(reference_min_max_balance(load, adm, torch.tensor([5, 0, 1])), [5, 0, 1]) == 5
+    nothing = reference_min_max_balance(torch.tensor([0, 0]), torch.ones(2, 2, dtype=torch.bool))
+    assert nothing.sum() == 0
+    empty = reference_min_max_balance(
         torch.zeros(0, dtype=torch.int64), torch.zeros(0, 3, dtype=torch.bool)
     )
     assert empty.shape == (0, 3)
     with pytest.raises(ValueError, match="expert 1"):
-        balance_over_replicas(torch.tensor([1, 1]), torch.tensor([[True, False], [False, False]]))
-    with pytest.raises(ValueError):
-        greedy_balance_over_replicas(
+        reference_min_max_balance(
             torch.tensor([1, 1]), torch.tensor([[True, False], [False, False]])
         )
     with pytest.raises(ValueError):
-        balance_over_replicas(torch.tensor([1]), torch.tensor([[True]]), torch.tensor([1, 2]))
+        reference_min_max_balance(torch.tensor([1]), torch.tensor([[True]]), torch.tensor([1, 2]))

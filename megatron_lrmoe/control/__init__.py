@@ -2,5 +2,6 @@
 
 ``controller.plan_call`` is the entry point (quotas, replica placement, forward and backward
 assignment, memory plan); ``costs``, ``quota``, ``placement``, ``balance``, ``assignment`` and
-``budgets`` are its stages, ``plan`` holds the plan objects and ``native`` the compiled twins.
+``budgets`` are its stages, ``plan`` holds the plan objects, ``native`` the compiled twins and
+``reference`` the slow, obvious references the tests compare the stages' algorithms with.
 """

@@ -9,13 +9,12 @@ The problem: expert e has ``load[e]`` pairs and may be computed on the ranks whe
 forward) and ``base_load[r] + A.sum(0)[r] <= rank_capacity[r]`` (budgets), minimising the peak
 ``max_r base_load[r] + A.sum(0)[r]``.
 
-Two exact solvers and one heuristic live here:
-* :func:`balance_over_replicas`: Dinic max-flow with a cut-driven search on the peak; the slow,
-  obvious reference (tested against brute force).
-* :func:`min_max_balance` / :func:`min_max_lists`: warm-started augmenting paths between ranks,
-  also exact, fast when the starting assignment is close to optimal (the controller's case);
-  tested against the reference and against brute force.
-* :func:`greedy_balance_over_replicas`: largest-first water-filling; never better than exact.
+The exact solver: warm-started augmenting paths between ranks, fast when the starting
+assignment is close to optimal (the controller's case). :func:`min_max_lists` runs it on per-item
+host lists, :class:`HolderGraph` on flat entries built once per call (the controller's hot path,
+the same results bit for bit), :func:`min_max_balance` is its tensor front. Its slow, obvious
+reference (Dinic max-flow with a cut-driven search on the peak) is
+``reference.reference_min_max_balance``; tests compare the two and both with brute force.
 
 :func:`caps_cut` answers the feasibility question alone (do the rank capacities admit any
 assignment?) with the first phase of :func:`min_max_lists`, and names a cut of ranks when not.
@@ -35,9 +34,7 @@ from megatron_lrmoe.control._checks import long_tensor
 
 __all__ = [
     "HolderGraph",
-    "balance_over_replicas",
     "caps_cut",
-    "greedy_balance_over_replicas",
     "interval_split_np",
     "min_max_balance",
     "min_max_lists",
@@ -112,170 +109,6 @@ def _level(caps: Sequence[int], total: int) -> Optional[int]:
         if k < len(bounded):
             prefix += bounded[k]
     return None
-
-
-class _MaxFlow:
-    """Dinic's max-flow on host ints; capacities may be raised between calls (flow is kept)."""
-
-    def __init__(self, num_nodes: int) -> None:
-        self.head = [-1] * num_nodes
-        self.to: list[int] = []
-        self.cap: list[int] = []  # residual capacity; edge i ^ 1 is the reverse of edge i
-        self.next: list[int] = []
-
-    def add_edge(self, u: int, v: int, capacity: int) -> int:
-        """Adds u -> v and returns the index of the forward edge."""
-        for a, b, c in ((u, v, capacity), (v, u, 0)):
-            self.to.append(b)
-            self.cap.append(c)
-            self.next.append(self.head[a])
-            self.head[a] = len(self.to) - 1
-        return len(self.to) - 2
-
-    def levels(self, source: int) -> list[int]:
-        """BFS distance from ``source`` in the residual graph (-1: unreachable)."""
-        level = [-1] * len(self.head)
-        level[source] = 0
-        queue = deque([source])
-        while queue:
-            u = queue.popleft()
-            e = self.head[u]
-            while e != -1:
-                v = self.to[e]
-                if self.cap[e] > 0 and level[v] < 0:
-                    level[v] = level[u] + 1
-                    queue.append(v)
-                e = self.next[e]
-        return level
-
-    def augment(self, source: int, sink: int) -> int:
-        """Pushes as much extra flow as the residual graph allows; returns the amount."""
-        to, cap, nxt = self.to, self.cap, self.next
-        pushed = 0
-        while True:
-            level = self.levels(source)
-            if level[sink] < 0:
-                return pushed
-            arc = list(self.head)  # current arc of every node (Dinic's pointer)
-            path: list[int] = []
-            u = source
-            while True:
-                if u == sink:
-                    flow = min(cap[e] for e in path)
-                    for e in path:
-                        cap[e] -= flow
-                        cap[e ^ 1] += flow
-                    pushed += flow
-                    path.clear()
-                    u = source
-                    continue
-                e = arc[u]
-                while e != -1 and not (cap[e] > 0 and level[to[e]] == level[u] + 1):
-                    e = nxt[e]
-                arc[u] = e
-                if e != -1:
-                    path.append(e)
-                    u = to[e]
-                elif u == source:
-                    break  # blocking flow found for this level graph
-                else:
-                    # Dead end: retreat and retire the arc that led here.
-                    back = path.pop()
-                    u = to[back ^ 1]
-                    arc[u] = nxt[arc[u]]
-
-
-def balance_over_replicas(
-    load: torch.Tensor,
-    admissible: torch.Tensor,
-    base_load: torch.Tensor | None = None,
-    *,
-    rank_capacity: torch.Tensor | None = None,
-    edge_capacity: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Exact min-max integer assignment of each expert's load over the ranks holding a copy.
-
-    Minimises ``max_r (base_load[r] + sum_e A[e, r])`` subject to ``A.sum(1) == load``,
-    ``A >= 0``, ``A[e, r] == 0`` where ``admissible[e, r]`` is False, and optionally
-    ``A[e, r] <= edge_capacity[e, r]`` and ``base_load[r] + sum_e A[e, r] <= rank_capacity[r]``.
-
-    Method: a search on the peak T with a max-flow feasibility check (source -> expert e with
-    capacity ``load[e]``, expert -> admissible rank with capacity ``min(load[e], edge cap)``,
-    rank r -> sink with capacity ``min(T, rank cap) - base_load[r]``). T starts at a lower bound;
-    while the flow falls short, the minimum cut (the ranks R reachable from the source in the
-    residual graph) proves that any feasible T must lift the sink capacities of R by the deficit,
-    so T rises to the smallest value that does; if even unbounded T cannot (R all at their rank
-    caps, or R empty because edge caps are full) there is no feasible assignment. Every T tried
-    is a lower bound, so the first feasible one is the optimum. Without capacities there are at
-    most P + 1 max-flow calls. Cost: Dinic in plain Python; at E = 512, P = 64 about 5-10 ms with a
-    few replicas per expert and about 0.1 s when every rank may hold every expert (one CPU core).
-    This is the slow, obvious reference; :func:`min_max_balance` is the fast exact solver.
-
-    Args:
-        load: ``[E]`` int kept pairs per expert.
-        admissible: ``[E, P]`` bool; True where rank r holds expert e (owner or replica).
-        base_load: ``[P]`` int load already on each rank (default 0).
-        rank_capacity: ``[P]`` int most load rank r may carry, base included (default none).
-        edge_capacity: ``[E, P]`` int most load of expert e rank r may take (default none).
-
-    Returns:
-        ``[E, P]`` int64 assignment on ``load``'s device, deterministic for given inputs; None
-        when the capacities admit no assignment (never None without capacities).
-
-    Raises:
-        ValueError: malformed shapes, negative values, or an expert with no admissible rank.
-    """
-    loads, ranks, base = _balance_inputs(load, admissible, base_load)
-    num_experts, num_ranks = len(loads), len(base)
-    caps, edges = _capacity_inputs(rank_capacity, edge_capacity, num_experts, num_ranks)
-    cap_of = caps if caps is not None else [None] * num_ranks
-    if any(c is not None and b > c for b, c in zip(base, cap_of)):
-        return None
-    total = sum(loads)
-    peak = max(max(base, default=0), -(-(total + sum(base)) // max(num_ranks, 1)))
-
-    def sink_capacity(r: int, level: int) -> int:
-        top = level if cap_of[r] is None else min(level, cap_of[r])
-        return top - base[r]
-
-    source, sink = num_experts + num_ranks, num_experts + num_ranks + 1
-    graph = _MaxFlow(num_experts + num_ranks + 2)
-    middle: list[tuple[int, int, int]] = []  # (expert, rank, forward edge)
-    for e, allowed in enumerate(ranks):
-        if loads[e] == 0:
-            continue
-        graph.add_edge(source, e, loads[e])
-        for r in allowed:
-            width = loads[e] if edges is None else min(loads[e], edges[e][r])
-            middle.append((e, r, graph.add_edge(e, num_experts + r, width)))
-    to_sink = [
-        graph.add_edge(num_experts + r, sink, sink_capacity(r, peak)) for r in range(num_ranks)
-    ]
-
-    flow = 0
-    while True:
-        flow += graph.augment(source, sink)
-        if flow == total:
-            break
-        reachable = graph.levels(source)
-        cut = [r for r in range(num_ranks) if reachable[num_experts + r] >= 0]
-        # Any feasible peak must give the cut's ranks the missing flow on top of what they hold.
-        held = sum(sink_capacity(r, peak) + base[r] for r in cut)
-        new_peak = _level([cap_of[r] for r in cut], held + total - flow) if cut else None
-        if new_peak is None:
-            return None
-        assert new_peak > peak, "the cut bound must raise the peak"
-        for r, edge in enumerate(to_sink):
-            graph.cap[edge] += sink_capacity(r, new_peak) - sink_capacity(r, peak)
-        peak = new_peak
-
-    assignment = [[0] * num_ranks for _ in range(num_experts)]
-    for e, r, edge in middle:
-        width = loads[e] if edges is None else min(loads[e], edges[e][r])
-        assignment[e][r] = width - graph.cap[edge]
-    return torch.tensor(assignment, dtype=torch.int64, device=load.device).reshape(
-        num_experts, num_ranks
-    )
 
 
 def _rebalance(
@@ -470,8 +303,9 @@ def min_max_lists(
     ``sum_R min(T*, cap) >= load(R)``: a proven lower bound, and the next probe. The first probe
     is the same bound over each connected component of the holder graph (ranks linked by shared
     items), after the rank caps alone have been met (failing that, the instance is infeasible);
-    every probe is a lower bound and the loop ends when one succeeds, so the result is optimal. Moves never lift a rank above its limit, so the
-    assignment stays valid throughout; from a near-optimal start it takes two or three probes.
+    every probe is a lower bound and the loop ends when one succeeds, so the result is optimal.
+    Moves never lift a rank above its limit, so the assignment stays valid throughout; from a
+    near-optimal start it takes two or three probes.
 
     Returns:
         ``(assignment per item per holder, load per rank)``, or None when the rank capacities
@@ -795,11 +629,15 @@ def min_max_balance(
     rank_capacity: torch.Tensor | None = None,
     edge_capacity: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Exact min-max assignment, the same problem and optimum as :func:`balance_over_replicas`.
+    """Exact min-max assignment: the tensor front of :func:`min_max_lists`.
 
-    Experts with one admissible rank go straight into the base load; the others start from an
-    even split over their ranks (filled in rank order within edge capacities) and are balanced
-    by :func:`min_max_lists`. Typically 10-100x faster than the max-flow reference.
+    The same problem (the module docstring's), inputs and optimum as
+    ``reference.reference_min_max_balance``, so that tests compare the production solver with its
+    reference on ``[E, P]`` tensors; the controller itself calls :class:`HolderGraph` (or
+    :func:`min_max_lists`) on host lists it already has. Experts with one admissible rank go
+    straight into the base load; the others start from an even split over their ranks (filled in
+    rank order within edge capacities) and are balanced by :func:`min_max_lists`. Typically
+    10-100x faster than the max-flow reference.
 
     Returns:
         ``[E, P]`` int64 assignment on ``load``'s device, or None when the capacities admit none.
@@ -845,57 +683,6 @@ def min_max_balance(
     for e, allowed, row in zip(items, holders, result[0]):
         for r, amount in zip(allowed, row):
             assignment[e][r] = amount
-    return torch.tensor(assignment, dtype=torch.int64, device=load.device).reshape(
-        num_experts, num_ranks
-    )
-
-
-def greedy_balance_over_replicas(
-    load: torch.Tensor, admissible: torch.Tensor, base_load: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Fast heuristic for :func:`balance_over_replicas`: largest expert first, water-filling.
-
-    Experts are taken by load descending (ties: lower expert id); each one's load is poured onto
-    its admissible ranks, raising the least-loaded first until they are level (integer units left
-    over go to the lower rank ids among the lowest). Cost ``O(E P log P)`` in plain Python.
-
-    Comparison with the exact solver: the same invariants (row sums == load, zeros where not
-    admissible), never a lower peak, and often the same one; but it can be worse because an early
-    expert may fill a rank that a later, less flexible expert needed. Example: loads (2, 2), expert
-    0 on ranks {0, 1}, expert 1 on rank {0} only: greedy spreads expert 0 as (1, 1) and ends at a
-    peak of 3, the exact optimum is 2. Use it where planner time matters more than the last unit.
-
-    Args:
-        load: ``[E]`` int kept pairs per expert.
-        admissible: ``[E, P]`` bool; True where rank r holds expert e.
-        base_load: ``[P]`` int load already on each rank (default 0).
-
-    Returns:
-        ``[E, P]`` int64 assignment on ``load``'s device.
-
-    Raises:
-        ValueError: malformed shapes, negative values, or an expert with no admissible rank.
-    """
-    loads, ranks, current = _balance_inputs(load, admissible, base_load)
-    num_experts, num_ranks = len(loads), len(current)
-    assignment = [[0] * num_ranks for _ in range(num_experts)]
-    for e in sorted(range(num_experts), key=lambda i: (-loads[i], i)):
-        left = loads[e]
-        if left == 0:
-            continue
-        targets = sorted(ranks[e], key=lambda r: (current[r], r))
-        level, filled = current[targets[0]], 1
-        # Raise the lowest `filled` ranks together until they reach the next rank's level.
-        while filled < len(targets) and (current[targets[filled]] - level) * filled <= left:
-            left -= (current[targets[filled]] - level) * filled
-            level = current[targets[filled]]
-            filled += 1
-        level += left // filled
-        extra = sorted(targets[:filled])[: left % filled]
-        for r in targets[:filled]:
-            amount = level - current[r] + (1 if r in extra else 0)
-            assignment[e][r] = amount
-            current[r] += amount
     return torch.tensor(assignment, dtype=torch.int64, device=load.device).reshape(
         num_experts, num_ranks
     )

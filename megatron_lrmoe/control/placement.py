@@ -12,12 +12,11 @@ threshold T, ranks above T are overloaded by ``load - T``, ranks below have slac
 experts hottest first, moving pairs to the rank with the most slack that has a free slot and does
 not hold that expert yet, as much as the excess, the expert and the slack allow; one replica per
 move. T is feasible when every excess is moved; a run gives up as soon as the excess left exceeds
-the slack left on ranks with a free slot (:func:`reference_threshold_greedy` is the same greedy
-without that shortcut). :func:`best_fit_greedy` walks the same way but sends each move to the
-rank with the least slack that takes all it could carry (else the most slack): it strands less
-slack on ranks whose last slot a move does not fill, so it usually reaches a lower T, though not
-always. T is feasible when either greedy succeeds (best fit first). :func:`place_replicas`
-searches the smallest feasible T: it starts at the lower bound
+the slack left on ranks with a free slot. :func:`best_fit_greedy` walks the same way but sends
+each move to the rank with the least slack that takes all it could carry (else the most slack): it
+strands less slack on ranks whose last slot a move does not fill, so it usually reaches a lower T,
+though not always. T is feasible when either greedy succeeds (best fit first).
+:func:`place_replicas` searches the smallest feasible T: it starts at the lower bound
 ``max(ceil(total / P), max_e ceil(W[e] / P))``, gallops up in doubling steps and bisects back
 (every T it returns was verified, so the search is correct even where the greedy is not monotone
 in T). The greedy's own split of pairs is only a starting point: the controller then computes the
@@ -30,6 +29,9 @@ replica at a time, each change accepted only when it lowers the exact peak, or t
 keep it from the next lower peak (a max-flow, :class:`_Excess`), within the slots at the
 greedy's threshold. Its result, with its exact min-max split, replaces the greedy's only where
 that peak is below the greedy split's, so the placement never gets worse.
+
+The slow, obvious twins of the two greedies and of the local search, and the brute-force optimum
+the placement is measured against, are in ``reference.py`` (tests compare them).
 
 Deterministic: ties go to the lower rank, then the lower expert id. Everything is host integers.
 """
@@ -52,10 +54,6 @@ __all__ = [
     "Placement",
     "best_fit_greedy",
     "place_replicas",
-    "reference_best_fit_greedy",
-    "reference_improve",
-    "reference_optimal_peak",
-    "reference_threshold_greedy",
     "threshold_greedy",
 ]
 
@@ -109,10 +107,10 @@ def threshold_greedy(
 ) -> Optional[list[tuple[int, int, int]]]:
     """Moves pairs off the ranks above ``threshold`` into replicas on ranks below it.
 
-    The same moves as :func:`reference_threshold_greedy`, sooner when it fails: the search runs
-    the greedy four to six times per call, and a failing run rarely fails before its last over
-    rank. This one stops as soon as the pairs still to move exceed the slack left on ranks with a
-    free slot (slack on a rank without slots is stranded: no later move can use it).
+    The same moves as ``reference.reference_threshold_greedy``, sooner when it fails: the search
+    runs the greedy four to six times per call, and a failing run rarely fails before its last
+    over rank. This one stops as soon as the pairs still to move exceed the slack left on ranks
+    with a free slot (slack on a rank without slots is stranded: no later move can use it).
 
     Args:
         expert_load: ``[E]`` pairs per expert.
@@ -226,60 +224,6 @@ def _greedy(
     return moves
 
 
-def reference_threshold_greedy(
-    expert_load: Sequence[int],
-    rank_load: Sequence[int],
-    experts_hot_first: Sequence[Sequence[int]],
-    threshold: int,
-    slots: Sequence[int],
-) -> Optional[list[tuple[int, int, int]]]:
-    """The slow, obvious :func:`threshold_greedy` (runs every over rank to the end; tests
-    compare the two)."""
-    num_ranks = len(rank_load)
-    slack = [max(threshold - x, 0) for x in rank_load]
-    free = list(slots)
-    over = sorted(
-        (g for g in range(num_ranks) if rank_load[g] > threshold),
-        key=lambda g: (threshold - rank_load[g], g),
-    )
-    if not over:
-        return []
-    if sum(rank_load[g] - threshold for g in over) > sum(slack):
-        return None
-    # Max-heap on slack (ties: lower rank); one live entry per rank, stale ones are skipped.
-    heap = [(-slack[g], g) for g in range(num_ranks) if slack[g] > 0 and free[g] > 0]
-    heapq.heapify(heap)
-    moves: list[tuple[int, int, int]] = []
-    for r in over:
-        need = rank_load[r] - threshold
-        for e in experts_hot_first[r]:
-            if need == 0:
-                break
-            left = expert_load[e]
-            used: list[int] = []  # targets of this expert: not eligible for it again
-            while need > 0 and left > 0:
-                while heap and (-heap[0][0] != slack[heap[0][1]] or free[heap[0][1]] == 0):
-                    heapq.heappop(heap)
-                if not heap:
-                    break
-                _, g = heapq.heappop(heap)
-                amount = min(need, left, slack[g])
-                moves.append((e, g, amount))
-                slack[g] -= amount
-                free[g] -= 1
-                need -= amount
-                left -= amount
-                used.append(g)
-            for g in used:
-                if slack[g] > 0 and free[g] > 0:
-                    heapq.heappush(heap, (-slack[g], g))
-            if not heap and need > 0:
-                return None
-        if need > 0:
-            return None
-    return moves
-
-
 def best_fit_greedy(
     expert_load: Sequence[int],
     rank_load: Sequence[int],
@@ -297,7 +241,7 @@ def best_fit_greedy(
     the small end of an excess or an expert on the emptiest rank and strands much of it; best
     fit puts it where it fills a gap. On Zipf loads at EP 64 it succeeds up to 250 pairs below
     the most-slack greedy, but not always: :func:`place_replicas` tries this one first and the
-    most-slack greedy where it fails. :func:`reference_best_fit_greedy` is the slow twin.
+    most-slack greedy where it fails. ``reference.reference_best_fit_greedy`` is the slow twin.
 
     Args and returns: as :func:`threshold_greedy`.
     """
@@ -372,66 +316,6 @@ def _best_fit(
             if not avail:
                 return None
         if need:
-            return None
-    return moves
-
-
-def reference_best_fit_greedy(
-    expert_load: Sequence[int],
-    rank_load: Sequence[int],
-    experts_hot_first: Sequence[Sequence[int]],
-    threshold: int,
-    slots: Sequence[int],
-) -> Optional[list[tuple[int, int, int]]]:
-    """The slow, obvious :func:`best_fit_greedy` (every target chosen by a scan over the ranks,
-    every over rank run to the end; tests compare the two)."""
-    num_ranks = len(rank_load)
-    slack = [max(threshold - x, 0) for x in rank_load]
-    free = list(slots)
-    over = sorted(
-        (g for g in range(num_ranks) if rank_load[g] > threshold),
-        key=lambda g: (threshold - rank_load[g], g),
-    )
-    if not over:
-        return []
-    if sum(rank_load[g] - threshold for g in over) > sum(
-        slack[g] for g in range(num_ranks) if free[g] > 0
-    ):
-        return None
-    moves: list[tuple[int, int, int]] = []
-    for r in over:
-        need = rank_load[r] - threshold
-        for e in experts_hot_first[r]:
-            if need == 0:
-                break
-            left = expert_load[e]
-            used: set[int] = set()  # targets of this expert: not eligible for it again
-            while need > 0 and left > 0:
-                targets = [
-                    g
-                    for g in range(num_ranks)
-                    if slack[g] > 0 and free[g] > 0 and g not in used
-                ]
-                if not targets:
-                    break
-                want = min(need, left)
-                fits = [g for g in targets if slack[g] >= want]
-                if fits:
-                    g = min(fits, key=lambda h: (slack[h], h))
-                else:
-                    g = min(targets, key=lambda h: (-slack[h], h))
-                amount = min(want, slack[g])
-                moves.append((e, g, amount))
-                slack[g] -= amount
-                free[g] -= 1
-                need -= amount
-                left -= amount
-                used.add(g)
-            if need > 0 and not any(
-                slack[g] > 0 and free[g] > 0 for g in range(num_ranks)
-            ):
-                return None
-        if need > 0:
             return None
     return moves
 
@@ -612,7 +496,7 @@ def _improve(
 
     Only changes that give an expert held only inside the cut R of :meth:`_Excess.excess` at
     ``K - 1`` a holder outside R are tried: every other change leaves ``load(R) - (K - 1) |R|``
-    where it is, so it cannot lower the excess (:func:`reference_improve` tries them all).
+    where it is, so it cannot lower the excess (``reference.reference_improve`` tries them all).
 
     Returns:
         The peak reached and the replicas ``(expert, rank)``, sorted.
@@ -664,68 +548,6 @@ def _improve(
         held.add(move)
         if not score:
             peak = state.peak(low)
-    return peak, sorted(held)
-
-
-def reference_improve(
-    loads: Sequence[int],
-    num_ranks: int,
-    slots: Sequence[int],
-    moves: Sequence[tuple[int, int, int]],
-    low: int,
-    stop: int,
-) -> tuple[int, list[tuple[int, int]]]:
-    """The slow, obvious :func:`_improve`: every change tried, each scored from scratch by the
-    rank-set formula (the excess above T is the largest ``load(R) - T |R|``, at least 0, over
-    every rank set R; the peak the smallest T where it is 0). Tests compare the two."""
-    local = len(loads) // num_ranks
-
-    def excess(chosen: set[tuple[int, int]], level: int) -> int:
-        holders = [{e // local} | {g for f, g in chosen if f == e} for e in range(len(loads))]
-        worst = 0
-        for mask in range(1, 1 << num_ranks):
-            inside = {g for g in range(num_ranks) if mask >> g & 1}
-            confined = sum(x for x, h in zip(loads, holders) if h <= inside)
-            worst = max(worst, confined - level * len(inside))
-        return worst
-
-    def peak_of(chosen: set[tuple[int, int]]) -> int:
-        holders = [{e // local} | {g for f, g in chosen if f == e} for e in range(len(loads))]
-        level = low
-        for mask in range(1, 1 << num_ranks):
-            inside = {g for g in range(num_ranks) if mask >> g & 1}
-            confined = sum(x for x, h in zip(loads, holders) if h <= inside)
-            level = max(level, -(-confined // len(inside)))
-        return level
-
-    hot_first = sorted(range(len(loads)), key=lambda e: (-loads[e], e))
-    fixed = [sum(loads[g * local : (g + 1) * local]) for g in range(num_ranks)]
-    coolest = sorted(range(num_ranks), key=lambda g: (fixed[g], g))
-    held = {(e, g) for e, g, _ in moves}
-    peak = peak_of(held)
-    for _ in range(IMPROVE_MAX_ROUNDS):
-        if peak <= stop:
-            break
-        current = excess(held, peak - 1)
-        full = [sum(h == g for _, h in held) >= slots[g] for g in range(num_ranks)]
-        candidates = [
-            (e, g) for e in hot_first for g in coolest if e // local != g and (e, g) not in held
-        ]
-        changes = [(held | {(e, g)}, None) for e, g in candidates if not full[g]] + [
-            ((held - {(drop, g)}) | {(e, g)}, drop)
-            for e, g in candidates
-            if full[g]
-            for drop in sorted(f for f, h in held if h == g)
-        ]
-        for trial, drop in changes:
-            score = excess(trial, peak - 1)
-            if score < current and (drop is None or not excess(trial, peak)):
-                held = trial
-                break
-        else:
-            break
-        if not score:
-            peak = peak_of(held)
     return peak, sorted(held)
 
 
@@ -891,46 +713,3 @@ def _polish(
         if g != e // local and amount > 0
     ]
     return peak, result, len(set(replicas) ^ {(e, g) for e, g, _ in moves})
-
-
-def reference_optimal_peak(load: Sequence[int], num_ranks: int, slots: int) -> int:
-    """The exact optimum that :func:`place_replicas` approximates, by brute force (tiny cases).
-
-    Every placement of at most ``slots`` replicas per rank (rank r owns experts
-    ``[r*L, (r+1)*L)``); for each, the exact min-max peak of assigning every expert's load over
-    its holders, by min-cut duality: the largest, over rank sets R, of ``ceil(load of the experts
-    held only inside R / |R|)``. The slow, obvious reference the tests and the planner benchmark
-    compare the placement with.
-
-    Args:
-        load: ``[E]`` pairs per expert.
-        num_ranks: P; ``E`` must be a multiple of it.
-        slots: Replicas one rank may hold.
-
-    Returns:
-        The smallest achievable peak per-rank load.
-    """
-    import itertools
-
-    num_experts = len(load)
-    local = num_experts // num_ranks
-    choices = []
-    for rank in range(num_ranks):
-        others = [e for e in range(num_experts) if e // local != rank]
-        options: list[tuple[int, ...]] = [()]
-        for k in range(1, slots + 1):
-            options += list(itertools.combinations(others, k))
-        choices.append(options)
-    best: Optional[int] = None
-    for pick in itertools.product(*choices):
-        holders = [{e // local} for e in range(num_experts)]
-        for rank, experts in enumerate(pick):
-            for e in experts:
-                holders[e].add(rank)
-        peak = 0
-        for mask in range(1, 1 << num_ranks):
-            inside = {r for r in range(num_ranks) if mask >> r & 1}
-            confined = sum(x for x, h in zip(load, holders) if h <= inside)
-            peak = max(peak, -(-confined // len(inside)))
-        best = peak if best is None else min(best, peak)
-    return int(best or 0)
