@@ -589,7 +589,8 @@ def section_time_to_target(root: Path) -> str:
         "cumulative time from iteration 2 (iteration 1 compiles Triton kernels), interpolated to "
         "the target. keep 0.5 ran with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`: with "
         "the default allocator it ran out of memory right after the first evaluation "
-        "(`gpu_run34/call4`); stock+moe ran with the default allocator.",
+        "(`gpu_run34/call4`); stock+moe ran with the default allocator (a short stock+moe run with "
+        "expandable segments, `gpu_run34/call7`, took the same time per iteration to within 1 %).",
         "",
         _source("gpu_run34 calls 3 and 5", "b994bed",
                 "ARM=<arm> SEED=1234 bash benchmarks/results/gpu_run34/call3.sh, then "
