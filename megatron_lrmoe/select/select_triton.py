@@ -74,6 +74,12 @@ Triton is imported lazily, with the conventions of ``megatron_lrmoe/triton_commo
 ``triton_available`` this module reuses): the kernel bodies are plain functions until
 :func:`_kernels` wraps them, and under ``TRITON_INTERPRET=1`` (set before triton is first
 imported) the launcher accepts CPU tensors and runs them in Triton's interpreter (the tests do).
+
+Why one module of about a thousand lines: the ten kernels are one pipeline over one shared
+representation (the ``[_ROWS, G]`` segment table, the int64 sort key, the fixed-point units), and
+the exactness argument above holds only for all of them together; split, each piece would have to
+restate the layout it shares with the others. About 300 of its lines are docstrings and
+comments (that argument and the kernels' own notes).
 """
 
 from __future__ import annotations
