@@ -120,6 +120,9 @@ class Arm:
         mbs: Sequences per micro-batch (``PROXY``'s GBS per iteration stays).
         activation_mode: ``--lrmoe-activation-mode``.
         variance_target: ``--lrmoe-variance-target`` (with ``keep="auto"``).
+        budget_keep: ``--lrmoe-memory-budget-bytes`` set to what keep ``budget_keep`` plans per
+            layer call in this arm's activation mode (:func:`budget_bytes`): the arm keeps more
+            pairs than that keep ratio only in calls where they fit in what it holds.
     """
 
     name: str
@@ -129,6 +132,7 @@ class Arm:
     mbs: int = 16
     activation_mode: str = "save"
     variance_target: Optional[float] = None
+    budget_keep: Optional[float] = None
 
     @property
     def is_stock(self) -> bool:
@@ -143,6 +147,14 @@ class Arm:
         return env
 
     def flags(self) -> list[str]:
+        budget = []
+        if self.budget_keep is not None:
+            tokens = self.mbs * int(PROXY["SEQ_LENGTH"])
+            budget = ["--lrmoe-memory-budget-bytes",
+                      str(budget_bytes(self.activation_mode, self.budget_keep, tokens))]
+        return self._recompute_flags() + budget
+
+    def _recompute_flags(self) -> list[str]:
         if self.recompute == "full":
             return [
                 "--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -153,6 +165,25 @@ class Arm:
                              "moe, full")
         modules = ["core_attn"] + ([] if self.recompute == "none" else [self.recompute])
         return ["--recompute-granularity", "selective", "--recompute-modules", *modules]
+
+
+def budget_bytes(mode: str, keep: float, tokens: int) -> int:
+    """Bytes one layer call of the proxy plans to hold for its backward (what
+    ``--lrmoe-memory-budget-bytes`` limits) at keep ratio ``keep`` in ``mode``, from the
+    controller's own plan of a balanced call (``tokens`` per micro-batch, every expert the same
+    pairs), so that a budget of this size lets the arm hold what that keep ratio holds."""
+    from megatron_lrmoe import LRMoEConfig
+    from megatron_lrmoe.control.controller import plan_call
+    import torch
+
+    from megatron_lrmoe.control.costs import CostModel
+
+    experts, topk = int(PROXY_FLAGS[PROXY_FLAGS.index("--num-experts") + 1]), 8
+    cost = CostModel(hidden_size=2048, ffn_hidden_size=768, gated=True, activation_bytes=2,
+                     param_bytes=2, grad_bytes=4)
+    counts = torch.full((1, experts), tokens * topk // experts, dtype=torch.int64)
+    lrmoe = LRMoEConfig(keep_ratio=keep, activation_mode=mode, memory_budget_bytes=1 << 62)
+    return int(plan_call(counts, 0, lrmoe, cost).memory.budgeted_bytes.max())
 
 
 ARMS: dict[str, Arm] = {
@@ -170,6 +201,8 @@ ARMS: dict[str, Arm] = {
         Arm("k0.25-recompute", keep=0.25, activation_mode="recompute"),
         Arm("k0.25+moe", keep=0.25, recompute="moe"),
         Arm("auto0.1-recompute", keep="auto", variance_target=0.1, activation_mode="recompute"),
+        Arm("auto0.1-recompute-mem0.5", keep="auto", variance_target=0.1,
+            activation_mode="recompute", budget_keep=0.5),
     )
 }
 

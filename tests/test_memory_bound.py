@@ -370,3 +370,26 @@ def test_search_merges_calls_and_picks(tmp_path: Path, monkeypatch: pytest.Monke
     assert result["picks"] == {"baseline": "stock+moe", "keep 0.5": "k0.5+moe"}
     with pytest.raises(SystemExit, match="searched at cap 78"):
         memory_bound.main(["search", "--out", str(tmp_path), "--cap-gib", "38", "--arms", "stock"])
+
+
+def test_budget_arm_holds_what_its_keep_ratio_holds() -> None:
+    """``budget_keep``: the budget is what keep 0.5 plans per call, so a call planned at keep
+    0.75 under it is trimmed to keep 0.5's pairs, and keep 0.5 itself is not trimmed."""
+    from megatron_lrmoe import LRMoEConfig
+    from megatron_lrmoe.control.controller import plan_call
+    from megatron_lrmoe.control.costs import CostModel
+
+    tokens = 16 * 1024
+    budget = memory_bound.budget_bytes("recompute", 0.5, tokens)
+    assert budget > memory_bound.budget_bytes("recompute", 0.25, tokens)
+    cost = CostModel(hidden_size=2048, ffn_hidden_size=768, gated=True, activation_bytes=2,
+                     param_bytes=2, grad_bytes=4)
+    counts = torch.full((1, 16), tokens * 8 // 16, dtype=torch.int64)
+    kept = {}
+    for keep in (0.5, 0.75):
+        lrmoe = LRMoEConfig(keep_ratio=keep, activation_mode="recompute", memory_budget_bytes=budget)
+        kept[keep] = int(plan_call(counts, 0, lrmoe, cost).quota.sum())
+    assert kept[0.5] == tokens * 8 // 2
+    assert kept[0.75] <= kept[0.5]
+    arm = memory_bound.ARMS["auto0.1-recompute-mem0.5"]
+    assert arm.flags()[-2:] == ["--lrmoe-memory-budget-bytes", str(budget)]

@@ -3,7 +3,7 @@
 # one arm and seed (ARM, default the baseline stock+moe; SEED, default 1234), 300 iterations,
 # 4 evaluations of the fixed validation set (about 1200 sequences in micro-batches of 32) under
 # the 78 GiB cap. The first call checks the evaluation's cost end to end on the GPU.
-# Planned, one call each: stock+moe, k0.5-recompute, auto0.1-recompute at seed 1234, then seeds
+# Planned, one call each: stock+moe, k0.5-recompute, auto0.1-recompute-mem0.5 at seed 1234, then seeds
 # 4321 and 2024 (ARM=k0.5-recompute SEED=4321 bash benchmarks/results/gpu_run34/call3.sh).
 cd .snap || exit
 P=$PWD; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site ../.whl/*.whl && export PYTHONPATH=$P/.site:$P || exit
