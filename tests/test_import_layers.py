@@ -14,6 +14,8 @@ checked here are the rules that table states outright:
 * ``control/`` imports nothing of ``dispatch/``, ``select/``, ``experts/``, ``op.py``,
   ``layer.py`` (it plans with integers only);
 * ``select/`` does not communicate: no ``torch.distributed`` and no ``dispatch/comm.py``;
+* ``control/reference.py`` (the slow references the tests compare with) is imported by no
+  module of the package;
 * the stage folders (``control/``, ``dispatch/``, ``select/``, ``experts/``, ``observe/``) import
   nothing above them: not ``graphs/``, ``layer.py``, ``op.py``, ``training/``, ``demo/``, nor the
   top-level ``megatron_lrmoe/__init__.py`` (which imports the layer);
@@ -125,6 +127,8 @@ def _violations() -> dict[tuple[str, str], str]:
                 found[edge] = "a stage imports what sits above the stages"
             elif _under(module, GRAPHS) and (_under(target, *ABOVE_STAGES) or target == PACKAGE):
                 found[edge] = "graphs import what sits above them"
+            elif _under(target, "control.reference") and not _under(module, "control.reference"):
+                found[edge] = "production code imports the slow references (tests use them)"
     return found
 
 
