@@ -1,23 +1,33 @@
 """The replay's cost model against the committed GPU measurements it can be compared with.
 
     python benchmarks/replay_validation.py [--out FILE] [--markdown FILE] [--reconstruct]
-        [--traces DIR] [--gemm-table FILE] [--only SUBSTRING ...]
+        [--traces DIR] [--gemm-table FILE] [--costs FILE|none] [--only SUBSTRING ...]
 
 Issue 37 step 4. For every committed measurement whose shapes, keep ratio, EP size and routing
 are known, the real replay (``megatron_lrmoe.replay``: ``read_trace``, ``reshard``,
-``replay_pass`` with the default GEMM table and network, or ``--gemm-table``) prices the same
-call, and the prediction is set against the measured number with its relative error
-(``predicted / measured - 1``). Every measured number is read from its file at run time and
-named by file and key (``lookup``); nothing measured is typed in here. CPU only.
+``replay_pass`` with the default GEMM table, network and layer costs, or ``--gemm-table`` /
+``--costs``) prices the same call, and the prediction is set against the measured number with
+its relative error (``predicted / measured - 1``). Every measured number is read from its file
+at run time and named by file and key (``lookup``); nothing measured is typed in here. CPU only.
+
+The layer costs (router, elementwise work, fused ``main_grad``, host floors) and the layer's
+all-to-all bandwidth are fitted by ``benchmarks/replay_fit.py`` to the comparisons of the
+training runs (:data:`TRAINING_RUNS`, declared before the fit); every comparison is marked
+``training`` or ``held-out`` and summarised per split. Each also carries the prediction of the
+model before the fit (``predicted_unfitted``: GEMM table and the NCCL network's bandwidth, the
+first validation's model) for comparison.
 
 Compared (paths under ``benchmarks/results/``):
 
 * ``model_bench.py`` (8 layers stacked, EP 1, per keep ratio; the runs docs/results.md cites,
   and the two skewed-router runs): the floor's GEMMs alone at keep 1.0 (``floor``), each keep
-  ratio's layer forward and backward per layer, the routed experts' op alone (profiled GPU busy
-  time), the backward's GEMM kernels (profiled by kind: dgrad and wgrad, each against half the
-  replay's ``gemm_bwd``, and their sum), the backward and layer ratios to keep 1.0, and the peak
-  memory of a round (also with the backward graphs' pool).
+  ratio's layer forward and backward per layer, the routed experts' op alone and the rest of
+  the layer (router, auxiliary loss, residual; profiled GPU busy time), the backward's kernels
+  (profiled by kind: dgrad against half the replay's ``gemm_bwd``, wgrad against the other half
+  plus ``main_grad``, their sum, and the elementwise kinds against ``elementwise_bwd``), the
+  backward and layer ratios to keep 1.0, and the peak memory of a round (also with the backward
+  graphs' pool). model_bench fuses the weight gradients into fp32 ``main_grad``; the layer and
+  replica benchmarks keep them in bf16 (priced with ``main_grad="none"``).
 * ``layer_bench.py`` at EP 2 (gpu_run1, 2, 4, 8; one layer, 4096 and 16384 tokens per GPU): the
   floor's GEMMs, four all-to-alls and (gpu_run8) trimmed backward floors, each LRMoE variant's
   forward, backward, backward ratio to keep 1.0, saved and peak memory; stock's memory.
@@ -36,8 +46,8 @@ reconstruction is in the output (``routing_checks``: the measured first layer's 
 spread and maximum, the floor's rows on rank 0, against the reconstruction's).
 
 Time comparisons carry ``host_bound`` where the file's host time to queue the phase reaches 90 %
-of its GPU time (the replay prices no host work). Not compared (listed in the output with the
-reason): stock layer times (stock runs its experts
+of its GPU time (there the replay's host floors price it). Not compared (listed in the output
+with the reason): stock layer times (stock runs its experts
 as ``SequentialMLP``, the replay prices a grouped GEMM), scope ``global`` (no replay arm),
 Megatron's MoE-layer recompute (the replay models LRMoE's own ``recompute`` mode only), training
 runs (their routing was not recorded).
@@ -69,8 +79,11 @@ from benchmarks.common import QWEN3_30B_A3B_MOE, gamma_shares  # noqa: E402
 from megatron_lrmoe.control.costs import CostModel  # noqa: E402
 from megatron_lrmoe.observe.trace import read_trace, write_trace  # noqa: E402
 from megatron_lrmoe.replay.cost import DEFAULT_GEMM_TABLE, GemmTable, Network  # noqa: E402
-from megatron_lrmoe.replay.cost import load_gemm_table  # noqa: E402
-from megatron_lrmoe.replay.replay import PHASES, parse_arm, replay_pass  # noqa: E402
+from megatron_lrmoe.replay.cost import DEFAULT_LAYER_COSTS, NCCL_NVLINK_GBPS  # noqa: E402
+from megatron_lrmoe.replay.cost import LayerCosts, load_costs, load_gemm_table  # noqa: E402
+from megatron_lrmoe.replay.replay import BACKWARD_PHASES, FORWARD_PHASES  # noqa: E402
+from megatron_lrmoe.replay.replay import PHASES, PassResult, parse_arm  # noqa: E402
+from megatron_lrmoe.replay.replay import replay_pass, retime  # noqa: E402
 from megatron_lrmoe.replay.shard import reshard  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -111,8 +124,17 @@ NOT_COMPARED = {
     "layer_bench scope 'global' rows": "no replay arm expresses the global scope",
 }
 
-FORWARD = ("dispatch", "replica_fetch", "gemm_fwd", "combine")
-BACKWARD = ("grad", "gemm_bwd", "dgrad", "replica_grads")
+FORWARD = FORWARD_PHASES
+BACKWARD = BACKWARD_PHASES
+# The experts' op alone (what the profiler attributes to it): no router, no host wait.
+OP_FORWARD = tuple(p for p in FORWARD if p not in ("router", "host_fwd"))
+OP_BACKWARD = tuple(p for p in BACKWARD if p not in ("router_bwd", "host_bwd"))
+# The train / held-out split of the fit (benchmarks/replay_fit.py), declared before fitting:
+# the constants are fitted to the comparisons of these runs (model_bench at EP 1, gpu_run32
+# calls 1 and 2: the profiled ones; layer_bench at EP 2, gpu_run8: the one with backward floors
+# on the kept rows), every other run is held out (gpu_run33, the skewed gpu_run28 and 29,
+# layer_bench gpu_run1, 2 and 4 on other hosts, replica_bench gpu_run4 and 5).
+TRAINING_RUNS = ("gpu_run32/", "gpu_run8/")
 EXCHANGES4 = ("dispatch", "combine", "grad", "dgrad")
 KEPT_FLOOR = ("gemm_bwd", "grad", "dgrad")
 MIB = float(1 << 20)
@@ -127,17 +149,27 @@ QUANTITIES = {
     ),
     "fwd_ms": ("layer forward (CUDA events)", "+".join(FORWARD)),
     "bwd_ms": ("layer backward (CUDA events)", "+".join(BACKWARD)),
-    "op_fwd_ms": ("the experts' op forward, GPU busy (profiled)", "+".join(FORWARD)),
-    "op_bwd_ms": ("the experts' op backward, GPU busy (profiled)", "+".join(BACKWARD)),
+    "op_fwd_ms": ("the experts' op forward, GPU busy (profiled)", "+".join(OP_FORWARD)),
+    "op_bwd_ms": ("the experts' op backward, GPU busy (profiled)", "+".join(OP_BACKWARD)),
+    "rest_fwd_ms": (
+        "the forward's GPU busy time outside the op: router, auxiliary loss, residual "
+        "(profiled)", "router",
+    ),
+    "rest_bwd_ms": ("the same in the backward (profiled)", "router_bwd"),
     "bwd_gemm_kernels_ms": (
-        "op backward kernels 'grouped GEMMs' + 'weight gradients' (profiled)", "gemm_bwd"
+        "op backward kernels 'grouped GEMMs' + 'weight gradients' (profiled)",
+        "gemm_bwd+main_grad",
     ),
     "bwd_dgrad_kernels_ms": (
         "op backward kernels 'grouped GEMMs' (the dgrads; profiled)", "gemm_bwd / 2"
     ),
     "bwd_wgrad_kernels_ms": (
         "op backward kernels 'weight gradients' (fused into fp32 main_grad; profiled)",
-        "gemm_bwd / 2",
+        "gemm_bwd / 2 + main_grad",
+    ),
+    "bwd_elementwise_kernels_ms": (
+        "op backward kernels other than the GEMMs: activation backward, gradient rows, "
+        "gather-sum, scores and selection, other (profiled)", "elementwise_bwd",
     ),
     "bwd_vs_keep1": ("backward over keep 1.0's", "backward(k) / backward(1)"),
     "layer_vs_keep1": ("forward + backward over keep 1.0's", "moe(k) / moe(1)"),
@@ -354,35 +386,71 @@ def recorded_trace(
 # -- the replay's prediction -------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What prices the replay: the GEMM table, the network, the layer costs (None: GEMMs and
+    exchanges only, the model before the fit)."""
+
+    gemm: GemmTable = DEFAULT_GEMM_TABLE
+    network: Network = dataclasses.field(default_factory=Network)
+    layer: Optional[LayerCosts] = DEFAULT_LAYER_COSTS
+
+
+def unfitted_model(gemm: GemmTable = DEFAULT_GEMM_TABLE) -> Model:
+    """The model of the first validation (commit 5052958): GEMM table and the NCCL network's
+    bandwidth, nothing else priced."""
+    return Model(gemm, Network(intra_gbps=NCCL_NVLINK_GBPS), None)
+
+
+# Priced passes by (trace, EP, arms, tokens, main_grad, GEMM table): the plans and rows do not
+# depend on the network or the layer costs, so a fit prices them again (``retime``) instead of
+# planning them again.
+_PRICED: dict[tuple[Any, ...], tuple[CostModel, dict[str, PassResult]]] = {}
+
+
+def _priced(
+    directory: Path, ep: int, arms: Sequence[str], gemm: GemmTable, tokens: str, main_grad: str
+) -> tuple[CostModel, dict[str, PassResult]]:
+    key = (str(Path(directory).resolve()), ep, tuple(arms), tokens, main_grad, gemm)
+    if key not in _PRICED:
+        trace = read_trace(directory)
+        _, _, counts = next(trace.passes())
+        meta = trace.meta
+        cost = CostModel(
+            hidden_size=int(meta["hidden_size"]),
+            ffn_hidden_size=int(meta["ffn_hidden_size"]),
+            gated=bool(meta["gated"]),
+            activation_bytes=int(meta["activation_bytes"]),
+            param_bytes=int(meta["param_bytes"]),
+        )
+        virtual = np.stack([reshard(c.astype(np.int64), ep, tokens) for c in counts])
+        results = replay_pass(virtual, [parse_arm(a) for a in arms], cost, gemm, Network(),
+                              topk=int(meta["topk"]), main_grad=main_grad)  # fmt: skip
+        _PRICED[key] = (cost, results)
+    return _PRICED[key]
+
+
 def replay_trace(
     directory: Path,
     ep: int,
     arms: Iterable[str],
-    gemm: GemmTable,
-    network: Network,
+    model: Model,
     tokens: str = "recorded",
+    main_grad: str = "none",
 ) -> dict[str, dict[str, Any]]:
     """Per arm, the replay of the trace's first pass at ``ep`` ranks: per-layer milliseconds
     per phase (``phase_ms``) and of the forward / backward (``fwd_ms``, ``bwd_ms``, sums of
     :data:`FORWARD` / :data:`BACKWARD`), held bytes of the busiest rank summed over the layers
     (``held_bytes``), memory of the busiest rank (``memory_bytes``: held + largest transient),
-    and the busiest rank's forward / backward rows (means over the layers)."""
-    trace = read_trace(directory)
-    _, _, counts = next(trace.passes())
-    meta = trace.meta
-    cost = CostModel(
-        hidden_size=int(meta["hidden_size"]),
-        ffn_hidden_size=int(meta["ffn_hidden_size"]),
-        gated=bool(meta["gated"]),
-        activation_bytes=int(meta["activation_bytes"]),
-        param_bytes=int(meta["param_bytes"]),
-    )
-    virtual = np.stack([reshard(c.astype(np.int64), ep, tokens) for c in counts])
-    arms = [parse_arm(a) for a in dict.fromkeys(arms)]
-    results = replay_pass(virtual, arms, cost, gemm, network)
-    layers = len(virtual)
+    and the busiest rank's forward / backward rows (means over the layers). ``main_grad``: the
+    benchmark's (``"fused"``: model_bench; the layer and replica benchmarks keep bf16 weight
+    gradients)."""
+    arms = list(dict.fromkeys(arms))
+    cost, priced = _priced(directory, ep, arms, model.gemm, tokens, main_grad)
     out: dict[str, dict[str, Any]] = {}
-    for name, result in results.items():
+    for name, result in priced.items():
+        result = PassResult([retime(c, cost, model.network, model.layer) for c in result.calls])
+        layers = len(result.calls)
         summary = result.summary()
         phase_ms = {p: summary["phase_ms"][p] / layers for p in PHASES}
         held = np.sum([c.held_bytes for c in result.calls], axis=0)
@@ -452,6 +520,7 @@ class Comparison:
         error = self.predicted / value - 1.0 if value else float("nan")
         return {
             "config": self.config,
+            "split": split_of(self.config),
             "bench": self.bench,
             "ep": self.ep,
             "arm": self.arm,
@@ -499,8 +568,7 @@ def _rel(path: str) -> str:
 
 
 def model_bench(
-    path: str, gemm: GemmTable, network: Network, traces: Path,
-    fresh: Optional[set[Path]], cache: dict[str, Any],
+    path: str, model: Model, traces: Path, fresh: Optional[set[Path]], cache: dict[str, Any],
 ) -> tuple[list[Comparison], list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
     """Comparisons of one model_bench file (see the module docstring)."""
     file = _rel(path)
@@ -518,7 +586,8 @@ def model_bench(
     directory = router_trace(spec, ffn, traces, fresh)
     keeps = [float(r["keep"]) for r in data["rows"]]
     arms = {k: f"keep{k:g}" for k in keeps} | {1.0: "keep1"}
-    pred = replay_trace(directory, ep, arms.values(), gemm, network)
+    # model_bench fuses the weight gradients into fp32 main_grad, as in training
+    pred = replay_trace(directory, ep, arms.values(), model, main_grad="fused")
     p1 = pred["keep1"]
     pairs = read_trace(directory).counts.astype(np.int64).sum()
     x_mib = pairs * hidden * 2 / MIB  # every layer's pairs, one bf16 row (H) each
@@ -538,16 +607,22 @@ def model_bench(
         add(arm, "fwd_ms", [f"{sel}/fwd_ms"], p["fwd_ms"], host_bound=fwd_host)
         add(arm, "bwd_ms", [f"{sel}/bwd_ms"], p["bwd_ms"], host_bound=bwd_host)
         if "op_fwd_gpu_ms" in row:
-            add(arm, "op_fwd_ms", [f"{sel}/op_fwd_gpu_ms"], p["fwd_ms"])
-            add(arm, "op_bwd_ms", [f"{sel}/op_bwd_gpu_ms"], p["bwd_ms"])
+            add(arm, "op_fwd_ms", [f"{sel}/op_fwd_gpu_ms"], _sum(p, OP_FORWARD))
+            add(arm, "op_bwd_ms", [f"{sel}/op_bwd_gpu_ms"], _sum(p, OP_BACKWARD))
+        if "rest_fwd_gpu_ms" in row:
+            add(arm, "rest_fwd_ms", [f"{sel}/rest_fwd_gpu_ms"], p["phase_ms"]["router"])
+            add(arm, "rest_bwd_ms", [f"{sel}/rest_bwd_gpu_ms"], p["phase_ms"]["router_bwd"])
         kinds = row.get("op_bwd_by_kind_ms") or {}
         if "grouped GEMMs" in kinds and "weight gradients" in kinds:
-            dgrad = f"{sel}/op_bwd_by_kind_ms/grouped GEMMs"
-            wgrad = f"{sel}/op_bwd_by_kind_ms/weight gradients"
-            gemm_bwd = p["phase_ms"]["gemm_bwd"]
-            add(arm, "bwd_gemm_kernels_ms", [dgrad, wgrad], gemm_bwd, op="sum")
+            base = f"{sel}/op_bwd_by_kind_ms"
+            dgrad, wgrad = f"{base}/grouped GEMMs", f"{base}/weight gradients"
+            gemm_bwd, main_grad = p["phase_ms"]["gemm_bwd"], p["phase_ms"]["main_grad"]
+            add(arm, "bwd_gemm_kernels_ms", [dgrad, wgrad], gemm_bwd + main_grad, op="sum")
             add(arm, "bwd_dgrad_kernels_ms", [dgrad], gemm_bwd / 2)
-            add(arm, "bwd_wgrad_kernels_ms", [wgrad], gemm_bwd / 2)
+            add(arm, "bwd_wgrad_kernels_ms", [wgrad], gemm_bwd / 2 + main_grad)
+            rest = [f"{base}/{k}" for k in kinds if k not in ("grouped GEMMs", "weight gradients")]
+            add(arm, "bwd_elementwise_kernels_ms", rest, p["phase_ms"]["elementwise_bwd"],
+                op="sum")  # fmt: skip
         if k != 1.0 and "bwd_vs_keep1" in row:
             add(arm, "bwd_vs_keep1", [f"{sel}/bwd_vs_keep1"], p["bwd_ms"] / p1["bwd_ms"],
                 host_bound=bwd_host)  # fmt: skip
@@ -594,8 +669,7 @@ def _trace_rel(directory: Path) -> str:
 
 
 def layer_bench(
-    path: str, gemm: GemmTable, network: Network, traces: Path,
-    fresh: Optional[set[Path]], cache: dict[str, Any],
+    path: str, model: Model, traces: Path, fresh: Optional[set[Path]], cache: dict[str, Any],
 ) -> tuple[list[Comparison], list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
     """Comparisons of one layer_bench file, per token count (see the module docstring)."""
     file = _rel(path)
@@ -619,7 +693,7 @@ def layer_bench(
         floor = next((r for r in rows if r["variant"] == "floor"), None)
         keeps = sorted({float(k[len("rows_k"):]) for k in (floor or {}) if k.startswith("rows_k")})
         wanted = [a for a in arms.values() if a] + ["keep1"] + [f"keep{k:g}" for k in keeps]
-        pred = replay_trace(directory, ep, wanted, gemm, network)
+        pred = replay_trace(directory, ep, wanted, model)
         p1 = pred["keep1"]
         details.append({"config": config, "trace": _trace_rel(directory), "predictions": pred})
         add = _Adder(out, config, "layer_bench", ep, file, directory)
@@ -675,8 +749,7 @@ def _rank0_rows(directory: Path, ep: int) -> int:
 
 
 def replica_bench(
-    path: str, gemm: GemmTable, network: Network, traces: Path,
-    fresh: Optional[set[Path]], cache: dict[str, Any],
+    path: str, model: Model, traces: Path, fresh: Optional[set[Path]], cache: dict[str, Any],
 ) -> tuple[list[Comparison], list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
     """Comparisons of one replica_bench file, per scenario (see the module docstring)."""
     file = _rel(path)
@@ -695,7 +768,7 @@ def replica_bench(
             int(args["topk"]), f"{file} scenarios[scenario={name}]", traces, fresh,
         )  # fmt: skip
         arms = {r["variant"]: arm_of(r.get("config")) for r in scenario["rows"]}
-        pred = replay_trace(directory, ep, [a for a in arms.values() if a], gemm, network,
+        pred = replay_trace(directory, ep, [a for a in arms.values() if a], model,
                             tokens="split")  # fmt: skip
         details.append({"config": config, "trace": _trace_rel(directory), "predictions": pred})
         base = f"scenarios[scenario={name}]/rows"
@@ -732,6 +805,39 @@ def replica_bench(
 # -- the report --------------------------------------------------------------------------------
 
 
+def split_of(config: str) -> str:
+    """``"training"`` for the comparisons of :data:`TRAINING_RUNS`, else ``"held-out"``."""
+    return "training" if config.startswith(TRAINING_RUNS) else "held-out"
+
+
+def compare(
+    model: Model,
+    traces: Path = TRACES,
+    fresh: Optional[set[Path]] = None,
+    cache: Optional[dict[str, Any]] = None,
+    only: Sequence[str] = (),
+    model_files: Sequence[str] = MODEL_BENCH,
+    layer_files: Sequence[str] = LAYER_BENCH,
+    replica_files: Sequence[str] = REPLICA_BENCH,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(comparisons, routing checks, replays)`` of the listed files under ``model``
+    (``only``: the files whose path holds one of the substrings); comparisons as JSON rows."""
+    cache = {} if cache is None else cache
+    comparisons: list[Comparison] = []
+    checks: list[dict[str, Any]] = []
+    details: list[dict[str, Any]] = []
+    jobs = [(model_bench, f) for f in model_files] + [(layer_bench, f) for f in layer_files]
+    jobs += [(replica_bench, f) for f in replica_files]
+    for job, path in jobs:
+        if only and not any(s in path for s in only):
+            continue
+        found, checked, detail = job(path, model, traces, fresh, cache)
+        comparisons += found
+        checks += checked
+        details += detail
+    return [c.to_json(cache) for c in comparisons], checks, details
+
+
 def validate(
     gemm: GemmTable = DEFAULT_GEMM_TABLE,
     network: Optional[Network] = None,
@@ -741,34 +847,46 @@ def validate(
     model_files: Sequence[str] = MODEL_BENCH,
     layer_files: Sequence[str] = LAYER_BENCH,
     replica_files: Sequence[str] = REPLICA_BENCH,
+    layer: Optional[LayerCosts] = DEFAULT_LAYER_COSTS,
 ) -> dict[str, Any]:
     """Every comparison of the listed files (``only``: those whose path holds one of the
-    substrings); returns the JSON payload."""
-    network = network or Network()
+    substrings) under the model (``layer``: the layer costs, the committed fit by default), and
+    the same under the unfitted model of the first validation; returns the JSON payload."""
+    model = Model(gemm, network or Network(), layer)
+    files = dict(only=only, model_files=model_files, layer_files=layer_files,
+                 replica_files=replica_files)  # fmt: skip
     fresh: Optional[set[Path]] = set() if reconstruct else None
     cache: dict[str, Any] = {}
-    comparisons: list[Comparison] = []
-    checks: list[dict[str, Any]] = []
-    details: list[dict[str, Any]] = []
-    jobs = [(model_bench, f) for f in model_files] + [(layer_bench, f) for f in layer_files]
-    jobs += [(replica_bench, f) for f in replica_files]
-    for job, path in jobs:
-        if only and not any(s in path for s in only):
-            continue
-        found, checked, detail = job(path, gemm, network, traces, fresh, cache)
-        comparisons += found
-        checks += checked
-        details += detail
-    rows = [c.to_json(cache) for c in comparisons]
+    rows, checks, details = compare(model, traces, fresh, cache, **files)
+    before, _, _ = compare(unfitted_model(gemm), traces, None, cache, **files)
+    for row, old in zip(rows, before, strict=True):
+        assert (row["config"], row["quantity"], row["label"]) == (
+            old["config"], old["quantity"], old["label"]
+        )  # fmt: skip
+        row["predicted_unfitted"] = old["predicted"]
+        row["error_unfitted"] = old["error"]
+    network = model.network
     return {
         "format": "lrmoe-replay-validation",
-        "version": 1,
+        "version": 2,
         "target": TARGET,
         "gemm_table": gemm.to_json(),
         "network": {k: v for k, v in dataclasses.asdict(network).items() if not k.startswith("_")},
+        "layer_costs": layer.to_json() if layer is not None else None,
+        "split": {
+            "training_runs": list(TRAINING_RUNS),
+            "rule": "a comparison is in the training set when its configuration (result file) "
+            "starts with one of training_runs; every other is held out. Declared before the "
+            "fit (benchmarks/replay_fit.py), which sees the training set only",
+            "files": {split: sorted({r["source"]["file"] for r in rows if r["split"] == split})
+                      for split in ("training", "held-out")},
+        },  # fmt: skip
         "quantities": {q: {"measures": a, "predicted_by": b} for q, (a, b) in QUANTITIES.items()},
         "comparisons": rows,
         "summary": summarize(rows),
+        "summary_training": summarize([r for r in rows if r["split"] == "training"]),
+        "summary_held_out": summarize([r for r in rows if r["split"] == "held-out"]),
+        "summary_unfitted": summarize(before),
         "routing_checks": checks,
         "not_compared": NOT_COMPARED,
         "replays": details,
@@ -842,8 +960,8 @@ def markdown(payload: dict[str, Any]) -> str:
                      "`benchmarks/results/` + the configuration up to its first space + "
                      "`.json`, each number's key is in the JSON)")  # fmt: skip
         lines.append("")
-        lines.append("| configuration | quantity | " + " | ".join(arms) + " |")
-        lines.append("|---|---|" + "---|" * len(arms))
+        lines.append("| configuration | split | quantity | " + " | ".join(arms) + " |")
+        lines.append("|---|---|---|" + "---|" * len(arms))
         keyed: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
         for r in mine:
             keyed.setdefault((r["config"], r["quantity"]), {})[r["label"]] = r
@@ -856,26 +974,48 @@ def markdown(payload: dict[str, Any]) -> str:
                     f"{_fmt(r['measured'], quantity)} -> {_fmt(r['predicted'], quantity)} "
                     f"({r['error'] * 100:+.0f} %{host})" if r else ""
                 )
-            lines.append(f"| {config} | {quantity} | " + " | ".join(out) + " |")
+            split = "train" if split_of(config) == "training" else "held out"
+            lines.append(f"| {config} | {split} | {quantity} | " + " | ".join(out) + " |")
         lines.append("")
-    lines.append(
-        "| bench: quantity | compared | within 10 % | error min / median / max | repeats' "
-        "spread | host-bound |"
-    )
-    lines.append("|---|---|---|---|---|---|")
-    for key, s in payload["summary"].items():
+    lines.append(summary_table(payload))
+    return "\n".join(lines) + "\n"
+
+
+def _cell(s: Optional[dict[str, Any]]) -> str:
+    if s is None:
+        return "- | - | -"
+    return (f"{s['n']} | {s['within_target']} | {s['error_min'] * 100:+.0f} / "
+            f"{s['error_median'] * 100:+.0f} / {s['error_max'] * 100:+.0f} %")  # fmt: skip
+
+
+def summary_table(payload: dict[str, Any]) -> str:
+    """Per (bench, quantity): training and held-out comparisons, how many within 10 %, their
+    errors; the unfitted model's count over both; the repeats' spread; host-bound rows."""
+    train, held = payload["summary_training"], payload["summary_held_out"]
+    before, every = payload["summary_unfitted"], payload["summary"]
+    lines = [
+        "| bench: quantity | training: compared | within 10 % | error min / median / max | "
+        "held out: compared | within 10 % | error min / median / max | unfitted: within 10 % "
+        "of all (median error) | repeats' spread | host-bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, s in every.items():
         if key == "all":
             continue
         spread = s["repeat_spread_max"]
+        old = before[key]
         lines.append(
-            f"| {key} | {s['n']} | {s['within_target']} | {s['error_min'] * 100:+.0f} / "
-            f"{s['error_median'] * 100:+.0f} / {s['error_max'] * 100:+.0f} % | "
+            f"| {key} | {_cell(train.get(key))} | {_cell(held.get(key))} | "
+            f"{old['within_target']} / {old['n']} ({old['error_median'] * 100:+.0f} %) | "
             + (f"{spread * 100:.0f} %" if spread is not None else "-")
             + f" | {s['host_bound']} |"
         )
-    total = payload["summary"]["all"]
-    lines.append(f"| all | {total['n']} | {total['within_target']} | | | |")
-    return "\n".join(lines) + "\n"
+    lines.append(
+        f"| all | {train['all']['n']} | {train['all']['within_target']} | | "
+        f"{held['all']['n']} | {held['all']['within_target']} | | "
+        f"{before['all']['within_target']} / {before['all']['n']} | | |"
+    )
+    return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -890,13 +1030,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--gemm-table", default=None, help="GEMM table JSON (gemm_table.py)")
     parser.add_argument(
+        "--costs", default=None, metavar="FILE|none",
+        help="fitted costs (benchmarks/replay_fit.py --out); default: the committed fit, the "
+        "replay's default; 'none': GEMMs and exchanges only",
+    )  # fmt: skip
+    parser.add_argument(
         "--only", nargs="+", default=(), metavar="SUBSTRING",
         help="only the result files whose path holds one of these",
     )  # fmt: skip
     args = parser.parse_args(argv)
     gemm = load_gemm_table(args.gemm_table) if args.gemm_table else DEFAULT_GEMM_TABLE
-    payload = validate(gemm, traces=Path(args.traces), reconstruct=args.reconstruct,
-                       only=args.only)  # fmt: skip
+    layer: Optional[LayerCosts] = DEFAULT_LAYER_COSTS
+    network = Network()
+    if args.costs == "none":
+        layer = None
+    elif args.costs:
+        layer, fields = load_costs(args.costs)
+        network = Network(**fields)
+    payload = validate(gemm, network, traces=Path(args.traces), reconstruct=args.reconstruct,
+                       only=args.only, layer=layer)  # fmt: skip
     text = markdown(payload)
     print(text)  # the script's report (a console script, not library code)
     for check in payload["routing_checks"]:

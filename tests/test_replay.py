@@ -1,7 +1,9 @@
 """The routing replay (megatron_lrmoe/replay/), CPU.
 
 * the cost model against hand-computed cases (GEMM table interpolation, all-to-all pricing,
-  one small call priced by hand);
+  one small call priced by hand; the layer costs: elementwise and main_grad bytes, router, host
+  floors and sync, one call priced with them by hand; re-pricing equals pricing afresh; the
+  defaults equal the committed fit);
 * the replay's per-rank rows against the controller's own assignments on random plans;
 * resharding (sums, rules, refusals) and the synthetic generator;
 * a skewed synthetic pass: replicas lower the peak, budgets bind;
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,13 +29,31 @@ from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.control.controller import plan_call
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.replay.cli import main as replay_main
-from megatron_lrmoe.replay.cost import DEFAULT_GEMM_TABLE, GemmTable, Network, load_gemm_table
+from megatron_lrmoe.replay.cost import (
+    COSTS_FORMAT,
+    DEFAULT_GEMM_TABLE,
+    DEFAULT_LAYER_COSTS,
+    MAIN_GRAD_BYTES,
+    NVLINK_GBPS,
+    GemmTable,
+    LayerCosts,
+    LayerWork,
+    Network,
+    elementwise_bytes,
+    load_costs,
+    load_gemm_table,
+    main_grad_bytes,
+)
 from megatron_lrmoe.replay.replay import (
+    BACKWARD_PHASES,
+    FORWARD_PHASES,
+    PHASES,
     Arm,
     parse_arm,
     price_call,
     rank_pair_rows,
     replay_pass,
+    retime,
 )
 from megatron_lrmoe.replay.shard import reshard, scale_rows, synthetic_counts
 
@@ -126,6 +147,183 @@ def test_one_call_priced_by_hand() -> None:
     assert price.phase_ms["gemm_bwd"] == pytest.approx(2 * (2 + 2) + 2)
     grad = price.exchange_bytes["grad"]
     assert grad.sum() == 4 * 2 * row and (grad.T == price.exchange_bytes["dgrad"] * 2).all()
+
+
+# A layer cost of round numbers: 1e6 bytes per ms of memory (2e6 of main_grad), router 0.5 ms per
+# call + 1 ms per token + 0.5 ms per token-expert, 0.25 ms fixed per trimmed backward; host
+# floors 10 / 20 / 30 ms, sync 4 ms.
+ROUND = LayerCosts(
+    memory_gbps=1.0,
+    trimmed_fixed_ms=0.25,
+    router_fixed_ms=0.5,
+    router_token_ns=1e6,
+    router_score_ns=5e5,
+    main_grad_gbps=2.0,
+    host_fwd_ms=10.0,
+    host_bwd_ms=20.0,
+    host_trimmed_bwd_ms=30.0,
+    sync_ms=4.0,
+)
+
+
+def _work(**kw) -> LayerWork:
+    base = dict(
+        tokens=np.array([2.0, 3.0]),
+        pairs=np.array([4, 6]),
+        forward_rows=np.array([5, 5]),
+        kept_rows=np.array([3, 2]),
+        kept_pairs=np.array([2, 3]),
+        experts=np.array([1, 1]),
+        num_experts=2,
+    )
+    return LayerWork(**{**base, **kw})
+
+
+def test_layer_cost_bytes_by_hand() -> None:
+    """SMALL: H 4, F 2, F1 4, 2 bytes per element."""
+    a, h, f, f1 = 2, 4, 2, 4
+    work = _work()
+    fwd, bwd = elementwise_bytes(work, SMALL)
+    # forward: permute (read T, write N rows of H) and back, activation (read F1, write F)
+    assert fwd.tolist() == [2 * a * h * (2 + 4) + a * 5 * (f1 + f),
+                            2 * a * h * (3 + 6) + a * 5 * (f1 + f)]  # fmt: skip
+    # every pair kept: gradient rows and gather-sum (T + N rows each), activation backward
+    assert bwd.tolist() == [2 * a * h * (2 + 4) + a * 3 * (2 * f1 + f),
+                            2 * a * h * (3 + 6) + a * 2 * (2 * f1 + f)]  # fmt: skip
+    # trimmed at P = 2 in save mode: scoring (T + N), packing (2 per kept row), activation
+    # backward on B, gather-sum (kept + T)
+    _, bwd = elementwise_bytes(_work(trimmed=True), SMALL)
+    assert bwd[0] == a * h * 6 + 2 * a * h * 2 + a * 3 * (2 * f1 + f) + a * h * (2 + 2)
+    # recompute: the token rows packed too, the activation's forward again
+    _, rec = elementwise_bytes(_work(trimmed=True, recompute=True), SMALL)
+    assert rec[0] - bwd[0] == 2 * a * h * 2 + a * 3 * (f1 + f)
+    # P = 1 packs the token rows (the fc1 inputs) with the gradient rows
+    one = _work(tokens=np.array([2.0]), pairs=np.array([4]), forward_rows=np.array([4]),
+                kept_rows=np.array([2]), kept_pairs=np.array([2]), experts=np.array([2]),
+                trimmed=True)  # fmt: skip
+    _, bwd1 = elementwise_bytes(one, SMALL)
+    assert bwd1[0] == a * h * 6 + 4 * a * h * 2 + a * 2 * (2 * f1 + f) + a * h * (2 + 2)
+    # main_grad: 6 bytes per owned parameter ([F1, H] + [H, F] per expert), none without it
+    params = f1 * h + h * f
+    assert MAIN_GRAD_BYTES == 6
+    assert main_grad_bytes(one, SMALL).tolist() == [2 * params * 6]
+    assert main_grad_bytes(one, SMALL, "none").tolist() == [0.0]
+    with pytest.raises(ValueError, match="main_grad"):
+        main_grad_bytes(one, SMALL, "unfused")
+
+
+def test_layer_cost_times_and_host_floors_by_hand() -> None:
+    work = _work()
+    ms = ROUND.gpu_ms(work, SMALL)
+    fwd, bwd = elementwise_bytes(work, SMALL)
+    # router: 0.5 ms + tokens * (1e6 ns + 2 experts * 5e5 ns), forward and backward
+    assert ms["router"].tolist() == ms["router_bwd"].tolist() == [4.5, 6.5]
+    assert ms["elementwise_fwd"].tolist() == (fwd / 1e6).tolist()
+    assert ms["elementwise_bwd"].tolist() == (bwd / 1e6).tolist()  # no fixed part at keep 1
+    assert ms["main_grad"].tolist() == [24 * 6 / 2e6] * 2
+    trimmed = ROUND.gpu_ms(_work(trimmed=True), SMALL)["elementwise_bwd"]
+    assert trimmed.tolist() == pytest.approx(
+        (elementwise_bytes(_work(trimmed=True), SMALL)[1] / 1e6 + 0.25).tolist()
+    )
+    # host floors: the trimmed backward launched kernel by kernel (P > 1) gets its own; at
+    # P = 1 with fused main_grad it is one graph replay; the sync at P > 1 only
+    assert ROUND.host_ms(work) == (10.0, 20.0, 4.0)
+    assert ROUND.host_ms(_work(trimmed=True)) == (10.0, 30.0, 4.0)
+    one = _work(tokens=np.array([2.0]), pairs=np.array([4]), forward_rows=np.array([4]),
+                kept_rows=np.array([2]), kept_pairs=np.array([2]), experts=np.array([2]),
+                trimmed=True)  # fmt: skip
+    assert ROUND.host_ms(one) == (10.0, 20.0, 0.0)
+    assert ROUND.host_ms(one, "none") == (10.0, 30.0, 0.0)
+    with pytest.raises(ValueError, match="memory_gbps"):
+        LayerCosts(0.0, 0, 0, 0, 0, 1, 0, 0, 0, 0)
+
+
+def test_one_call_priced_with_layer_costs_by_hand() -> None:
+    """The call of test_one_call_priced_by_hand (P = 2, E = 2, keep 1, top-2) with ROUND."""
+    counts = np.array([[3, 1], [1, 3]])
+    plan = plan_call(counts, 0, LRMoEConfig(), SMALL)
+    net = Network(gpus_per_node=8, intra_gbps=1e-3, intra_latency_us=1.0)
+    bare = price_call(plan, SMALL, LINEAR, net)
+    assert all(bare.phase_ms[p] == 0.0 for p in PHASES if p not in bare.gemm_rank_ms
+               and p not in bare.exchange_bytes)  # fmt: skip
+    price = price_call(plan, SMALL, LINEAR, net, layer=ROUND, topk=2)
+    work = price.work
+    assert work.tokens.tolist() == [2.0, 2.0] and work.pairs.tolist() == [4, 4]
+    assert work.kept_pairs.tolist() == [4, 4] and work.experts.tolist() == [1, 1]
+    assert not work.trimmed
+    p = price.phase_ms
+    for phase in ("dispatch", "combine", "gemm_fwd", "grad", "gemm_bwd", "dgrad"):
+        assert p[phase] == bare.phase_ms[phase]
+    assert p["router"] == p["router_bwd"] == pytest.approx(4.5)  # 0.5 + 2 tokens * 2 ms
+    fwd, bwd = elementwise_bytes(work, SMALL)
+    assert p["elementwise_fwd"] == pytest.approx(fwd.max() / 1e6)
+    assert p["main_grad"] == pytest.approx(24 * 6 / 2e6)
+    gpu_fwd = sum(p[x] for x in FORWARD_PHASES if x != "host_fwd")
+    gpu_bwd = sum(p[x] for x in BACKWARD_PHASES if x != "host_bwd")
+    assert p["host_fwd"] == pytest.approx(max(0.0, 10.0 - gpu_fwd) + 4.0)
+    assert p["host_bwd"] == pytest.approx(max(0.0, 20.0 - gpu_bwd))
+    assert sum(p[x] for x in BACKWARD_PHASES) == pytest.approx(max(20.0, gpu_bwd))
+    # bf16 weight gradients: no main_grad phase
+    none = price_call(plan, SMALL, LINEAR, net, layer=ROUND, topk=2, main_grad="none")
+    assert none.phase_ms["main_grad"] == 0.0
+    with pytest.raises(ValueError, match="topk"):
+        price_call(plan, SMALL, LINEAR, net, layer=ROUND)
+    with pytest.raises(ValueError, match="main_grad"):
+        price_call(plan, SMALL, LINEAR, net, main_grad="fp32")
+
+
+def test_retime_equals_pricing_afresh() -> None:
+    counts = synthetic_counts(1, 4, 16, 256, 2, zipf=1.2, seed=3)[0]
+    plan = plan_call(counts, 0, LRMoEConfig(keep_ratio=0.5, max_replicas_per_rank=1), SMALL)
+    first = price_call(plan, SMALL, LINEAR, Network(), topk=2)
+    other = Network(intra_gbps=100.0, inter_gbps=10.0)
+    again = retime(first, SMALL, other, ROUND)
+    fresh = price_call(plan, SMALL, LINEAR, other, layer=ROUND, topk=2)
+    assert again.phase_ms == fresh.phase_ms and again.work.trimmed
+    assert retime(again, SMALL, Network()).phase_ms == first.phase_ms
+
+
+def test_default_layer_costs_are_the_committed_fit(tmp_path) -> None:
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/replay_validation/costs.json"
+    layer, network = load_costs(path)
+    assert layer == dataclasses.replace(DEFAULT_LAYER_COSTS, source=layer.source)
+    assert network == {"intra_gbps": NVLINK_GBPS} and Network().intra_gbps == NVLINK_GBPS
+    data = json.loads(path.read_text())
+    assert data["format"] == COSTS_FORMAT and set(data["meaning"]) >= set(LayerCosts.CONSTANTS)
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"format": COSTS_FORMAT, "layer": {"memory_gbps": 1.0}}))
+    with pytest.raises(ValueError, match="missing"):
+        load_costs(bad)
+    bad.write_text(json.dumps({"layer": {}}))
+    with pytest.raises(ValueError, match="replay_fit.py"):
+        load_costs(bad)
+
+
+def test_cli_prices_layer_costs_by_default(tmp_path) -> None:
+    args = ["--synthetic", "--layers", "2", "--experts", "16", "--ep", "8", "--arms", "stock",
+            "keep0.5", "--tokens-per-rank", "1024", "--topk", "2"]  # fmt: skip
+    runs = {}
+    for name, extra in (("default", []), ("none", ["--costs", "none"]),
+                        ("bf16", ["--main-grad", "none"])):  # fmt: skip
+        out = tmp_path / f"{name}.json"
+        assert replay_main([*args, *extra, "--out", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())
+    stock = {k: v["results"]["8"]["stock"] for k, v in runs.items()}
+    assert stock["none"]["moe_ms"] < stock["default"]["moe_ms"]
+    assert stock["none"]["phase_ms"]["router"] == 0.0 < stock["default"]["phase_ms"]["router"]
+    assert stock["bf16"]["phase_ms"]["main_grad"] == 0.0 < stock["default"]["phase_ms"]["main_grad"]
+    assert runs["none"]["settings"]["layer_costs"] is None
+    assert runs["default"]["settings"]["network"]["intra_gbps"] == NVLINK_GBPS
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"format": COSTS_FORMAT, "layer": ROUND.to_json(),
+                                 "network": {"intra_gbps": 99.0}}))  # fmt: skip
+    out = tmp_path / "file.json"
+    assert replay_main([*args, "--costs", str(costs), "--out", str(out)]) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["network"]["intra_gbps"] == 99.0
+    assert settings["layer_costs"]["host_fwd_ms"] == 10.0
+    assert replay_main([*args, "--costs", str(costs), "--intra-gbps", "5", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["network"]["intra_gbps"] == 5.0
 
 
 # --- the replay's rows against the controller's assignments ------------------------------------

@@ -1,10 +1,12 @@
 """benchmarks/replay_validation.py: the replay against committed GPU measurements (issue 37 step 4).
 
-Cheapest first: the key lookup and the arm mapping, the router simulation and its trace, then the
+Cheapest first: the key lookup and the arm mapping, the router simulation and its trace, the fit
+(benchmarks/replay_fit.py) recovering known constants from the model's own predictions, then the
 script's core on one model_bench file and one replica_bench file (committed traces, the real
 replay) and the committed JSON: every measured number it quotes is read from a committed result
-file by its key and appears there verbatim (none typed in), and every prediction is what the
-replay gives.
+file by its key and appears there verbatim (none typed in), every prediction is what the replay
+gives, the train / held-out split is the declared one, and the committed fit is what the
+validation used and what the replay's defaults hold.
 """
 
 from __future__ import annotations
@@ -18,14 +20,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import replay_fit as rf
 from benchmarks import replay_validation as rv
+from megatron_lrmoe.config import LRMoEConfig
+from megatron_lrmoe.control.controller import plan_call
+from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.observe.trace import read_trace
+from megatron_lrmoe.replay.cost import DEFAULT_GEMM_TABLE, DEFAULT_LAYER_COSTS, NVLINK_GBPS
+from megatron_lrmoe.replay.cost import LayerCosts, Network
+from megatron_lrmoe.replay.replay import price_call, retime
+from megatron_lrmoe.replay.shard import synthetic_counts
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "benchmarks" / "results" / "replay_validation" / "validation.json"
+COSTS = REPO / "benchmarks" / "results" / "replay_validation" / "costs.json"
 ROW_KEYS = {
-    "config", "bench", "ep", "arm", "label", "quantity", "routing", "measured", "source",
-    "predicted", "error", "within_target",
+    "config", "split", "bench", "ep", "arm", "label", "quantity", "routing", "measured",
+    "source", "predicted", "error", "within_target",
 }  # fmt: skip
 
 
@@ -89,6 +100,91 @@ def test_router_simulation_is_seeded_and_writes_a_trace(tmp_path: Path) -> None:
     assert fresh == {directory} and read_trace(directory).counts.shape == (2, 2, 8)
 
 
+def test_levenberg_marquardt_solves_a_small_least_squares_problem() -> None:
+    t = np.linspace(0.0, 1.0, 20)
+    y = 2.0 * np.exp(-3.0 * t) + 0.5
+    x, info = rf.levenberg_marquardt(lambda p: p[0] * np.exp(-p[1] * t) + p[2] - y,
+                                     np.array([1.0, 1.0, 0.0]))  # fmt: skip
+    assert x == pytest.approx([2.0, 3.0, 0.5], rel=1e-6) and info["cost"] < 1e-20
+
+
+def test_fit_recovers_known_constants_from_the_models_own_predictions() -> None:
+    """Measurements made by the model itself at known constants (calls at P = 1 and 2, keep 1
+    and 0.5, fused and bf16 weight gradients, small calls where the host floors bind and large
+    ones where they do not; the validation's kinds of quantity): the fit, from the script's
+    START, finds the constants again."""
+    truth = {"memory_gbps": 2500.0, "trimmed_fixed_ms": 0.12, "router_fixed_ms": 0.05,
+             "router_token_ns": 25.0,
+             "router_score_ns": 0.3, "main_grad_gbps": 4000.0, "host_fwd_ms": 1.5,
+             "host_bwd_ms": 1.2, "host_trimmed_bwd_ms": 3.0, "sync_ms": 0.8,
+             "intra_gbps": 200.0}  # fmt: skip
+    assert set(truth) == set(rf.NAMES)
+    cost = CostModel(hidden_size=2048, ffn_hidden_size=768)
+    table = DEFAULT_GEMM_TABLE.for_shape(cost)
+    calls = []
+    for seed, (ranks, experts, tokens, keep, main_grad) in enumerate([
+        (1, 16, 1024, 1.0, "fused"), (1, 16, 4096, 0.5, "fused"), (1, 16, 16384, 0.5, "fused"),
+        (1, 128, 16384, 1.0, "fused"), (1, 128, 16384, 0.25, "fused"),
+        (2, 32, 1024, 0.5, "none"), (2, 32, 16384, 1.0, "none"), (2, 32, 16384, 0.5, "none"),
+    ]):  # fmt: skip
+        counts = synthetic_counts(1, ranks, experts, tokens, 8, zipf=0.5, seed=seed)[0]
+        plan = plan_call(counts, 0, LRMoEConfig(keep_ratio=keep), cost)
+        calls.append(price_call(plan, cost, table, Network(), topk=8, main_grad=main_grad))
+
+    def quantities(values: dict) -> np.ndarray:
+        layer = LayerCosts(**{k: values[k] for k in LayerCosts.CONSTANTS})
+        network = Network(intra_gbps=values["intra_gbps"])
+        out = []
+        for call in calls:
+            p = retime(call, cost, network, layer).phase_ms
+            out += [sum(p[x] for x in rv.FORWARD), sum(p[x] for x in rv.BACKWARD),
+                    sum(p[x] for x in rv.OP_FORWARD), sum(p[x] for x in rv.OP_BACKWARD),
+                    p["router"], p["elementwise_bwd"], p["gemm_bwd"] / 2 + p["main_grad"],
+                    sum(p[x] for x in rv.EXCHANGES4)]  # fmt: skip
+        return np.array(out)
+
+    measured = quantities(truth)
+    used = measured > 0  # no exchanges at P = 1
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        values = dict(zip(rf.NAMES, np.exp(x)))
+        return np.log(quantities(values)[used] / measured[used])
+
+    start = np.log([rf.START[k] for k in rf.NAMES])
+    assert np.abs(residuals(start)).max() > 0.5  # the start is far off
+    x, info = rf.levenberg_marquardt(residuals, start)
+    found = dict(zip(rf.NAMES, np.exp(x)))
+    assert info["cost"] < 1e-12
+    for name in rf.NAMES:
+        assert found[name] == pytest.approx(truth[name], rel=1e-4), name
+
+
+def test_split_is_declared_and_the_fit_reads_only_training_runs() -> None:
+    files = rf.training_files()
+    every = [*files["model_files"], *files["layer_files"], *files["replica_files"]]
+    assert every and all(f.startswith(rv.TRAINING_RUNS) for f in every)
+    held = [f for f in (*rv.MODEL_BENCH, *rv.LAYER_BENCH, *rv.REPLICA_BENCH) if f not in every]
+    assert {f.split("/")[0] for f in held} == {
+        "gpu_run33", "gpu_run28", "gpu_run29", "gpu_run1", "gpu_run2", "gpu_run4", "gpu_run5"
+    }  # fmt: skip
+    assert rv.split_of("gpu_run32/call1/model_e16_t4096") == "training"
+    assert rv.split_of("gpu_run8/layer_ep2 t4096") == "training"
+    assert rv.split_of("gpu_run4/layer_ep2 t4096") == "held-out"
+
+
+def test_committed_costs_are_the_fit_of_the_declared_split() -> None:
+    data = json.loads(COSTS.read_text(encoding="utf-8"))
+    assert data["split"]["training_runs"] == list(rv.TRAINING_RUNS)
+    assert all(f.startswith(tuple(f"benchmarks/results/{r}" for r in rv.TRAINING_RUNS))
+               for f in data["split"]["training_files"])  # fmt: skip
+    assert data["fit"]["start"] == rf.START and data["fit"]["quantities"] == list(rf.FIT_QUANTITIES)
+    assert data["fit"]["objective_at_fit"] < data["fit"]["objective_at_start"]
+    assert {k: data["layer"][k] for k in LayerCosts.CONSTANTS} == {
+        k: getattr(DEFAULT_LAYER_COSTS, k) for k in LayerCosts.CONSTANTS
+    }
+    assert data["network"]["intra_gbps"] == NVLINK_GBPS
+
+
 def _assert_read_from_committed_files(rows: list[dict]) -> None:
     """Every measured number: ``op`` over values found at its keys in a result file that git
     tracks, each value written there verbatim."""
@@ -138,19 +234,37 @@ def test_core_on_committed_traces_quotes_only_committed_numbers() -> None:
         assert (REPO / r["routing"] / "rank00000" / "meta.json").is_file()
     _assert_read_from_committed_files(rows)
 
-    # The predictions are the replay's: the keep-1.0 GEMM floor is its gemm_fwd phase.
+    # The predictions are the replay's: the keep-1.0 GEMM floor is its gemm_fwd phase, the
+    # layer and the op the sums of their phases, the profiled rest the router.
     (replay,) = [d for d in payload["replays"] if d["config"].endswith("model_e128_t16384")]
     floor = next(r for r in rows if r["quantity"] == "floor_gemm_fwd_ms")
-    assert floor["predicted"] == replay["predictions"]["keep1"]["phase_ms"]["gemm_fwd"]
+    phases = replay["predictions"]["keep1"]["phase_ms"]
+    assert floor["predicted"] == phases["gemm_fwd"]
+    keep1 = {r["quantity"]: r for r in rows if r["arm"] == "keep1" and r["bench"] == "model_bench"}
+    for quantity, names in (("fwd_ms", rv.FORWARD), ("bwd_ms", rv.BACKWARD),
+                            ("op_fwd_ms", rv.OP_FORWARD), ("op_bwd_ms", rv.OP_BACKWARD)):
+        assert keep1[quantity]["predicted"] == pytest.approx(sum(phases[p] for p in names))
+    assert keep1["rest_fwd_ms"]["predicted"] == phases["router"] > 0
+    assert phases["main_grad"] > 0  # model_bench fuses main_grad, the replica bench does not
+    # The model before the fit: GEMMs and exchanges only, the rest 0.
+    assert keep1["rest_fwd_ms"]["predicted_unfitted"] == 0.0
+    assert keep1["floor_gemm_fwd_ms"]["predicted_unfitted"] == floor["predicted"]
+    assert {r["split"] for r in rows} == {"training", "held-out"}
+    assert all(r["split"] == rv.split_of(r["config"]) for r in rows)
+    replica = [d for d in payload["replays"] if "replica_bench" in d["config"]]
+    predictions = [p for d in replica for p in d["predictions"].values()]
+    assert predictions and all(p["phase_ms"]["main_grad"] == 0.0 for p in predictions)
     # The planner's peaks from the recorded expert totals match the file's rows exactly.
     peaks = [r for r in rows if r["quantity"] in ("fwd_peak_rows", "bwd_peak_rows")]
     assert len(peaks) == 3 * 4 * 2 and all(r["error"] == 0.0 for r in peaks)
     summary = payload["summary"]
     assert summary["all"]["n"] == len(rows)
     assert sum(v["n"] for k, v in summary.items() if k != "all") == len(rows)
+    split = payload["summary_training"]["all"]["n"] + payload["summary_held_out"]["all"]["n"]
+    assert split == len(rows) == payload["summary_unfitted"]["all"]["n"]
     assert payload["not_compared"] and payload["routing_checks"]
     table = rv.markdown(payload)
-    assert "| gpu_run32/call2/model_e128_t16384 | floor_gemm_fwd_ms |" in table
+    assert "| gpu_run32/call2/model_e128_t16384 | train | floor_gemm_fwd_ms |" in table
 
 
 def test_committed_validation_json_quotes_only_committed_numbers() -> None:
@@ -159,6 +273,18 @@ def test_committed_validation_json_quotes_only_committed_numbers() -> None:
     assert payload["summary"]["all"]["n"] == len(rows) > 0
     assert {r["bench"] for r in rows} == {"model_bench", "layer_bench", "replica_bench"}
     for r in rows:
-        assert ROW_KEYS <= set(r)
+        assert ROW_KEYS <= set(r) and r["split"] == rv.split_of(r["config"])
         assert (REPO / r["routing"] / "rank00000" / "meta.json").is_file()
+        assert r["error_unfitted"] == pytest.approx(r["predicted_unfitted"] / r["measured"] - 1)
     _assert_read_from_committed_files(rows)
+    # Made with the committed fit (the replay's defaults), on the declared split.
+    layer = payload["layer_costs"]
+    assert {k: layer[k] for k in LayerCosts.CONSTANTS} == {
+        k: getattr(DEFAULT_LAYER_COSTS, k) for k in LayerCosts.CONSTANTS
+    }
+    assert payload["network"]["intra_gbps"] == NVLINK_GBPS
+    assert payload["split"]["training_runs"] == list(rv.TRAINING_RUNS)
+    for name, split in (("summary_training", "training"), ("summary_held_out", "held-out")):
+        mine = [r for r in rows if r["split"] == split]
+        assert payload[name]["all"]["n"] == len(mine)
+        assert payload[name]["all"]["within_target"] == sum(r["within_target"] for r in mine)

@@ -2,6 +2,7 @@
 
     python -m megatron_lrmoe.replay --trace DIR --ep 8 16 32 64 [--arms stock rep2 keep0.5 ...]
         [--passes 1] [--tokens recorded|split] [--tokens-per-rank T] [--gemm-table FILE]
+        [--costs FILE|none] [--main-grad fused|none]
         [--ep-group G|all] [--common-calls] [--stages-without-moe S ...] [--rank R]
         [--out replay.json]
     python -m megatron_lrmoe.replay --synthetic --layers 48 --experts 128 --zipf 1.2 --ep 64
@@ -29,12 +30,16 @@ from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.observe.trace import read_trace, write_trace
 from megatron_lrmoe.replay.cost import (
     DEFAULT_GEMM_TABLE,
+    DEFAULT_LAYER_COSTS,
     GPUS_PER_NODE,
+    MAIN_GRAD_MODES,
     NIC_GBPS,
     NIC_LATENCY_US,
     NVLINK_GBPS,
     NVLINK_LATENCY_US,
+    LayerCosts,
     Network,
+    load_costs,
     load_gemm_table,
 )
 from megatron_lrmoe.replay.replay import DEFAULT_ARMS, PHASES, parse_arm, replay_pass
@@ -97,11 +102,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn-hidden-size", type=int, default=None, help="F (else trace's, 768)")
     p.add_argument("--activation-bytes", type=int, default=None, help="bytes per element (2)")
     p.add_argument("--gemm-table", default=None, help="GEMM table JSON (gemm_table.py)")
+    p.add_argument(
+        "--costs",
+        default=None,
+        metavar="FILE|none",
+        help="layer costs (router, elementwise work, main_grad, host) and the network fields a "
+        "fitted file sets (benchmarks/replay_fit.py); default: the committed fit; 'none': "
+        "GEMMs and exchanges only",
+    )
+    p.add_argument(
+        "--main-grad",
+        choices=MAIN_GRAD_MODES,
+        default="fused",
+        help="weight gradients accumulated into fp32 main_grad in the GEMM (fused, Megatron's "
+        "default with gradient_accumulation_fusion) or not accumulated in the layer (none)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE)
-    p.add_argument("--intra-gbps", type=float, default=NVLINK_GBPS)
-    p.add_argument("--intra-latency-us", type=float, default=NVLINK_LATENCY_US)
-    p.add_argument("--inter-gbps", type=float, default=NIC_GBPS)
-    p.add_argument("--inter-latency-us", type=float, default=NIC_LATENCY_US)
+    p.add_argument("--intra-gbps", type=float, default=None, help=f"default {NVLINK_GBPS:g}")
+    p.add_argument("--intra-latency-us", type=float, default=None)
+    p.add_argument("--inter-gbps", type=float, default=None)
+    p.add_argument("--inter-latency-us", type=float, default=None)
     p.add_argument("--check", action="store_true", help="check every plan's invariants")
     p.add_argument("--out", default="replay.json", help="JSON output ('' for none)")
     syn = p.add_argument_group("synthetic counts (--synthetic)")
@@ -187,6 +207,28 @@ def _cost(args: argparse.Namespace, meta: dict[str, Any]) -> CostModel:
     )
 
 
+def _costs(args: argparse.Namespace) -> tuple[Optional[LayerCosts], Network]:
+    """The layer costs and the network: each network field from its flag, else from the costs
+    file (``--costs FILE``), else the default."""
+    layer: Optional[LayerCosts] = DEFAULT_LAYER_COSTS
+    fitted: dict[str, float] = {}
+    if args.costs == "none":
+        layer = None
+    elif args.costs:
+        layer, fitted = load_costs(args.costs)
+    defaults = {
+        "intra_gbps": NVLINK_GBPS,
+        "intra_latency_us": NVLINK_LATENCY_US,
+        "inter_gbps": NIC_GBPS,
+        "inter_latency_us": NIC_LATENCY_US,
+    }
+    fields = {
+        k: getattr(args, k) if getattr(args, k) is not None else fitted.get(k, default)
+        for k, default in defaults.items()
+    }
+    return layer, Network(gpus_per_node=args.gpus_per_node, **fields)
+
+
 def _mean(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in summaries[0].items():
@@ -202,15 +244,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     passes, meta = _passes(args)
     cost = _cost(args, meta)
     gemm = load_gemm_table(args.gemm_table) if args.gemm_table else DEFAULT_GEMM_TABLE
-    network = Network(
-        gpus_per_node=args.gpus_per_node,
-        intra_gbps=args.intra_gbps,
-        intra_latency_us=args.intra_latency_us,
-        inter_gbps=args.inter_gbps,
-        inter_latency_us=args.inter_latency_us,
-    )
+    layer, network = _costs(args)
     arms = [parse_arm(a) for a in args.arms]
     topk = args.topk or meta.get("topk")
+    if layer is not None and not topk:
+        raise ValueError(
+            "the layer costs need the router's top-k (tokens = pairs / top-k): the trace records "
+            "none; pass --topk K, or --costs none"
+        )
     pairs = None
     if args.tokens_per_rank is not None and not args.synthetic:
         if not topk:
@@ -224,7 +265,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for counts in passes:
             virtual = np.stack([reshard(c, ranks, args.tokens, pairs) for c in counts])
             for name, result in replay_pass(
-                virtual, arms, cost, gemm, network, check=args.check
+                virtual,
+                arms,
+                cost,
+                gemm,
+                network,
+                check=args.check,
+                layer=layer,
+                topk=int(topk) if topk else None,
+                main_grad=args.main_grad,
             ).items():
                 per_arm.setdefault(name, []).append(result.summary())
         seconds[str(ranks)] = time.perf_counter() - start
@@ -246,6 +295,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cost": cost.__dict__,
             "gemm_table": gemm.to_json(),
             "network": {k: v for k, v in network.__dict__.items() if not k.startswith("_")},
+            "layer_costs": layer.to_json() if layer is not None else None,
+            "main_grad": args.main_grad,
             "phases": list(PHASES),
         },
         "results": results,

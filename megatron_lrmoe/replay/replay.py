@@ -18,14 +18,27 @@ per-rank work and prices each phase with :mod:`megatron_lrmoe.replay.cost`:
 | ``dgrad`` | the kept pairs' input-gradient rows (H), holder -> source |
 | ``replica_grads`` | each replica's weight gradient (in the weights' dtype), holder -> owner |
 
+With :class:`~megatron_lrmoe.replay.cost.LayerCosts` (``layer=``; the CLI's default) the rest
+of the call is priced too (see that module):
+
+| phase | per rank |
+|---|---|
+| ``router``, ``router_bwd`` | the router and the residual stream, per token (and token-expert) |
+| ``elementwise_fwd`` | permutation, activation, un-permutation: bytes over the memory's speed |
+| ``host_fwd`` | the forward's host floor less its GPU phases, plus the count sync at P > 1 |
+| ``elementwise_bwd`` | gradient rows, activation bwd, gather-sum; trimmed: scoring, packing |
+| ``main_grad`` | the fused fp32 ``main_grad`` accumulation of the owned experts' weight gradients |
+| ``host_bwd`` | the backward's host floor less its GPU phases |
+
 A phase lasts as long as its slowest rank; the call's MoE time is the sum of its phases (no
 overlap between phases), a pass's the sum over its layers. The stock arm (fixed ownership, keep
 1.0) is the same controller at keep 1.0 without replicas; its memory is stock Megatron's
-(``MemoryPlan.stock_*``: ``SequentialMLP``'s saved activations). Memory per rank over a pass:
+(``MemoryPlan.stock_*``: ``SequentialMLP``'s saved activations); its time is priced as LRMoE's
+at keep 1.0 (a grouped GEMM, not ``SequentialMLP``'s loop). Memory per rank over a pass:
 what each layer holds from its forward to its backward (replicas and saved activations) summed
 over the layers, plus the largest transient buffer of one layer (forward token buffers or
-backward working rows). Router, permutation, the scalar exchanges (routing-weight gradients,
-positions) and elementwise kernels are not priced.
+backward working rows). Not priced: the scalar exchanges (routing-weight gradients, positions),
+overlap of phases, and without ``layer`` everything but the GEMMs and the exchanges.
 """
 
 from __future__ import annotations
@@ -40,10 +53,12 @@ from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.control.balance import interval_split_np
 from megatron_lrmoe.control.controller import ControlPlan, plan_call
 from megatron_lrmoe.control.costs import CostModel
-from megatron_lrmoe.replay.cost import GemmTable, Network
+from megatron_lrmoe.replay.cost import MAIN_GRAD_MODES, GemmTable, LayerCosts, LayerWork, Network
 
 __all__ = [
+    "BACKWARD_PHASES",
     "DEFAULT_ARMS",
+    "FORWARD_PHASES",
     "Arm",
     "CallPrice",
     "PHASES",
@@ -51,18 +66,30 @@ __all__ = [
     "price_call",
     "rank_pair_rows",
     "replay_pass",
+    "retime",
 ]
 
-PHASES = (
+FORWARD_PHASES = (
+    "router",
     "dispatch",
     "replica_fetch",
+    "elementwise_fwd",
     "gemm_fwd",
     "combine",
+    "host_fwd",
+)
+BACKWARD_PHASES = (
     "grad",
+    "elementwise_bwd",
     "gemm_bwd",
+    "main_grad",
     "dgrad",
     "replica_grads",
+    "router_bwd",
+    "host_bwd",
 )
+PHASES = FORWARD_PHASES + BACKWARD_PHASES
+_EXCHANGES = ("dispatch", "replica_fetch", "combine", "grad", "dgrad", "replica_grads")
 DEFAULT_ARMS = (
     "stock",
     "rep2",
@@ -197,6 +224,9 @@ class CallPrice:
         pairs, kept, trimmed, replicas: Totals of the call.
         binding: Budgets that bound (``ControlPlan.binding_budgets``), unmet ones marked ``!``.
         plan_ms: The controller's wall time.
+        gemm_rank_ms: ``[P]`` GEMM milliseconds per rank of ``gemm_fwd`` and ``gemm_bwd``.
+        work: The rows :class:`LayerCosts` prices (None: priced without, no top-k given).
+        main_grad: Where the weight gradients go (``MAIN_GRAD_MODES``).
     """
 
     phase_ms: dict[str, float]
@@ -212,6 +242,9 @@ class CallPrice:
     replicas: int
     binding: tuple[str, ...] = ()
     plan_ms: float = 0.0
+    gemm_rank_ms: dict[str, np.ndarray] = field(default_factory=dict)
+    work: Optional[LayerWork] = None
+    main_grad: str = "fused"
 
     @property
     def total_ms(self) -> float:
@@ -258,6 +291,9 @@ def price_call(
     gemm: GemmTable,
     network: Network,
     stock: bool = False,
+    layer: Optional[LayerCosts] = None,
+    topk: Optional[int] = None,
+    main_grad: str = "fused",
 ) -> CallPrice:
     """Price one planned call on every rank (see the module docstring).
 
@@ -267,10 +303,17 @@ def price_call(
         gemm: The GEMM table at ``cost``'s shape (:meth:`GemmTable.for_shape`).
         network: All-to-all pricing.
         stock: Price the memory as stock Megatron's (``MemoryPlan.stock_*``).
+        layer: Also price the router, elementwise work, ``main_grad`` and the host
+            (:class:`LayerCosts`); None: GEMMs and exchanges only.
+        topk: The router's top-k (tokens = pairs / top-k); needed with ``layer``.
+        main_grad: ``"fused"`` (the weight gradients accumulate into fp32 ``main_grad`` in the
+            GEMM) or ``"none"`` (bf16 gradients, no accumulation in the layer).
     """
     memory = plan.memory
     if memory is None:
         raise ValueError("price_call: the plan has no memory plan; call plan_call with a cost")
+    if main_grad not in MAIN_GRAD_MODES:
+        raise ValueError(f"price_call: main_grad ({main_grad!r}) must be one of {MAIN_GRAD_MODES}")
     counts = plan.counts.numpy()
     owner = plan.owner.numpy()
     a, b = plan.forward_load.numpy(), plan.backward_load.numpy()
@@ -295,9 +338,24 @@ def price_call(
     bwd = 2.0 * (gemm.rank_ms("fc1", b) + gemm.rank_ms("fc2", b))
     if recompute:
         bwd = bwd + gemm.rank_ms("fc1", b)
-    phase_ms = {name: float(network.alltoall_ms(m).max()) for name, m in exchanges.items()}
-    phase_ms["gemm_fwd"] = float(fwd.max())
-    phase_ms["gemm_bwd"] = float(bwd.max())
+    work = None
+    if topk is not None:
+        if topk <= 0:
+            raise ValueError(f"price_call: topk ({topk}) must be positive")
+        pairs = counts.sum(axis=1)
+        work = LayerWork(
+            tokens=pairs / topk,
+            pairs=pairs,
+            forward_rows=a.sum(axis=0),
+            kept_rows=b.sum(axis=0),
+            kept_pairs=backward_pairs.sum(axis=1),
+            experts=np.bincount(owner, minlength=plan.ep_size),
+            num_experts=int(counts.shape[1]),
+            trimmed=not plan.keeps_all,
+            recompute=recompute,
+        )
+    elif layer is not None:
+        raise ValueError("price_call: layer costs need the router's topk (tokens = pairs / topk)")
     off = ~np.eye(plan.ep_size, dtype=bool)
     network_bytes = sum(np.where(off, m, 0).sum(axis=1) for m in exchanges.values())
     if stock:
@@ -310,8 +368,8 @@ def price_call(
         transient = np.maximum(
             memory.backward_bytes.numpy(), memory.forward_buffer_bytes.numpy()
         )
-    return CallPrice(
-        phase_ms={name: phase_ms[name] for name in PHASES},
+    price = CallPrice(
+        phase_ms={},
         forward_rows=a.sum(axis=0),
         backward_rows=b.sum(axis=0),
         held_bytes=held,
@@ -324,7 +382,39 @@ def price_call(
         replicas=int(plan.num_replicas),
         binding=tuple(plan.binding_budgets) + tuple(f"{u}!" for u in plan.unmet_budgets),
         plan_ms=plan.planner_time_s * 1e3,
+        gemm_rank_ms={"gemm_fwd": fwd, "gemm_bwd": bwd},
+        work=work,
+        main_grad=main_grad,
     )
+    return retime(price, cost, network, layer)
+
+
+def retime(
+    price: CallPrice, cost: CostModel, network: Network, layer: Optional[LayerCosts] = None
+) -> CallPrice:
+    """``price`` with its phases priced again under ``network`` and ``layer`` (the plan's rows
+    and bytes as they are): what a fit of the constants evaluates many times.
+
+    Each phase lasts as long as its slowest rank. With ``layer`` the host phases are what the
+    GPU waits for the host: ``host_fwd = max(0, host floor - GPU forward phases) + sync``,
+    ``host_bwd = max(0, host floor - GPU backward phases)``.
+    """
+    phase_ms = {name: 0.0 for name in PHASES}
+    for name in _EXCHANGES:
+        phase_ms[name] = float(network.alltoall_ms(price.exchange_bytes[name]).max())
+    for name, ms in price.gemm_rank_ms.items():
+        phase_ms[name] = float(ms.max())
+    if layer is not None:
+        if price.work is None:
+            raise ValueError("retime: the call was priced without topk; layer costs need it")
+        for name, ms in layer.gpu_ms(price.work, cost, price.main_grad).items():
+            phase_ms[name] = float(ms.max())
+        host_fwd, host_bwd, sync = layer.host_ms(price.work, price.main_grad)
+        gpu_fwd = sum(phase_ms[p] for p in FORWARD_PHASES)
+        gpu_bwd = sum(phase_ms[p] for p in BACKWARD_PHASES)
+        phase_ms["host_fwd"] = max(0.0, host_fwd - gpu_fwd) + sync
+        phase_ms["host_bwd"] = max(0.0, host_bwd - gpu_bwd)
+    return replace(price, phase_ms=phase_ms)
 
 
 @dataclass
@@ -385,10 +475,14 @@ def replay_pass(
     gemm: GemmTable,
     network: Network,
     check: bool = False,
+    layer: Optional[LayerCosts] = None,
+    topk: Optional[int] = None,
+    main_grad: str = "fused",
 ) -> dict[str, PassResult]:
     """Every arm over one pass of ``[L, P, E]`` counts (already at the replay's P).
 
     The stock arm runs first (relative budgets need its references; it is added if missing).
+    ``layer``, ``topk``, ``main_grad``: as :func:`price_call` takes them.
 
     Returns:
         ``arm name -> PassResult``, the stock arm under ``"stock"``.
@@ -407,7 +501,9 @@ def replay_pass(
         for layer_counts in counts:
             plan = plan_call(layer_counts, 0, config, cost, check=check)
             plans.append(plan)
-            result.calls.append(price_call(plan, cost, table, network, stock=arm.stock))
+            result.calls.append(
+                price_call(plan, cost, table, network, arm.stock, layer, topk, main_grad)
+            )
         if arm.stock:
             refs = stock_references(plans)
         results[arm.name] = result
