@@ -35,7 +35,6 @@ both) on the same rows and group sizes, plus at EP > 1 the four all-to-alls of t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import statistics
@@ -56,6 +55,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
     zero_grads,
 )
+from megatron_lrmoe.options import KernelOptions  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -63,20 +63,6 @@ class Variant:
     name: str
     lrmoe: Any  # LRMoEConfig, or None for stock
     samples: dict = dataclasses.field(default_factory=dict)
-    env: dict = dataclasses.field(default_factory=dict)  # environment while this variant runs
-
-    @contextlib.contextmanager
-    def environ(self) -> Any:
-        old = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     def add(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
@@ -86,12 +72,13 @@ class Variant:
         return statistics.median(vals) if vals else None
 
 
-# The A/B switches: ``--eager-<name>`` adds keep 0.5 ``sample`` with that graph off (its env).
+# The A/B switches: ``--eager-<name>`` adds keep 0.5 ``sample`` with that graph off (its
+# ``KernelOptions`` switch, in the variant's ``LRMoEConfig.kernels``).
 EAGER_SWITCHES = {
-    "selection": "LRMOE_SELECT_GRAPHS",  # the selection launched kernel by kernel
-    "scoring": "LRMOE_SCORE_GRAPHS",  # the scoring launched before the replayed selection
-    "front": "LRMOE_FRONT_GRAPHS",  # the row-dot and packing launched around the graph
-    "experts": "LRMOE_EXPERT_GRAPHS",  # the expert half (EP 1, fused main_grad) launched eagerly
+    "selection": "select_graphs",  # the selection launched kernel by kernel
+    "scoring": "score_graphs",  # the scoring launched before the replayed selection
+    "front": "front_graphs",  # the row-dot and packing launched around the graph
+    "experts": "expert_graphs",  # the expert half (EP 1, fused main_grad) launched eagerly
 }
 
 
@@ -111,8 +98,7 @@ def _variants(
     out = [] if fusion == "on" else list(base)
     if fusion in ("on", "both"):
         out += [
-            Variant(f"{v.name} fused",
-                    dataclasses.replace(v.lrmoe, grad_accumulation_fusion="on"), env=v.env)
+            Variant(f"{v.name} fused", dataclasses.replace(v.lrmoe, grad_accumulation_fusion="on"))
             for v in base
         ]  # fmt: skip
     return out
@@ -148,9 +134,12 @@ def _base_variants(
     # The same keep-0.5 call with one graph switched off (the code before that graph, or that
     # part of it, existed): an A/B of each graph inside one process.
     for what in eager:
+        kernels = KernelOptions(**{EAGER_SWITCHES[what]: False})
         out.append(
-            Variant(f"LRMoE keep 0.5 sample eager {what}", LRMoEConfig(keep_ratio=0.5),
-                    env={EAGER_SWITCHES[what]: "0"})
+            Variant(
+                f"LRMoE keep 0.5 sample eager {what}",
+                LRMoEConfig(keep_ratio=0.5, kernels=kernels),
+            )
         )
     return out
 
@@ -332,26 +321,26 @@ def main() -> None:
         "--eager-selection",
         action="store_true",
         help="add keep 0.5 sample with the selection launched kernel by kernel "
-        "(LRMOE_SELECT_GRAPHS=0), beside the default CUDA-graph replay",
+        "(--no-lrmoe-select-graphs), beside the default CUDA-graph replay",
     )
     parser.add_argument(
         "--eager-scoring",
         action="store_true",
         help="add keep 0.5 sample with the scoring launched before the replayed selection "
-        "(LRMOE_SCORE_GRAPHS=0), beside the default one graph for both",
+        "(--no-lrmoe-score-graphs), beside the default one graph for both",
     )
     parser.add_argument(
         "--eager-front",
         action="store_true",
         help="add keep 0.5 sample with the router gradient's row-dot and the packing launched "
-        "around the replayed scoring and selection (LRMOE_FRONT_GRAPHS=0), beside the default "
+        "around the replayed scoring and selection (--no-lrmoe-front-graphs), beside the default "
         "one graph for all four",
     )
     parser.add_argument(
         "--eager-experts",
         action="store_true",
         help="add keep 0.5 sample with only the front replayed and the expert half of the "
-        "backward launched kernel by kernel (LRMOE_EXPERT_GRAPHS=0), beside the default: the "
+        "backward launched kernel by kernel (--no-lrmoe-expert-graphs), beside the default: the "
         "whole trimmed backward as one replayed graph per layer (EP 1 with --main-grad "
         "--fusion on only)",
     )
@@ -425,33 +414,29 @@ def main() -> None:
         up = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         for v in variants:
             v.samples = {}
-            with v.environ():
-                for _ in range(args.warmup):
-                    _timed_step(layer_for(v), x, up, Variant("warmup", None))
+            for _ in range(args.warmup):
+                _timed_step(layer_for(v), x, up, Variant("warmup", None))
         for _ in range(args.iters):
             for v in variants:
                 torch.distributed.barrier()
-                with v.environ():
-                    _timed_step(layer_for(v), x, up, v)
+                _timed_step(layer_for(v), x, up, v)
         # The first sync-debug-mode backward of a process reports one synchronising call
         # whichever layer runs it (stock too, when stock comes first): discard one.
-        with variants[0].environ():
-            _memory_step(layer_for(variants[0]), x, up, Variant("warmup", None))
+        _memory_step(layer_for(variants[0]), x, up, Variant("warmup", None))
         for v in variants:
             torch.distributed.barrier()
-            with v.environ():
-                # The expert graphs' memory, per variant: captured afresh and measured on a
-                # replay (the first call of a shape gets no shared buffers, the second runs
-                # eagerly on them, the third captures).
-                bg.reset()
-                for _ in range(3):
-                    _memory_step(layer_for(v), x, up, Variant("warmup", None))
-                _memory_step(layer_for(v), x, up, v)
-                v.add("graph_mib", bg.graph_memory_bytes() / 2**20)
-                if not args.no_profile and rank == 0 and ep == 1:
-                    # Profiling one rank of several would desynchronise the collectives; at
-                    # EP > 1 run benchmarks/profile_layer.py instead.
-                    _profile_step(layer_for(v), x, up, v, out_dir)
+            # The expert graphs' memory, per variant: captured afresh and measured on a
+            # replay (the first call of a shape gets no shared buffers, the second runs
+            # eagerly on them, the third captures).
+            bg.reset()
+            for _ in range(3):
+                _memory_step(layer_for(v), x, up, Variant("warmup", None))
+            _memory_step(layer_for(v), x, up, v)
+            v.add("graph_mib", bg.graph_memory_bytes() / 2**20)
+            if not args.no_profile and rank == 0 and ep == 1:
+                # Profiling one rank of several would desynchronise the collectives; at
+                # EP > 1 run benchmarks/profile_layer.py instead.
+                _profile_step(layer_for(v), x, up, v, out_dir)
         lr.lrmoe_config = LRMoEConfig(keep_ratio=1.0)
         _timed_step(lr, x, up, Variant("floor-setup", None))
         floor = _floor(lr, ep, tokens, args.warmup, args.iters, args.keep)

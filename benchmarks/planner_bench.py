@@ -17,7 +17,8 @@ measures on the host CPU:
 
 Usage: ``python benchmarks/planner_bench.py [--repeats 30] [--out benchmarks/results/...json]``.
 The planner runs its compiled loops (control/native.py) when a C compiler is available;
-``LRMOE_NATIVE=0`` times the Python planner. The path used is printed and kept in the JSON.
+``--python-planner`` times the Python planner (``KernelOptions(native_planner=False)``, the
+placement alone with ``lib=None``). The path used is printed and kept in the JSON.
 It prints a table and writes JSON. Timings depend on the machine and its load (the JSON records
 the load average); compare medians from one run.
 """
@@ -44,6 +45,7 @@ from megatron_lrmoe.control.controller import plan_call
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.placement import place_replicas
 from megatron_lrmoe.control.reference import reference_optimal_peak
+from megatron_lrmoe.options import KernelOptions
 
 # Qwen3-30B-A3B-like expert shapes (bf16), as in benchmarks/common.py.
 COST = CostModel(hidden_size=2048, ffn_hidden_size=768, gated=True, activation_bytes=2)
@@ -154,17 +156,22 @@ def bench_case(num_ranks: int, num_experts: int, exponent: float, args: Any) -> 
     counts = zipf_counts(num_ranks, num_experts, exponent, args.pairs_per_rank, seed=num_experts)
     torch_counts = torch.from_numpy(counts)
     load = counts.sum(0)
+    kernels = KernelOptions(native_planner=not args.python_planner)
     settings = {
-        "quotas": LRMoEConfig(keep_ratio=KEEP),
-        "replicas_save": LRMoEConfig(keep_ratio=KEEP, max_replicas_per_rank=REPLICAS),
+        "quotas": LRMoEConfig(keep_ratio=KEEP, kernels=kernels),
+        "replicas_save": LRMoEConfig(
+            keep_ratio=KEEP, max_replicas_per_rank=REPLICAS, kernels=kernels
+        ),
         "replicas_recompute": LRMoEConfig(
-            keep_ratio=KEEP, max_replicas_per_rank=REPLICAS, activation_mode="recompute"
+            keep_ratio=KEEP, max_replicas_per_rank=REPLICAS, activation_mode="recompute",
+            kernels=kernels,
         ),
     }
     free = plan_call(counts, 0, settings["replicas_save"], COST)
     budget = int(free.memory.budgeted_bytes.max() * 0.9)
     settings["replicas_budget"] = LRMoEConfig(
-        keep_ratio=KEEP, max_replicas_per_rank=REPLICAS, memory_budget_bytes=budget
+        keep_ratio=KEEP, max_replicas_per_rank=REPLICAS, memory_budget_bytes=budget,
+        kernels=kernels,
     )
     row: dict[str, Any] = {"ep": num_ranks, "experts": num_experts, "zipf": exponent}
     for name, lrmoe in settings.items():
@@ -174,8 +181,12 @@ def bench_case(num_ranks: int, num_experts: int, exponent: float, args: Any) -> 
     budgeted = plan_call(counts, 0, settings["replicas_budget"], COST, check=True)
     uncapped = max(1, int(budgeted.uncapped_quota.sum()))
     row["budget_trimmed_share"] = round(budgeted.trimmed_pairs / uncapped, 4)
+    lib = None if args.python_planner else native.library()
     row["placement_us"] = round(
-        median_us(lambda: place_replicas(load, num_ranks, REPLICAS, 1 / 512), args.repeats)[1], 1
+        median_us(
+            lambda: place_replicas(load, num_ranks, REPLICAS, 1 / 512, lib=lib), args.repeats
+        )[1],
+        1,
     )
     plan = plan_call(counts, 0, settings["replicas_save"], COST, check=True)
     recompute = plan_call(counts, 0, settings["replicas_recompute"], COST, check=True)
@@ -229,13 +240,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eps", type=int, nargs="*", default=[8, 16, 32, 64])
     parser.add_argument("--experts", type=int, nargs="*", default=[128, 256])
     parser.add_argument(
+        "--python-planner",
+        action="store_true",
+        help="time the Python planner (KernelOptions(native_planner=False)) instead of its "
+        "compiled twin",
+    )
+    parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "planner_bench.json")
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    # The compiled planner (control/native.py) unless LRMOE_NATIVE=0 or no C compiler; built
+    # The compiled planner (control/native.py) unless --python-planner or no C compiler; built
     # (or loaded from its cache) here, before any timing.
-    path = "native" if native.library() is not None else "python"
+    path = "python" if args.python_planner or native.library() is None else "native"
     print(f"planner path: {path}", file=sys.stderr, flush=True)
     rows = []
     for num_ranks in args.eps:
@@ -243,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
             for exponent in EXPONENTS:
                 rows.append(bench_case(num_ranks, num_experts, exponent, args))
                 print(rows[-1], file=sys.stderr, flush=True)
-    print(f"planner path: {path} (LRMOE_NATIVE=0 forces python)")
+    print(f"planner path: {path} (--python-planner forces python)")
     print_table(rows)
     small = small_cases(args.small_cases)
     print("small cases vs brute-force optimum:", json.dumps(small))

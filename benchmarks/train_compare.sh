@@ -22,7 +22,7 @@
 #   A_KEEP=0.5 B_KEEP=0.5 B_FLAGS=--no-lrmoe-record-stats NAME_A=stats NAME_B=nostats \
 #     bash benchmarks/train_compare.sh OUT
 # The front graph against the stages launched around the replayed scoring and selection:
-#   A_KEEP=0.5 B_KEEP=0.5 B_ENV=LRMOE_FRONT_GRAPHS=0 NAME_A=front NAME_B=eagerfront \
+#   A_KEEP=0.5 B_KEEP=0.5 B_FLAGS=--no-lrmoe-front-graphs NAME_A=front NAME_B=eagerfront \
 #     bash benchmarks/train_compare.sh OUT
 # Two versions of the code (run B's entry script in a folder of this checkout that holds the
 # other commit's package: Python puts the script's folder first on the path):

@@ -18,12 +18,14 @@ if TYPE_CHECKING:
     from megatron_lrmoe.config import LRMoEConfig
     from megatron_lrmoe.experts.module import LRGroupedMLP
     from megatron_lrmoe.layer import LRMoELayer, set_lrmoe_training_step
+    from megatron_lrmoe.options import KernelOptions
     from megatron_lrmoe.specs import get_lrmoe_moe_spec, lrmoe_decoder_block_spec, lrmoe_layer_spec
     from megatron_lrmoe.training.args import add_lrmoe_args
 
 # Public name -> the module that defines it.
 _EXPORTS = {
     "LRMoEConfig": "megatron_lrmoe.config",
+    "KernelOptions": "megatron_lrmoe.options",
     "LRGroupedMLP": "megatron_lrmoe.experts.module",
     "LRMoELayer": "megatron_lrmoe.layer",
     "set_lrmoe_training_step": "megatron_lrmoe.layer",

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Optional, Union
 
+from megatron_lrmoe.options import KernelOptions
+
 Selection = Literal["sample", "topk"]
 Scope = Literal["local", "global"]
 ActivationMode = Literal["save", "recompute", "auto"]
@@ -89,6 +91,9 @@ class LRMoEConfig:
         variance_target: With ``keep_ratio="auto"`` only: the variance the sample may add to
             the expert weight gradients, relative to their own mini-batch noise
             (``select/variance.py``; e.g. 0.1). Budgets stay hard limits over it.
+        kernels: The fast paths the layer may take (Triton kernels, torch's grouped GEMM, the
+            backward's CUDA graphs, the compiled planner), all on by default; switch one off to
+            debug it or to time the code without it (``megatron_lrmoe/options.py``).
     """
 
     keep_ratio: KeepRatio = 1.0
@@ -104,6 +109,7 @@ class LRMoEConfig:
     max_replicas_per_rank: int = 0
     grad_accumulation_fusion: GradAccumulationFusion = "auto"
     variance_target: Optional[float] = None
+    kernels: KernelOptions = KernelOptions()
 
     def __post_init__(self) -> None:
         self._check_keep_ratio()
@@ -125,6 +131,11 @@ class LRMoEConfig:
             raise ValueError(
                 f"LRMoEConfig.max_replicas_per_rank ({self.max_replicas_per_rank!r}) must be an "
                 "int >= 0 (0: fixed ownership)"
+            )
+        if not isinstance(self.kernels, KernelOptions):
+            raise ValueError(
+                f"LRMoEConfig.kernels ({self.kernels!r}) must be a "
+                "megatron_lrmoe.KernelOptions (e.g. KernelOptions(triton=False))"
             )
 
     def _check_keep_ratio(self) -> None:
@@ -192,12 +203,22 @@ class LRMoEConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "LRMoEConfig":
-        """Build from parsed ``--lrmoe-*`` flags (see ``megatron_lrmoe.add_lrmoe_args``)."""
+        """Build from parsed ``--lrmoe-*`` flags (see ``megatron_lrmoe.add_lrmoe_args``): one
+        ``lrmoe_<field>`` attribute per field, and for ``kernels`` one ``lrmoe_<switch>`` per
+        :class:`KernelOptions` switch (``--no-lrmoe-<switch>``); unset ones (absent or None)
+        keep their defaults."""
         kwargs = {}
         for f in fields(cls):
             name = f"lrmoe_{f.name}"
-            if hasattr(args, name) and getattr(args, name) is not None:
+            if f.name != "kernels" and getattr(args, name, None) is not None:
                 kwargs[f.name] = getattr(args, name)
+        switches = {
+            f.name: getattr(args, f"lrmoe_{f.name}")
+            for f in fields(KernelOptions)
+            if getattr(args, f"lrmoe_{f.name}", None) is not None
+        }
+        if switches:
+            kwargs["kernels"] = KernelOptions(**switches)
         return cls(**kwargs)
 
 

@@ -23,6 +23,7 @@ from megatron_lrmoe.control.controller import ControlPlan, check_budgets, plan_c
 from megatron_lrmoe.control.costs import CostModel
 from megatron_lrmoe.control.plan import CallPlan
 from megatron_lrmoe.observe.stats import CallStats
+from megatron_lrmoe.options import using_kernels, warn_retired_environment
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class LRMoELayer(MoELayer):
         self.lrmoe_config = lrmoe_config if lrmoe_config is not None else LRMoEConfig()
         layer_name = f"LRMoELayer(name={name!r}, layer_number={layer_number})"
         self.lrmoe_config.validate_against(config, layer_name)
+        warn_retired_environment()
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(
@@ -163,8 +165,19 @@ class LRMoELayer(MoELayer):
         self._stats_listeners[key] = fn
         return _ListenerHandle(self._stats_listeners, key)
 
+    def preprocess(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ):
+        """Megatron's ``preprocess`` (the dispatcher's counts and pair plan) with this layer's
+        kernel options active (``LRMoEConfig.kernels``, ``megatron_lrmoe/options.py``); it runs
+        again, outside :meth:`forward`, when Megatron recomputes the MoE layer in backward."""
+        with using_kernels(self.lrmoe_config.kernels):
+            return super().preprocess(hidden_states, probs, routing_map)
+
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Dispatch, experts and combine as one op whose backward is LRMoE's.
+        """Dispatch, experts and combine as one op whose backward is LRMoE's, with this layer's
+        kernel options active (``LRMoEConfig.kernels``; the op's backward makes the call's
+        active again).
 
         Args:
             hidden_states: ``[T, H]`` this rank's tokens (the dispatcher does not permute).
@@ -173,6 +186,10 @@ class LRMoELayer(MoELayer):
         Returns:
             ``([T, H] routed experts' output, None)``.
         """
+        with using_kernels(self.lrmoe_config.kernels):
+            return self._routed_experts_compute(hidden_states, probs)
+
+    def _routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         dispatcher = self.token_dispatcher
         call_index = self._call_index
         if torch.is_grad_enabled():

@@ -6,8 +6,9 @@ norms, pair scores), ``select/select_triton.py`` (the selection), ``experts/acti
 ``experts/wgrad_triton.py``.
 
 Selection: :func:`use_triton` is true when every tensor is on CUDA, ``triton`` imports, and the
-environment variable ``LRMOE_TRITON`` is not ``"0"``. The callers also keep their torch path for
-fp64, for inputs that need autograd, and for unusual shapes, so their semantics do not change.
+active kernel options (``options.active_kernels()``: the running layer's
+``LRMoEConfig.kernels``) have ``triton`` on. The callers also keep their torch path for fp64,
+for inputs that need autograd, and for unusual shapes, so their semantics do not change.
 
 Triton is imported lazily (first launch or first :func:`triton_available` call), so importing
 the package works where triton is missing or broken. Each kernel module's bodies are plain
@@ -30,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
+
+from megatron_lrmoe.options import active_kernels
 
 __all__ = [
     "ARG_COUNT",
@@ -53,15 +55,11 @@ __all__ = [
     "ARG_X_OUT",
     "ARG_Z",
     "KERNEL_DTYPES",
-    "TRITON_ENV",
     "args_ready",
     "checked_kernels",
     "triton_available",
     "use_triton",
 ]
-
-
-TRITON_ENV = "LRMOE_TRITON"
 
 
 # Dtypes the kernels load and store; their math is fp32, so fp64 stays on the torch paths.
@@ -172,11 +170,9 @@ def jit_kernels(
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """The fast-path switch: all ``tensors`` on CUDA, triton available, ``LRMOE_TRITON != "0"``.
-
-    The environment is read on every call so tests and users can flip it at run time.
-    """
-    if os.environ.get(TRITON_ENV, "1") == "0":
+    """The fast-path switch: all ``tensors`` on CUDA, triton available, and ``triton`` on in
+    the active kernel options (``options.active_kernels()``)."""
+    if not active_kernels().triton:
         return False
     if not tensors or not all(t.is_cuda for t in tensors):
         return False

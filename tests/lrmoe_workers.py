@@ -6,12 +6,11 @@ returns what the test compares. Shape legend: T tokens per rank, H hidden, E exp
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
 
-from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+from megatron_lrmoe import KernelOptions, LRMoEConfig, get_lrmoe_moe_spec
 from megatron_lrmoe.experts.grouped_gemm import grouped_mm_backend
 from megatron_lrmoe.testing import (
     init_megatron_parallel,
@@ -445,9 +444,10 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     """EP 1, bf16 on the GPU, keep 0.5 ``sample``: four calls of one shape in three modes,
     fresh layers with the same weights: ``front`` (the default: the router gradient's row-dot,
     the scoring, the selection and the packing replayed as one graph, captured on the second
-    call), ``scored`` (``LRMOE_FRONT_GRAPHS=0``: the scoring inside the selection graph, the
-    row-dot and packing launched eagerly) and ``eager`` (``LRMOE_SCORE_GRAPHS=0``: the
-    scoring launched before the replayed selection). Returns the largest difference of each
+    call), ``scored`` (``KernelOptions(front_graphs=False)``: the scoring inside the selection
+    graph, the row-dot and packing launched eagerly) and ``eager``
+    (``KernelOptions(score_graphs=False)``: the scoring launched before the replayed
+    selection). Returns the largest difference of each
     graph mode from ``eager`` over outputs and the input, router and expert weight gradients,
     and the scoring graphs each mode left, with and without a front."""
     from megatron_lrmoe.graphs import front as front_graph
@@ -457,17 +457,16 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     cfg = _config(1, moe_aux_loss_coeff=0.0, bf16=True, params_dtype=torch.bfloat16)
     device = torch.device("cuda")
     modes = {
-        "front": {},
-        "scored": {"LRMOE_FRONT_GRAPHS": "0"},
-        "eager": {"LRMOE_SCORE_GRAPHS": "0"},
+        "front": KernelOptions(),
+        "scored": KernelOptions(front_graphs=False),
+        "eager": KernelOptions(score_graphs=False),
     }
     runs: dict[str, list[dict[str, torch.Tensor]]] = {}
     graphs = {}
-    for mode, env in modes.items():
-        os.environ.update(env)
+    for mode, kernels in modes.items():
         select_triton._GRAPHS = select_triton._GraphCache()
         torch.manual_seed(5)
-        lr = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=0.5))(
+        lr = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=0.5, kernels=kernels))(
             config=cfg, pg_collection=pg, layer_number=1
         ).to(device)
         runs[mode] = []
@@ -488,8 +487,6 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
             "front": sum(v.has_front for v in captured),
             "scored": sum(not v.has_front for v in captured),
         }
-        for name in env:
-            del os.environ[name]
     diff = {
         mode: max(
             (a[k].float() - b[k].float()).abs().max().item()
@@ -508,7 +505,7 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     ``recompute`` with ``topk`` and ``overwrite_main_grad``: ``main_grad`` starting as NaN is
     written over, never read), with the whole trimmed backward replayed as one graph per
     layer (captured on the layer's second sighting once its shape has a shared set) and with
-    ``LRMOE_EXPERT_GRAPHS=0``. Returns per case the largest
+    ``KernelOptions(expert_graphs=False)``. Returns per case the largest
     difference of outputs, input and router gradients and ``main_grad`` (after every call) and
     the expert graphs each mode left."""
     from megatron_lrmoe.graphs import backward as bg
@@ -523,10 +520,12 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     result: dict[str, Any] = {"device": str(device), "diff": {}, "graphs": {}}
     for case, overrides in cases.items():
         runs: dict[str, list[torch.Tensor]] = {}
-        for mode, env in {"graph": {}, "eager": {bg.EXPERT_GRAPHS_ENV: "0"}}.items():
-            os.environ.update(env)
+        modes = {"graph": KernelOptions(), "eager": KernelOptions(expert_graphs=False)}
+        for mode, kernels in modes.items():
             bg.reset()
-            lrmoe = LRMoEConfig(keep_ratio=0.5, grad_accumulation_fusion="on", **overrides)
+            lrmoe = LRMoEConfig(
+                keep_ratio=0.5, grad_accumulation_fusion="on", kernels=kernels, **overrides
+            )
             layers = []
             for number in (1, 2):
                 torch.manual_seed(5 + number)
@@ -551,8 +550,6 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
                     runs[mode] += [p.main_grad.clone() for p in layer.experts.weights()]
                     layer.router.weight.grad = None
             result["graphs"].setdefault(case, {})[mode] = len(bg._GRAPHS.graphs)
-            for name in env:
-                del os.environ[name]
         result["diff"][case] = max(
             (a.float() - b.float()).abs().max().item()
             for a, b in zip(runs["graph"], runs["eager"])
@@ -600,9 +597,9 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
     test before the spawn):
     the layer's backward through ``op.stages.replayed_front`` (the op told Triton may run, the
     CUDA graph replaced by re-running its launches, so its kernels run in the interpreter) against
-    the same four keep-0.5 calls with ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the
-    torch paths). Returns the largest differences of outputs and gradients, whether the kept
-    pairs were the same, and the fronts captured."""
+    the same four keep-0.5 calls with ``KernelOptions(front_graphs=False)`` (the stages one by
+    one, on the torch paths). Returns the largest differences of outputs and gradients,
+    whether the kept pairs were the same, and the fronts captured."""
     from megatron_lrmoe.select import select_triton
     from megatron_lrmoe.testing.host_graphs import graphs_on_host
 
@@ -613,17 +610,17 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
     runs: dict[str, list[dict[str, torch.Tensor]]] = {}
     fronts = {}
     for mode in ("front", "stages"):
-        if mode == "stages":
-            os.environ["LRMOE_FRONT_GRAPHS"] = "0"
+        kernels = KernelOptions(front_graphs=mode == "front")
         select_triton._GRAPHS = select_triton._GraphCache()
         torch.manual_seed(5)
-        lrmoe = LRMoEConfig(keep_ratio=0.5, selection=selection, debug_record_selection=True)
+        lrmoe = LRMoEConfig(
+            keep_ratio=0.5, selection=selection, debug_record_selection=True, kernels=kernels
+        )
         lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
         runs[mode] = _run_calls(lr, inputs, main_grad=False)
         fronts[mode] = sum(
             getattr(v, "has_front", False) for v in select_triton._GRAPHS.graphs.values()
         )
-    del os.environ["LRMOE_FRONT_GRAPHS"]
     return {**_same_kept_and_diffs(runs["front"], runs["stages"]), "fronts": fronts}
 
 
@@ -634,8 +631,9 @@ def interp_graphed_backward_matches_stages(
     weight gradients fused into ``main_grad``: the layer's backward through
     ``op.trimmed._graphed_backward`` (the whole trimmed backward as one graph per layer; the op
     told the graph may run, the CUDA graph replaced by re-running its launches, so its kernels
-    run in the interpreter) against the same four keep-0.5 calls with ``LRMOE_EXPERT_GRAPHS=0`` and
-    ``LRMOE_FRONT_GRAPHS=0`` (the stages one by one, on the torch paths). Every call has the
+    run in the interpreter) against the same four keep-0.5 calls with
+    ``KernelOptions(expert_graphs=False, front_graphs=False)`` (the stages one by one, on the
+    torch paths). Every call has the
     same input, so the same kept count: on the host the room for rows must be exactly the kept
     ones (host group sizes add up to the rows), which headroom 0 gives. Returns the largest
     relative differences of outputs and gradients, whether the kept pairs were the same, and
@@ -651,22 +649,20 @@ def interp_graphed_backward_matches_stages(
     runs: dict[str, list[dict[str, torch.Tensor]]] = {}
     graphs = {}
     for mode in ("graph", "stages"):
-        if mode == "stages":
-            os.environ.update({bg.EXPERT_GRAPHS_ENV: "0", "LRMOE_FRONT_GRAPHS": "0"})
+        on = mode == "graph"
         select_triton._GRAPHS = select_triton._GraphCache()
         bg.reset()
         torch.manual_seed(5)
         lrmoe = LRMoEConfig(
             keep_ratio=0.5, selection=selection, activation_mode=activation_mode,
             grad_accumulation_fusion="on", debug_record_selection=True,
+            kernels=KernelOptions(expert_graphs=on, front_graphs=on),
         )
         lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
         for p in lr.experts.weights():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
         runs[mode] = _run_calls(lr, inputs, main_grad=True)
         graphs[mode] = len(bg._GRAPHS.graphs)
-    for name in (bg.EXPERT_GRAPHS_ENV, "LRMOE_FRONT_GRAPHS"):
-        del os.environ[name]
     return {**_same_kept_and_diffs(runs["graph"], runs["stages"]), "graphs": graphs}
 
 
@@ -805,13 +801,14 @@ def forward_host_facts(rank: int, world: int) -> dict[str, Any]:
     """The forward's host shortcuts next to their slow obvious forms, at EP = ``world``.
 
     ``decided``: the layer's "both forward GEMMs take device offsets" answer (memoised per
-    input in ``grouped_gemm``) as ``LRMOE_GROUPED_MM`` and the operands' dtypes change, the
+    input in ``grouped_gemm``) as the grouped GEMM switch (``KernelOptions.grouped_mm``, made
+    active as a layer call does) and the operands' dtypes change, the
     layer's own weights cast last; a stale memo would repeat an earlier answer. ``stats`` /
     ``metadata``: the call's statistics and stock's split metadata (host numpy sums) against
     torch sums over the call's all-gathered counts, the form they replaced.
     """
     from megatron_lrmoe.control.quota import expert_quotas
-    from megatron_lrmoe.experts import grouped_gemm as gg
+    from megatron_lrmoe.options import using_kernels
 
     pg = init_megatron_parallel(ep=world)
     cfg = _config(world, moe_aux_loss_coeff=0.0)
@@ -823,16 +820,12 @@ def forward_host_facts(rank: int, world: int) -> dict[str, Any]:
     weights = lr.experts.weights()
     take = lr._gemms_take_device_offsets
     decided: dict[str, Any] = {"auto": take(hidden)}
-    try:
-        os.environ[gg.GROUPED_MM_ENV] = "loop"
+    with using_kernels(KernelOptions(grouped_mm=False)):
         decided["loop"] = take(hidden)
-        os.environ[gg.GROUPED_MM_ENV] = "bogus"
-        try:
-            decided["bogus"] = take(hidden)
-        except ValueError:
-            decided["bogus"] = "ValueError"
-    finally:
-        os.environ.pop(gg.GROUPED_MM_ENV, None)
+    try:
+        KernelOptions(grouped_mm="loop")  # the old environment value: not a switch
+    except ValueError:
+        decided["bogus"] = "ValueError"
     decided["unset"] = take(hidden)
     for dtype in (torch.float64, torch.bfloat16):
         cast = tuple(w.detach().to(dtype) for w in weights)
@@ -868,3 +861,60 @@ def forward_host_facts(rank: int, world: int) -> dict[str, Any]:
     lr.to(torch.float64)  # the layer's own weights change dtype: asked again, not served stale
     decided["layer float64"] = take(hidden.double())
     return {"decided": decided, **facts}
+
+
+def kernel_options_in_a_layer_call(rank: int, world: int) -> dict[str, Any]:
+    """EP ``world``, keep 0.5 planned by the controller (``activation_mode="auto"``), a layer
+    whose ``LRMoEConfig.kernels`` switches four fast paths off, called inside an outer
+    ``using_kernels`` with other options: the options each grouped GEMM's backend rule and the
+    pair plan saw (forward, backward, and a second call), whether the planner asked for the
+    compiled library, and the active options afterwards (the outer ones, then the defaults)."""
+    from megatron_lrmoe.control import native
+    from megatron_lrmoe.dispatch import pair_plan_kernels
+    from megatron_lrmoe.experts import grouped_gemm as gg
+    from megatron_lrmoe.options import active_kernels, using_kernels
+
+    pg = init_megatron_parallel(ep=world)
+    cfg = _config(world, moe_aux_loss_coeff=0.0)
+    kernels = KernelOptions(
+        triton=False, grouped_mm=False, expert_graphs=False, native_planner=False
+    )
+    lrmoe = LRMoEConfig(keep_ratio=0.5, activation_mode="auto", kernels=kernels)
+    lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
+    seen: dict[str, set] = {"gemm": set(), "pair_plan": set()}
+    asked = []
+    backend_for, use_pair_plan = gg.grouped_mm_backend_for, pair_plan_kernels.use_pair_plan_kernels
+
+    def gemm(*args: Any, **kwargs: Any) -> Any:
+        seen["gemm"].add(active_kernels())
+        return backend_for(*args, **kwargs)
+
+    def pair_plan(*args: Any, **kwargs: Any) -> Any:
+        seen["pair_plan"].add(active_kernels())
+        return use_pair_plan(*args, **kwargs)
+
+    gg.grouped_mm_backend_for = gemm
+    pair_plan_kernels.use_pair_plan_kernels = pair_plan
+    library = native.library
+    native.library = lambda: asked.append(1) or library()
+    outer = KernelOptions(select_graphs=False)
+    try:
+        with using_kernels(outer):
+            for seed in (7, 8):
+                x, up = _inputs(rank, cfg.hidden_size, seed)
+                _run(lr, x, up)
+            inside_after = active_kernels()
+    finally:
+        gg.grouped_mm_backend_for = backend_for
+        pair_plan_kernels.use_pair_plan_kernels = use_pair_plan
+        native.library = library
+    stats = lr.last_call_stats
+    return {
+        "gemm": sorted(k.switched_off for k in seen["gemm"]),
+        "pair_plan": sorted(k.switched_off for k in seen["pair_plan"]),
+        "want": kernels.switched_off,
+        "library_asked": len(asked),
+        "planned": stats is not None and stats.control_summary is not None,
+        "outer_restored": inside_after == outer,
+        "default_restored": active_kernels() == KernelOptions(),
+    }

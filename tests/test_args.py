@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from megatron_lrmoe import LRMoEConfig, add_lrmoe_args
+from megatron_lrmoe import KernelOptions, LRMoEConfig, add_lrmoe_args
 from megatron_lrmoe.training.args import (
     LRMOE_FLAGS,
+    LRMOE_KERNEL_FLAGS,
     lrmoe_config_from_args,
     validate_lrmoe_args,
 )
@@ -79,8 +80,19 @@ def test_every_config_field_has_a_flag() -> None:
     options = {s for a in parser._actions for s in a.option_strings}
     assert "--lrmoe" in options
     for field in dataclasses.fields(LRMoEConfig):
+        if field.name == "kernels":  # one flag per switch, in a group of its own (below)
+            assert field.name not in LRMOE_FLAGS
+            continue
         assert LRMOE_FLAGS[field.name] in options, field.name
     assert "--no-lrmoe-record-stats" in options
+    for switch in dataclasses.fields(KernelOptions):
+        flag = LRMOE_KERNEL_FLAGS[switch.name]
+        assert flag == "--lrmoe-" + switch.name.replace("_", "-")
+        assert {flag, "--no-" + flag[2:]} <= options, switch.name
+    kernels = next(g for g in parser._action_groups if g.title == "LRMoE kernels")
+    assert {a.dest for a in kernels._group_actions} == {
+        f"lrmoe_{f.name}" for f in dataclasses.fields(KernelOptions)
+    }
     group = next(g for g in parser._action_groups if g.title == "LRMoE")
     assert "--lrmoe-help" in options  # prints the group and exits: stores nothing
     assert "--moe-layer-timing" in options  # not a config field: logging, stock runs too
@@ -90,7 +102,7 @@ def test_every_config_field_has_a_flag() -> None:
         "moe_layer_timing",
         "memory_cap_gib",
         "lrmoe_trace_dir",
-    } | {f"lrmoe_{f.name}" for f in dataclasses.fields(LRMoEConfig)}
+    } | {f"lrmoe_{f.name}" for f in dataclasses.fields(LRMoEConfig) if f.name != "kernels"}
 
 
 def test_help_lists_each_flag_with_megatron_parser() -> None:
@@ -103,6 +115,8 @@ def test_help_lists_each_flag_with_megatron_parser() -> None:
     text = parser.format_help()  # raises on megatron-core 0.19.2 without repair_help_strings
     for flag in ["--lrmoe", *LRMOE_FLAGS.values(), "--no-lrmoe-record-stats"]:
         assert flag in text, flag
+    for flag in LRMOE_KERNEL_FLAGS.values():
+        assert "--no-" + flag[2:] in text, flag
     assert "--moe-token-dispatcher-type" in text
 
 
@@ -142,6 +156,28 @@ def test_round_trip_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
     assert LRMoEConfig.from_args(args) == lrmoe_config_from_args(args)
 
 
+def test_kernel_switches_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--no-lrmoe-<switch>`` turns that switch of ``LRMoEConfig.kernels`` off and nothing
+    else; without any, the defaults (all on); the positive form is accepted (the last wins)."""
+    args = megatron_parse(monkeypatch, BASE + ["--lrmoe"])
+    assert lrmoe_config_from_args(args).kernels == KernelOptions()
+    for switch in dataclasses.fields(KernelOptions):
+        flag = LRMOE_KERNEL_FLAGS[switch.name]
+        args = megatron_parse(monkeypatch, BASE + ["--lrmoe", "--no-" + flag[2:]])
+        validate_lrmoe_args(args)
+        config = lrmoe_config_from_args(args)
+        assert config.kernels == KernelOptions(**{switch.name: False}), switch.name
+        assert dataclasses.replace(config, kernels=KernelOptions()) == lrmoe_config_from_args(
+            megatron_parse(monkeypatch, BASE + ["--lrmoe"])
+        )
+    args = megatron_parse(
+        monkeypatch,
+        BASE + ["--lrmoe", "--no-lrmoe-triton", "--no-lrmoe-expert-graphs", "--lrmoe-triton"],
+    )
+    assert lrmoe_config_from_args(args).kernels == KernelOptions(expert_graphs=False)
+    assert LRMoEConfig.from_args(args).kernels == KernelOptions(expert_graphs=False)
+
+
 def test_defaults_and_seed_follow_megatron_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert lrmoe_config_from_args(megatron_parse(monkeypatch, BASE)) is None
     args = megatron_parse(monkeypatch, BASE + ["--lrmoe"])
@@ -165,6 +201,9 @@ def test_defaults_and_seed_follow_megatron_seed(monkeypatch: pytest.MonkeyPatch)
         ["--lrmoe-debug-record-selection"],
         ["--lrmoe-debug-check-invariants"],
         ["--lrmoe-trace-dir", "/tmp/trace"],
+        ["--no-lrmoe-triton"],
+        ["--no-lrmoe-native-planner"],
+        ["--lrmoe-expert-graphs"],
     ],
     ids=lambda a: a[0],
 )

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_lrmoe import LRMoEConfig
-from megatron_lrmoe.control import placement
+from megatron_lrmoe.control import native, placement
 from megatron_lrmoe.control.assignment import PLACEMENT_TOLERANCE
 from megatron_lrmoe.control.budgets import BudgetSearch
 from megatron_lrmoe.control.controller import ControlPlan, plan_call
@@ -39,8 +39,10 @@ from test_control_controller import COST, zipf_counts
 @pytest.fixture(autouse=True)
 def _python_planner(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Python fast paths against their references (the compiled twins have their own
-    comparison with these, tests/test_control_native.py)."""
-    monkeypatch.setenv("LRMOE_NATIVE", "0")
+    comparison with these, tests/test_control_native.py): no compiled library for any caller,
+    as where no C compiler is installed (``plan_call`` with ``kernels.native_planner`` off
+    does not ask for it either)."""
+    monkeypatch.setattr(native, "library", lambda: None)
 
 
 def _random_counts(rng: random.Random, case: int) -> np.ndarray:

@@ -2,9 +2,10 @@
 path, bit for bit: the placement greedies and threshold search, the holder graph's exact
 min-max and cuts, the controller's placement / starting split / assignment / cuts, and whole
 plans (P 2-64, Zipf 0-2.5, zero loads, one hot expert, budgets none / memory / exchange / both /
-zero, save / recompute / auto, scopes local / global). Also the fallback: ``LRMOE_NATIVE=0``
-and a library that cannot be built both give the Python planner, with one warning for the
-latter. Everything skips when no C compiler is installed.
+zero, save / recompute / auto, scopes local / global). Also the fallback: the config's switch
+(``KernelOptions(native_planner=False)``) and a library that cannot be built both give the
+Python planner, with one warning for the latter. Everything skips when no C compiler is
+installed.
 
 Shapes: P ranks, E experts, N[r, e] pairs from source r to expert e.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_lrmoe import LRMoEConfig
+from megatron_lrmoe import KernelOptions, LRMoEConfig
 from megatron_lrmoe.control import native, placement
 from megatron_lrmoe.control.budgets import BudgetSearch
 from megatron_lrmoe.control.balance import HolderGraph
@@ -45,19 +46,18 @@ pytestmark = pytest.mark.skipif(not _has_compiler(), reason="no C compiler (cc, 
 
 
 @pytest.fixture()
-def lib(monkeypatch: pytest.MonkeyPatch):
-    """The compiled library (built into the usual cache on first use); native enabled."""
-    monkeypatch.delenv("LRMOE_NATIVE", raising=False)
+def lib():
+    """The compiled library (built into the usual cache on first use)."""
     found = native.library()
     assert found is not None, "a C compiler exists, so the library must build"
     return found
 
 
 def _python(monkeypatch: pytest.MonkeyPatch, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` on the Python path (``LRMOE_NATIVE=0``), native again after."""
+    """``fn(*args, **kwargs)`` on the Python path (no library for any caller, as without a C
+    compiler), native again after."""
     with monkeypatch.context() as m:
-        m.setenv("LRMOE_NATIVE", "0")
-        assert native.library() is None
+        m.setattr(native, "library", lambda: None)
         return fn(*args, **kwargs)
 
 
@@ -352,13 +352,27 @@ def test_negative_counts_rejected_on_both_paths(lib, monkeypatch: pytest.MonkeyP
 
 
 def test_native_can_be_switched_off(lib, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LRMOE_NATIVE", "0")
-    assert native.library() is None
+    """``KernelOptions(native_planner=False)`` plans without the library (same plans; never
+    asked for, placement included), and the planner's parts take ``lib=None`` for the same."""
+    asked = []
+    monkeypatch.setattr(native, "library", lambda: asked.append(1) or lib)
     counts = zipf_counts(8, 32, 1.2, 4096, 0)
-    call = _call(counts, LRMoEConfig(keep_ratio=0.5, max_replicas_per_rank=2), "save")
+    lrmoe = LRMoEConfig(keep_ratio=0.5, max_replicas_per_rank=2)
+    python = dataclasses.replace(lrmoe, kernels=KernelOptions(native_planner=False))
+    slow = [plan_call(counts, 0, python, COST) for _ in range(2)]
+    assert not asked
+    fast = plan_call(counts, 0, lrmoe, COST)
+    assert asked
+    for plan in slow:
+        _same(plan, fast)
+    w = counts.sum(0)
+    call = BudgetSearch(counts, w, lrmoe, COST, "save", quotas_np(w, 0.5), lib=None)
+    call.place()
     assert call.lib is None and len(call.holders) > 0
-    monkeypatch.delenv("LRMOE_NATIVE")
-    assert native.library() is lib
+    asked.clear()
+    load = counts.sum(0)
+    got = placement.place_replicas(load, 8, 2, 1 / 512, lib=None)
+    assert not asked and got == placement.place_replicas(load, 8, 2, 1 / 512)
 
 
 def test_build_failure_falls_back_with_one_warning(

@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 
 from megatron_lrmoe.config import LRMoEConfig
-from megatron_lrmoe.training.args import LRMOE_FLAGS, LRMOE_HELP_FLAG, LRMOE_TRACE_FLAG
+from megatron_lrmoe.training.args import (
+    LRMOE_FLAGS,
+    LRMOE_HELP_FLAG,
+    LRMOE_KERNEL_FLAGS,
+    LRMOE_TRACE_FLAG,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -33,8 +38,9 @@ def _code_spans(text: str) -> list[str]:
 
 
 def test_every_lrmoe_flag_named_in_docs_and_scripts_exists() -> None:
-    known = {*LRMOE_FLAGS.values(), LRMOE_HELP_FLAG, LRMOE_TRACE_FLAG, "--lrmoe"}
-    known |= {"--no-" + f[2:] for f in LRMOE_FLAGS.values()}  # BooleanOptionalAction's negation
+    flags = [*LRMOE_FLAGS.values(), *LRMOE_KERNEL_FLAGS.values()]
+    known = {*flags, LRMOE_HELP_FLAG, LRMOE_TRACE_FLAG, "--lrmoe"}
+    known |= {"--no-" + f[2:] for f in flags}  # BooleanOptionalAction's negation
     unknown = {
         (path.relative_to(ROOT).as_posix(), flag)
         for path in [*DOCS, *SCRIPTS]
@@ -51,6 +57,8 @@ def _config_table() -> dict[str, str]:
 
 
 def _as_written(value: object) -> str:
+    if dataclasses.is_dataclass(value) and value == type(value)():
+        return f"{type(value).__name__}()"  # an options object at its own defaults
     return f'"{value}"' if isinstance(value, str) else str(value)
 
 

@@ -216,8 +216,8 @@ def test_partial_routing_map_at_ep1() -> None:
 
 
 def test_forward_host_shortcuts_match_their_slow_forms() -> None:
-    """EP 2: the device-offset decision follows LRMOE_GROUPED_MM and the operands' dtypes
-    (memoised, never stale); the call's statistics and stock's split metadata equal torch sums
+    """EP 2: the device-offset decision follows the grouped GEMM switch
+    (``KernelOptions.grouped_mm``) and the operands' dtypes (memoised, never stale); the call's statistics and stock's split metadata equal torch sums
     over the all-gathered counts."""
     grouped = hasattr(torch.nn.functional, "grouped_mm")  # fp32 / bf16 on the CPU, aligned
     want = {
@@ -270,7 +270,7 @@ def test_cuda_expert_graph_matches_eager_layer() -> None:
     (the front and the expert half; captured on a layer's second sighting once its shape has
     a shared set), outputs, input and router gradients and ``main_grad`` after every call have
     the bits of the front replayed alone and the expert half launched eagerly
-    (``LRMOE_EXPERT_GRAPHS=0``), in ``save`` and ``recompute`` mode (the latter with
+    (``KernelOptions(expert_graphs=False)``), in ``save`` and ``recompute`` mode (the latter with
     ``overwrite_main_grad``: a NaN ``main_grad`` written over); one layer graph per layer, none
     with the switch off."""
     d = run_distributed(w.cuda_expert_graph_matches_eager, 1, device="cuda")[0]
@@ -295,7 +295,7 @@ def test_front_graph_wiring_matches_stages_on_cpu(
     Triton's interpreter, the graph itself re-runs its launches (CUDA graphs need a GPU:
     ``test_cuda_scoring_graph_matches_eager_layer``). Four keep-0.5 calls against the stages on
     the torch paths, on every rank: the same kept pairs, outputs and gradients equal up to fp32
-    summation order; one front captured, none with ``LRMOE_FRONT_GRAPHS=0``."""
+    summation order; one front captured, none with ``KernelOptions(front_graphs=False)``."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by triton in the spawned worker
     for d in run_distributed(w.interp_front_matches_stages, ep, selection, timeout=300):

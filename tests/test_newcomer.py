@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lrmoe.training.args import LRMOE_FLAGS, LRMOE_HELP_FLAG
+from megatron_lrmoe.training.args import LRMOE_FLAGS, LRMOE_HELP_FLAG, LRMOE_KERNEL_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 # A fresh interpreter importing torch and megatron (--help) takes ~10 s on a busy 2-core machine.
@@ -51,13 +51,17 @@ def test_lrmoe_help_lists_exactly_the_lrmoe_flags() -> None:
         "--memory-cap-gib",
         "--lrmoe-trace-dir",
         *LRMOE_FLAGS.values(),
+        *LRMOE_KERNEL_FLAGS.values(),
     }
-    # --lrmoe-record-stats shares its line with --no-lrmoe-record-stats.
+    # --lrmoe-record-stats shares its line with --no-lrmoe-record-stats (and each kernel
+    # switch with its --no- form).
     assert options == wanted, sorted(options ^ wanted)
     assert "--no-lrmoe-record-stats" in proc.stdout
-    # One section, LRMoE's: none of Megatron's groups (network size, training, ...).
+    for flag in LRMOE_KERNEL_FLAGS.values():
+        assert "--no-" + flag[2:] in proc.stdout, flag
+    # LRMoE's sections only: none of Megatron's groups (network size, training, ...).
     sections = [line for line in lines if re.match(r"^\S.*:$", line)]
-    assert sections == ["LRMoE:"], sections
+    assert sections == ["LRMoE:", "LRMoE kernels:"], sections
     assert not [line for line in lines if LOG_LINE.match(line)]
 
 

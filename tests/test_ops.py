@@ -44,6 +44,7 @@ from megatron_lrmoe.experts.reference import (
     reference_grouped_mm_nt,
     reference_grouped_mm_tn,
 )
+from megatron_lrmoe.options import KernelOptions, using_kernels
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
@@ -70,9 +71,8 @@ SPECS = [
 
 
 @pytest.fixture(autouse=True)
-def _seed_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _seed() -> None:
     torch.manual_seed(0)
-    monkeypatch.delenv(gg.GROUPED_MM_ENV, raising=False)
 
 
 @pytest.fixture
@@ -140,17 +140,19 @@ def test_grouped_mm_matches_reference(
 
 @pytest.mark.parametrize("widths", [ALIGNED, ODD], ids=["aligned", "odd"])
 def test_grouped_mm_torch_path_equals_forced_loop(
-    widths: tuple[int, int], monkeypatch: pytest.MonkeyPatch, grouped_mm_calls: list[int]
+    widths: tuple[int, int], grouped_mm_calls: list[int]
 ) -> None:
     k, m = widths
     counts = [4, 0, 7, 1]
     x, w, dy = torch.randn(12, k), torch.randn(4, m, k), torch.randn(12, m)
     auto = (grouped_mm_nt(x, w, counts), grouped_mm_nn(dy, w, counts), grouped_mm_tn(dy, x, counts))
     n_auto_calls = len(grouped_mm_calls)
-    monkeypatch.setenv(gg.GROUPED_MM_ENV, "loop")
-    assert grouped_mm_backend(x, w) == "loop"
-    loop = (grouped_mm_nt(x, w, counts), grouped_mm_nn(dy, w, counts), grouped_mm_tn(dy, x, counts))
-    assert len(grouped_mm_calls) == n_auto_calls, "LRMOE_GROUPED_MM=loop must bypass grouped_mm"
+    with using_kernels(KernelOptions(grouped_mm=False)):
+        assert grouped_mm_backend(x, w) == "loop"
+        loop = (
+            grouped_mm_nt(x, w, counts), grouped_mm_nn(dy, w, counts), grouped_mm_tn(dy, x, counts)
+        )
+    assert len(grouped_mm_calls) == n_auto_calls, "grouped_mm off must bypass grouped_mm"
     for a, b in zip(auto, loop, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -179,29 +181,25 @@ def test_grouped_mm_bf16_cpu_and_noncontiguous(grouped_mm_calls: list[int]) -> N
 
 
 @pytest.mark.parametrize("backend", ["auto", "loop"])
-def test_grouped_mm_nn_half_cpu_takes_a_column_major_right_operand(
-    backend: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_grouped_mm_nn_half_cpu_takes_a_column_major_right_operand(backend: str) -> None:
     """On the CPU a bf16 / fp16 ``x @ w[g]`` runs on a column-major copy of ``w`` (a row-major
     right operand takes a path about 27x slower there, gg._right_operand); fp32 and an operand
     already column-major are passed as they are. The products match a float64 reference on
     both backends."""
-    if backend == "loop":
-        monkeypatch.setenv(gg.GROUPED_MM_ENV, "loop")
-    counts = [5, 0, 3]
-    k, m = 16, 24
-    for dtype in (torch.bfloat16, torch.float16):
-        w = torch.randn(3, m, k).to(dtype)
-        right = gg._right_operand(w)
-        assert right.stride(-2) == 1 and torch.equal(right, w)
-        w_col = torch.randn(3, k, m).to(dtype).transpose(1, 2)
-        assert gg._right_operand(w_col) is w_col
-        dy = torch.randn(8, m).to(dtype)
-        for wi in (w, w_col):
-            ref = reference_grouped_mm_nn(dy.double(), wi.double(), counts)
-            torch.testing.assert_close(
-                grouped_mm_nn(dy, wi, counts).double(), ref, atol=2e-2 * math.sqrt(m), rtol=2e-2
-            )
+    with using_kernels(KernelOptions(grouped_mm=backend == "auto")):
+        counts = [5, 0, 3]
+        k, m = 16, 24
+        for dtype in (torch.bfloat16, torch.float16):
+            w = torch.randn(3, m, k).to(dtype)
+            right = gg._right_operand(w)
+            assert right.stride(-2) == 1 and torch.equal(right, w)
+            w_col = torch.randn(3, k, m).to(dtype).transpose(1, 2)
+            assert gg._right_operand(w_col) is w_col
+            dy = torch.randn(8, m).to(dtype)
+            for wi in (w, w_col):
+                ref = reference_grouped_mm_nn(dy.double(), wi.double(), counts)
+                got = grouped_mm_nn(dy, wi, counts).double()
+                torch.testing.assert_close(got, ref, atol=2e-2 * math.sqrt(m), rtol=2e-2)
     w32 = torch.randn(3, m, k)
     assert gg._right_operand(w32) is w32
 
@@ -228,7 +226,7 @@ def test_grouped_mm_tn_zeroes_empty_groups_even_if_kernel_does_not(
     torch.testing.assert_close(out, reference_grouped_mm_tn(a, b, counts), atol=1e-5, rtol=1e-5)
 
 
-def test_grouped_mm_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grouped_mm_errors() -> None:
     x, w = torch.randn(6, 4), torch.randn(2, 8, 4)
     with pytest.raises(ValueError, match="sum to 5 but there are 6 rows"):
         grouped_mm_nt(x, w, [2, 3])
@@ -240,9 +238,6 @@ def test_grouped_mm_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         grouped_mm_nt(x, w, [7, -1])
     with pytest.raises(ValueError, match="expects"):
         grouped_mm_nn(x, w, [3, 3])
-    monkeypatch.setenv(gg.GROUPED_MM_ENV, "lopo")
-    with pytest.raises(ValueError, match="LRMOE_GROUPED_MM"):
-        grouped_mm_nt(x, w, [3, 3])
 
 
 def test_grouped_mm_backend_rules() -> None:
@@ -255,43 +250,37 @@ def test_grouped_mm_backend_rules() -> None:
 
 def test_grouped_mm_backend_memo_equals_the_rule() -> None:
     """The memoised decision against :func:`decide_backend` (uncached) on every combination of
-    environment value, dtypes, devices and aligned / unaligned widths the CPU offers."""
+    the switch (``KernelOptions.grouped_mm``), dtypes, devices and aligned / unaligned widths the
+    CPU offers."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
     cpu = torch.device("cpu")
-    for env in (None, "auto", " LOOP ", "loop", ""):
+    for grouped_mm in (True, False):
         for xd in dtypes:
             for wd in dtypes:
                 for widths in ((16, 8, 32), (16, 8, 5), (12, 24), (3, 24)):
                     w_shape = (2,) + widths[:0:-1] if len(widths) == 3 else (4, widths[1])
                     x = torch.empty(4, widths[0], dtype=xd)
                     w = torch.empty(w_shape, dtype=wd)
-                    want = gg.decide_backend(env, xd, cpu, wd, cpu, widths)
+                    want = gg.decide_backend(grouped_mm, xd, cpu, wd, cpu, widths)
                     if not HAS_GROUPED_MM:
                         want = "loop"
-                    with pytest.MonkeyPatch.context() as mp:
-                        if env is None:
-                            mp.delenv(gg.GROUPED_MM_ENV, raising=False)
-                        else:
-                            mp.setenv(gg.GROUPED_MM_ENV, env)
-                        assert grouped_mm_backend(x, w) == want, (env, xd, wd, widths)
+                    with using_kernels(KernelOptions(grouped_mm=grouped_mm)):
+                        assert grouped_mm_backend(x, w) == want, (grouped_mm, xd, wd, widths)
                         assert gg.grouped_mm_backend_for(xd, cpu, widths[0], w) == want
 
 
 @pytest.mark.skipif(not HAS_GROUPED_MM, reason="torch.nn.functional.grouped_mm missing")
 def test_grouped_mm_backend_is_never_stale(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decision is memoised per input; the same operands must follow a changed
-    ``LRMOE_GROUPED_MM`` (read at run time, as documented) and changed dtypes or widths."""
+    """The decision is memoised per input; the same operands must follow a changed switch
+    (``KernelOptions.grouped_mm`` of the active options, read at every call) and changed dtypes
+    or widths."""
     x, w = torch.randn(6, 16), torch.randn(3, 8, 16)
     assert grouped_mm_backend(x, w) == "torch_grouped_mm"  # now cached
-    monkeypatch.setenv(gg.GROUPED_MM_ENV, "loop")
-    assert grouped_mm_backend(x, w) == "loop"
-    monkeypatch.setenv(gg.GROUPED_MM_ENV, "Auto")
-    assert grouped_mm_backend(x, w) == "torch_grouped_mm"
-    monkeypatch.setenv(gg.GROUPED_MM_ENV, "lopo")  # an unknown value raises every time
-    for _ in range(2):
-        with pytest.raises(ValueError, match="LRMOE_GROUPED_MM"):
-            grouped_mm_backend(x, w)
-    monkeypatch.delenv(gg.GROUPED_MM_ENV)
+    with using_kernels(KernelOptions(grouped_mm=False)):
+        assert grouped_mm_backend(x, w) == "loop"
+        with using_kernels(KernelOptions()):
+            assert grouped_mm_backend(x, w) == "torch_grouped_mm"
+        assert grouped_mm_backend(x, w) == "loop"
     assert grouped_mm_backend(x, w) == "torch_grouped_mm"
     assert grouped_mm_backend(x.double(), w.double()) == "loop"  # no fp64 kernel
     assert grouped_mm_backend(x, w.bfloat16()) == "loop"  # the weights' dtype alone changed

@@ -28,6 +28,7 @@ import torch
 from megatron_lrmoe import triton_common
 from megatron_lrmoe.dispatch import rows_triton
 from megatron_lrmoe.graphs import front as front_graph
+from megatron_lrmoe.options import KernelOptions, using_kernels
 from megatron_lrmoe.select import contract, scores_triton, scoring, select_triton
 from megatron_lrmoe.testing.interpreter import run_interpreter_tests
 
@@ -215,7 +216,8 @@ def test_gpu_captured_selection_matches_reference(
 ) -> None:
     """Calls of one shape (N, G): the first runs eagerly, the second is captured into a CUDA
     graph, the rest replay it; every call equals the reference, and a replay never changes the
-    outputs an earlier call returned. ``LRMOE_SELECT_GRAPHS=0`` launches eagerly."""
+    outputs an earlier call returned. ``KernelOptions(select_graphs=False)`` launches
+    eagerly."""
     monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(11)
     n, g = 5000, 16
@@ -235,10 +237,10 @@ def test_gpu_captured_selection_matches_reference(
         ref = _reference(policy, case)
         assert torch.equal(got.kept_index.cpu(), ref.kept_index)
         assert torch.equal(got.weight.cpu(), ref.weight)
-    monkeypatch.setenv("LRMOE_SELECT_GRAPHS", "0")
     monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
-    for case, _ in calls[:3]:
-        _check(policy, (case[0].cuda(), *case[1:]))
+    with using_kernels(KernelOptions(select_graphs=False)):
+        for case, _ in calls[:3]:
+            _check(policy, (case[0].cuda(), *case[1:]))
     assert not select_triton._GRAPHS.graphs and not select_triton._GRAPHS.seen
 
 
@@ -357,8 +359,7 @@ def test_gpu_captured_scoring_matches_eager(monkeypatch: pytest.MonkeyPatch, pol
         pointers.append(scored.scores.data_ptr())
         graphs = _scored_graphs()
         assert len(graphs) == (0 if call == 0 else 1)
-        with monkeypatch.context() as eager:
-            eager.setenv("LRMOE_SELECT_GRAPHS", "0")
+        with using_kernels(KernelOptions(select_graphs=False)):
             g, x, probs, token = tensors
             norms = scoring.token_norms(g, x)
             ref_scored = scoring.pair_scores(probs, token, norms, norms.amax(1))
@@ -434,8 +435,7 @@ def test_gpu_front_graph_matches_steps(monkeypatch: pytest.MonkeyPatch, policy: 
         got = (buffers.d_probs, got_sel.kept_index, got_sel.weight, buffers.g_kept,
                buffers.x_kept, got.row_of_pair)
         got = tuple(v.clone() for v in got)  # queued before the next call, as in the backward
-        with monkeypatch.context() as eager:
-            eager.setenv("LRMOE_SELECT_GRAPHS", "0")
+        with using_kernels(KernelOptions(select_graphs=False)):
             d_probs = rows_triton.row_dot_triton(g, z, probs.dtype, slots=slots)
             scored, sel, _ = scoring.score_and_select(
                 policy, g, x, probs, token, counts, quota, uniforms

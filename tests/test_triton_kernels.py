@@ -42,6 +42,7 @@ from megatron_lrmoe.dispatch import rows as rowwise
 from megatron_lrmoe.dispatch import rows_triton
 from megatron_lrmoe.dispatch.permutation import PairPermutation
 from megatron_lrmoe.experts import GluSpec, act_backward, act_forward, activation_triton
+from megatron_lrmoe.options import KernelOptions, active_kernels, using_kernels
 from megatron_lrmoe.select import scores_triton, scoring
 from megatron_lrmoe.testing.interpreter import run_interpreter_tests
 
@@ -114,8 +115,10 @@ def _gen(seed: int) -> torch.Generator:
 # --------------------------------------------------------------------------------------------
 
 
-def test_use_triton_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(triton_common.TRITON_ENV, raising=False)
+def test_use_triton_switch() -> None:
+    """The switch is the active kernel options' ``triton`` (the running layer's
+    ``LRMoEConfig.kernels``); ``using_kernels`` puts the previous options back."""
+    assert active_kernels() == KernelOptions()
     x = torch.zeros(2, 3)
     assert not triton_common.use_triton(x)  # host tensors always take the torch path
     assert not triton_common.use_triton()
@@ -123,8 +126,10 @@ def test_use_triton_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         y = x.cuda()
         assert triton_common.use_triton(y)
         assert not triton_common.use_triton(y, x)
-        monkeypatch.setenv(triton_common.TRITON_ENV, "0")
-        assert not triton_common.use_triton(y)
+        with using_kernels(KernelOptions(triton=False)):
+            assert not triton_common.use_triton(y)
+        assert triton_common.use_triton(y)
+    assert active_kernels() == KernelOptions()
 
 
 class _BrokenTritonFinder:
@@ -1006,13 +1011,13 @@ def test_interp_launchers_reject_bad_inputs() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# CUDA: the dispatching ops on the GPU, realistic Qwen3-30B-A3B shapes, against LRMOE_TRITON=0
+# CUDA: the dispatching ops on the GPU, realistic Qwen3-30B-A3B shapes, against their torch
+# paths (KernelOptions(triton=False))
 # --------------------------------------------------------------------------------------------
 
 
-def _torch_path(monkeypatch: pytest.MonkeyPatch, fn, *args):
-    with monkeypatch.context() as m:
-        m.setenv(triton_common.TRITON_ENV, "0")
+def _torch_path(fn, *args):
+    with using_kernels(KernelOptions(triton=False)):
         return fn(*args)
 
 
@@ -1112,7 +1117,7 @@ def test_grouped_wgrad_host_path_adds_each_group() -> None:
 @cuda
 @pytest.mark.skipif(not triton_common.triton_available(), reason="needs triton")
 @pytest.mark.skipif(INTERPRETING, reason="compiled kernels only")
-def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_grouped_wgrad_into_fp32() -> None:
     """bf16 rows, fp32 accumulator (``main_grad``), both tiles the dispatcher picks, ragged
     groups."""
     from megatron_lrmoe.experts.wgrad_triton import (
@@ -1125,7 +1130,6 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
         grouped_wgrad_triton,
     )
 
-    monkeypatch.delenv(triton_common.TRITON_ENV, raising=False)
     torch.manual_seed(0)
     m, n = 1536, 2048
     # Small ragged groups (the default tile), then groups large enough for the larger tile
@@ -1165,8 +1169,7 @@ def test_cuda_grouped_wgrad_into_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
 @cuda
 @pytest.mark.skipif(not triton_common.triton_available(), reason="needs triton")
 @pytest.mark.skipif(INTERPRETING, reason="compiled kernels only")
-def test_cuda_realistic_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(triton_common.TRITON_ENV, raising=False)
+def test_cuda_realistic_shapes() -> None:
     torch.manual_seed(0)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     n, hid, f = 131072, 2048, 768
@@ -1183,15 +1186,15 @@ def test_cuda_realistic_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
             ("gather_rows", rowwise.gather_rows, (x[: n // 8], torch.randint(0, n // 8, (n,),
                                                                             device=dev))),
         ]:
-            got, ref = fn(*args), _torch_path(monkeypatch, fn, *args)
+            got, ref = fn(*args), _torch_path(fn, *args)
             assert torch.equal(got, ref), name  # RNE on the GPU: bit-exact
             timings[name] = (
                 _ms(fn, *args),
-                _ms(lambda *a: _torch_path(monkeypatch, fn, *a), *args),
+                _ms(lambda *a: _torch_path(fn, *a), *args),
             )
 
         got = rowwise.row_dot(x, y, torch.float32)
-        _check_row_dot(got, x, y, _torch_path(monkeypatch, rowwise.row_dot, x, y, torch.float32))
+        _check_row_dot(got, x, y, _torch_path(rowwise.row_dot, x, y, torch.float32))
 
         # The backward's scoring and packing at 16384 tokens x top-8.
         tokens = n // 8
@@ -1199,45 +1202,45 @@ def test_cuda_realistic_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
         token_of_pair = torch.randint(0, tokens, (n,), device=dev)
         norms = scoring.token_norms(gt, xt)
         torch.testing.assert_close(
-            norms, _torch_path(monkeypatch, scoring.token_norms, gt, xt), rtol=1e-5, atol=0.0
+            norms, _torch_path(scoring.token_norms, gt, xt), rtol=1e-5, atol=0.0
         )
         top = norms.amax(1)
         got = scoring.pair_scores(probs, token_of_pair, norms, top)
-        ref = _torch_path(monkeypatch, scoring.pair_scores, probs, token_of_pair, norms, top)
+        ref = _torch_path(scoring.pair_scores, probs, token_of_pair, norms, top)
         assert torch.equal(got.scores, ref.scores)
         torch.testing.assert_close(got.total, ref.total, rtol=1e-5, atol=0.0)
         weight = torch.rand(index.numel(), device=dev) + 1
         args = (gt, token_of_pair, index, probs, weight, xt, torch.zeros((), device=dev))
         got_g, got_x = rowwise.pack_pairs(*args)
-        ref_g, ref_x = _torch_path(monkeypatch, rowwise.pack_pairs, *args)
+        ref_g, ref_x = _torch_path(rowwise.pack_pairs, *args)
         assert torch.equal(got_g, ref_g) and torch.equal(got_x, ref_x)
         timings["pack_pairs"] = (
             _ms(rowwise.pack_pairs, *args),
-            _ms(lambda *a: _torch_path(monkeypatch, rowwise.pack_pairs, *a), *args),
+            _ms(lambda *a: _torch_path(rowwise.pack_pairs, *a), *args),
         )
 
         for spec in SPECS:
             h = torch.randn(n, f * spec.fc1_multiplier, device=dev, dtype=bf16) * 4
             d_a = torch.randn(n, f, device=dev, dtype=bf16)
             a = act_forward(h, spec)
-            assert_within(a, _torch_path(monkeypatch, act_forward, h, spec), 1, 16 * FP32_EPS)
+            assert_within(a, _torch_path(act_forward, h, spec), 1, 16 * FP32_EPS)
             dh, _, _ = act_backward(d_a, h, spec)
-            ref, _, _ = _torch_path(monkeypatch, act_backward, d_a, h, spec)
+            ref, _, _ = _torch_path(act_backward, d_a, h, spec)
             assert_within(dh, ref, 1, 16 * FP32_EPS, what=f"act_backward {spec}")
             rows = torch.randperm(n, device=dev)[: n // 2].sort().values
             dh_k, _, _ = act_backward(d_a[: rows.numel()], h, spec, h_rows=rows)
             ref_k, _, _ = _torch_path(
-                monkeypatch, act_backward, d_a[: rows.numel()], h.index_select(0, rows), spec
+                act_backward, d_a[: rows.numel()], h.index_select(0, rows), spec
             )
             assert_within(dh_k, ref_k, 1, 16 * FP32_EPS, what=f"act_backward h_rows {spec}")
             if spec.gated and spec.kind == "silu":
                 timings["swiglu fwd"] = (
                     _ms(act_forward, h, spec),
-                    _ms(lambda *a: _torch_path(monkeypatch, act_forward, *a), h, spec),
+                    _ms(lambda *a: _torch_path(act_forward, *a), h, spec),
                 )
                 timings["swiglu bwd"] = (
                     _ms(act_backward, d_a, h, spec),
-                    _ms(lambda *a: _torch_path(monkeypatch, act_backward, *a), d_a, h, spec),
+                    _ms(lambda *a: _torch_path(act_backward, *a), d_a, h, spec),
                 )
     for name, (fast, slow) in timings.items():
         print(f"{name:>20}: triton {fast:.3f} ms, torch {slow:.3f} ms")

@@ -286,7 +286,9 @@ class Assignment:
         self.holders = _Holders.empty()
         if search:
             # Without a memory budget the slots do not depend on the threshold.
-            chosen = place_replicas(w, self.num_sources, self.slot_rule(), PLACEMENT_TOLERANCE)
+            chosen = place_replicas(
+                w, self.num_sources, self.slot_rule(), PLACEMENT_TOLERANCE, lib=self.lib
+            )
             self.threshold = chosen.threshold
             if chosen.moves:
                 self.holders = _Holders.of_moves(chosen.moves, w, self.local)

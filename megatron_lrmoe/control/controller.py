@@ -229,7 +229,8 @@ def plan_call(
         counts: ``[P, E]`` host int pairs from source rank r to expert e (a torch tensor or numpy
             array; every rank passes the same counts).
         ep_rank: This rank's index in the EP group.
-        lrmoe: keep ratio (upper bound), budgets, replica limit, activation mode, scope.
+        lrmoe: keep ratio (upper bound), budgets, replica limit, activation mode, scope, and
+            whether to plan with the compiled planner (``kernels.native_planner``).
         cost: Bytes per pair and per replica (:meth:`CostModel.from_config`); needed for budgets
             and for the memory accounting (``ControlPlan.memory`` is None without it).
         check: Run ``check_invariants`` (default: ``lrmoe.debug_check_invariants``).
@@ -246,7 +247,8 @@ def plan_call(
             cost model.
     """
     start = time.perf_counter()
-    lib = native.library()
+    # The compiled twins of the hot loops unless the config switches them off (same plans).
+    lib = native.library() if lrmoe.kernels.native_planner else None
     n = _as_counts(counts, signs=lib is None)
     num_sources = n.shape[0]
     if not 0 <= int(ep_rank) < num_sources:

@@ -11,7 +11,9 @@ source into ``$LRMOE_CACHE_DIR`` (default ``~/.cache/megatron_lrmoe``), the file
 hash of the source, the compiler and its version and the flags; it compiles to a temporary file
 and renames it into place, so ranks building at once are safe. Without a compiler, or when the
 build or the load fails, :func:`library` logs one warning and returns None, and every caller
-takes its Python path. ``LRMOE_NATIVE=0`` forces the Python path (read at every call).
+takes its Python path. ``LRMoEConfig.kernels.native_planner=False`` (``--no-lrmoe-native-planner``)
+makes ``plan_call`` take the Python path without asking for the library; a caller of the
+planner's parts that holds no config passes ``lib=None`` for the same.
 
 Shape legend as in assignment.py: P ranks, E experts, M replicated experts (items), K holder
 entries. Every array crossing the boundary is C-contiguous int64 (or numpy bool / uint8).
@@ -99,10 +101,8 @@ class _State:
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled library, building it on first use; None when ``LRMOE_NATIVE=0`` or when it
-    cannot be built or loaded (then one warning, and callers use their Python paths)."""
-    if os.environ.get("LRMOE_NATIVE", "1") == "0":
-        return None
+    """The compiled library, building it on first use; None when it cannot be built or loaded
+    (then one warning, and callers use their Python paths)."""
     if not _State.tried:
         _State.tried = True
         try:
@@ -110,7 +110,8 @@ def library() -> Optional[ctypes.CDLL]:
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             logger.warning(
                 "megatron_lrmoe: the planner's native code is unavailable (%s); using the "
-                "Python planner (same plans, slower). Set LRMOE_NATIVE=0 to silence this.",
+                "Python planner (same plans, slower). Pass --no-lrmoe-native-planner "
+                "(LRMoEConfig.kernels.native_planner=False) to silence this.",
                 e,
             )
     return _State.lib

@@ -43,7 +43,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -329,6 +329,10 @@ IMPROVE_MAX_PAIRS = 128
 IMPROVE_MAX_ROUNDS = 32
 
 
+# ``place_replicas``' default ``lib``: ask native.library() (the controller passes its own).
+_LIBRARY = object()
+
+
 class _Excess:
     """The pairs above a level T that no assignment over a replica set avoids (a max-flow).
 
@@ -566,6 +570,8 @@ def place_replicas(
     num_ranks: int,
     slots: Slots,
     tolerance: float = 0.0,
+    *,
+    lib: Any = _LIBRARY,
 ) -> Placement:
     """Threshold search + greedy: replicas for this call's loads (see the module docstring).
 
@@ -577,6 +583,8 @@ def place_replicas(
         tolerance: Stop bisecting once the bracket is within ``max(1, tolerance * T)``; 0 finds
             the smallest T the greedy reaches to the unit. The local search after the greedy
             stops within ``tolerance`` of the lower bound.
+        lib: The compiled library for the threshold search (native.py), ``None`` for the
+            Python search (same result); by default :func:`native.library`'s answer.
 
     Returns:
         The placement; no replicas when none lower the peak.
@@ -592,7 +600,8 @@ def place_replicas(
     low = max(-(-total // max(num_ranks, 1)), -(-hottest // max(num_ranks, 1)))
     if num_ranks <= 1 or top <= low:
         return Placement(top, (), 0)
-    lib = native.library()
+    if lib is _LIBRARY:
+        lib = native.library()
     rule = None if lib is None else native.slot_rule(slots, num_ranks)
     if rule is not None:  # the same search in C (native.py)
         best_t, best, runs = native.place_search(lib, expert_load, num_ranks, rule, tolerance)

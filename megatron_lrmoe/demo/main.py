@@ -44,7 +44,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Optional, Sequence
 
-from megatron_lrmoe.config import ACTIVATION_MODES, SCOPES, SELECTIONS
+from megatron_lrmoe.config import ACTIVATION_MODES, SCOPES, SELECTIONS, LRMoEConfig
 
 WORLD_SIZE = 2  # ranks = expert-parallel size
 RUN_NAMES = ("stock", "lrmoe")
@@ -79,7 +79,7 @@ class DemoPlan:
 
     shape: dict
     settings: dict
-    lrmoe: dict
+    lrmoe: LRMoEConfig
     corpus_train_bytes: int
     corpus_valid_bytes: int
     verbose: bool
@@ -247,7 +247,6 @@ def _demo_rank(rank: int, world_size: int, plan: DemoPlan) -> dict:
     """One rank: both runs, alternating step by step; returns per-step records and corpus facts."""
     if not plan.verbose:
         _quiet()
-    from megatron_lrmoe.config import LRMoEConfig
     from megatron_lrmoe.demo.trainer import ModelShape, Trainer, TrainSettings, load_stdlib_corpus
     from megatron_lrmoe.testing import init_megatron_parallel
 
@@ -267,7 +266,7 @@ def _demo_rank(rank: int, world_size: int, plan: DemoPlan) -> dict:
         "stock": stock,
         # From stock's initial weights: LRMoE's experts draw their initial values in another order.
         "lrmoe": Trainer(
-            shape, settings, corpus, lrmoe=LRMoEConfig(**plan.lrmoe), init_from=stock.initial_state
+            shape, settings, corpus, lrmoe=plan.lrmoe, init_from=stock.initial_state
         ),
     }
     runs: dict[str, list[dict]] = {name: [] for name in RUN_NAMES}
@@ -478,7 +477,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """Run the demo for parsed and checked ``args``; returns the process exit status."""
-    from megatron_lrmoe.config import LRMoEConfig
     from megatron_lrmoe.testing import DistributedTestError, run_distributed
 
     lrmoe = LRMoEConfig(
@@ -492,7 +490,7 @@ def _run(args: argparse.Namespace) -> int:
     plan = DemoPlan(
         shape=shape,
         settings=settings,
-        lrmoe=asdict(lrmoe),
+        lrmoe=lrmoe,
         corpus_train_bytes=(1 << 20) if args.quick else (4 << 20),
         corpus_valid_bytes=(64 << 10) if args.quick else (256 << 10),
         verbose=args.verbose,

@@ -188,8 +188,8 @@ MAX_KERNEL_MAP = 1 << 22
 
 def use_pair_plan_kernels(routing_map: torch.Tensor) -> bool:
     """Whether :func:`pair_plan_triton` serves this map: the Triton switch
-    (``triton_common.use_triton``: CUDA, triton, ``LRMOE_TRITON``), a non-empty bool map of at
-    most ``MAX_KERNEL_MAP`` entries (which also keeps positions within the kernels' int32
+    (``triton_common.use_triton``: CUDA, triton, ``KernelOptions.triton``), a non-empty bool map
+    of at most ``MAX_KERNEL_MAP`` entries (which also keeps positions within the kernels' int32
     counts)."""
     num_tokens, num_experts = routing_map.shape
     return (

@@ -51,7 +51,7 @@ class PairPermutation:
         """Index plans from a ``[T, E]`` bool routing map with ``num_pairs`` True entries.
 
         ``num_pairs`` is known on the host from the all-gathered counts, so nothing here syncs.
-        On CUDA (Triton available, ``LRMOE_TRITON != "0"``) the plan comes from two Triton
+        On CUDA (Triton available, ``KernelOptions.triton`` on) the plan comes from two Triton
         kernels and one ``cumsum`` (``pair_plan_kernels.pair_plan_triton``, about 15 kernels
         fewer than :func:`_build_torch`, the reference and the host path). A speculative
         ``num_pairs`` above the map's count (``dispatcher.expect_full_routing``) gives a plan

@@ -3,7 +3,7 @@
 Shape legend: N input rows, K output rows of a gathered :func:`scale_rows` (``len(index)``),
 H hidden; for :func:`gather_sum` T output rows (tokens) with up to K slots each.
 
-On CUDA (with ``triton`` importable and ``LRMOE_TRITON != "0"``) both ops run one fused Triton
+On CUDA (with ``triton`` importable and ``KernelOptions.triton`` on) both ops run one fused Triton
 kernel from ``rows_triton.py``: one read of each input, one write of the output, fp32 math
 in registers. Elsewhere, and for cases those kernels do not take (fp64, inputs that need
 autograd, unusual shapes), the chunked torch code below runs; it is also the reference the

@@ -5,8 +5,9 @@ Shape legend:
     G: local experts; H: hidden; F: expert FFN width; F1: ``2F`` if gated else ``F``.
     Weights: ``w1: [G, F1, H]``, ``w2: [G, H, F]`` (Megatron's ``[out, in]`` stacked on dim 0).
 
-Set ``LRMOE_GROUPED_MM=loop`` to force the per-group ``torch.mm`` loop instead of
-``torch.nn.functional.grouped_mm`` (see ``grouped_gemm.py``).
+``KernelOptions(grouped_mm=False)`` (``LRMoEConfig.kernels``, ``--no-lrmoe-grouped-mm``) forces
+the per-group ``torch.mm`` loop instead of ``torch.nn.functional.grouped_mm`` (see
+``grouped_gemm.py``).
 """
 
 from megatron_lrmoe.experts.activation import (
@@ -17,7 +18,6 @@ from megatron_lrmoe.experts.activation import (
     activation_spec_from_config,
 )
 from megatron_lrmoe.experts.grouped_gemm import (
-    GROUPED_MM_ENV,
     Counts,
     GroupedMMBackend,
     GroupSizes,
@@ -31,7 +31,6 @@ from megatron_lrmoe.experts.mlp import expert_backward, expert_forward
 __all__ = [
     "ActivationKind",
     "Counts",
-    "GROUPED_MM_ENV",
     "GluSpec",
     "GroupSizes",
     "GroupedMMBackend",

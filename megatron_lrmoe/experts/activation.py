@@ -12,7 +12,7 @@ All math runs in fp32 (fp64 for fp64 inputs, so ``gradcheck`` works) and results
 back to ``h``'s dtype, so bf16 inputs get one rounding per output instead of one per
 intermediate.
 
-On CUDA (with ``triton`` importable and ``LRMOE_TRITON != "0"``) bf16/fp16/fp32 inputs go
+On CUDA (with ``triton`` importable and ``KernelOptions.triton`` on) bf16/fp16/fp32 inputs go
 through one fused Triton kernel per call (``activation_triton.py``): the torch code below
 materialises several fp32 ``[N, F1]`` temporaries, one kernel each, while the fused kernel reads
 ``h`` (and ``d_a``) once and writes the result once. Same formulas, fp32 in registers, one

@@ -20,10 +20,9 @@ Backends (see :func:`grouped_mm_backend`):
         loop does the same work without that device-to-host sync, so we use it instead.
     ``"loop"``: one ``torch.mm`` per non-empty group, driven by host-side group sizes.
 
-Environment:
-    ``LRMOE_GROUPED_MM``: ``"auto"`` (default, or unset) picks as above; ``"loop"`` forces the
-        per-group loop everywhere (for debugging or to compare backends). Any other value raises
-        ``ValueError`` so a typo is not silently ignored.
+Switch: ``grouped_mm`` of the active kernel options (``options.active_kernels()``: the running
+layer's ``LRMoEConfig.kernels``, ``--no-lrmoe-grouped-mm``): on (default) picks as above; off
+forces the per-group loop everywhere (for debugging or to compare backends).
 
 The functions are meant for explicit forward/backward code (inside ``torch.autograd.Function``
 methods). They stay differentiable if called with grad enabled (grouped_mm has a derivative and
@@ -33,7 +32,6 @@ the loop then avoids ``out=``), but nothing here relies on that.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from typing import Literal, Union
 
@@ -42,12 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lrmoe.dispatch.compaction import host_to_device
+from megatron_lrmoe.options import active_kernels
 
 __all__ = [
     "Counts",
     "GroupSizes",
     "GroupedMMBackend",
-    "GROUPED_MM_ENV",
     "decide_backend",
     "grouped_mm_backend",
     "grouped_mm_backend_for",
@@ -57,8 +55,6 @@ __all__ = [
 ]
 
 GroupedMMBackend = Literal["torch_grouped_mm", "loop"]
-
-GROUPED_MM_ENV = "LRMOE_GROUPED_MM"
 
 # The grouped GEMM kernels (CUTLASS/TMA on CUDA) need every non-unit stride to be a multiple of
 # 16 bytes; torch checks the same rule on the CPU.
@@ -174,18 +170,6 @@ def _as_group_sizes(counts: Counts) -> GroupSizes:
     return counts if isinstance(counts, GroupSizes) else GroupSizes(counts)
 
 
-def _env_mode(raw: str | None = None) -> str:
-    """``LRMOE_GROUPED_MM`` normalised (``raw``: its value, read here when not given)."""
-    if raw is None:
-        raw = os.environ.get(GROUPED_MM_ENV)
-    mode = (raw or "auto").strip().lower() or "auto"
-    if mode not in ("auto", "loop"):
-        raise ValueError(
-            f"{GROUPED_MM_ENV}={mode!r} is not supported; use 'auto' (default) or 'loop'"
-        )
-    return mode
-
-
 @functools.lru_cache(maxsize=None)
 def _cuda_has_fast_grouped_mm(device_index: int) -> bool:
     # torch's CUDA grouped_mm takes its sync-free CUTLASS path only on sm90/sm100-class parts
@@ -211,7 +195,7 @@ def _width_aligned(width: int, dtype: torch.dtype) -> bool:
 
 
 def decide_backend(
-    env: str | None,
+    grouped_mm: bool,
     x_dtype: torch.dtype,
     x_device: torch.device,
     w_dtype: torch.dtype,
@@ -221,12 +205,12 @@ def decide_backend(
     """:func:`grouped_mm_backend`'s rule on what it reads of the operands (the reference).
 
     Args:
-        env: The raw value of ``LRMOE_GROUPED_MM`` (``None`` when unset).
+        grouped_mm: The switch (``KernelOptions.grouped_mm``); off always gives ``"loop"``.
         x_dtype, x_device: The row operand's.
         w_dtype, w_device: The other operand's.
         widths: Every feature width of both operands (all dims but the row / group dim).
     """
-    if _env_mode(env) == "loop":
+    if not grouped_mm:
         return "loop"
     if x_dtype != w_dtype or x_device != w_device:
         return "loop"
@@ -239,9 +223,8 @@ def decide_backend(
 
 # The decision per distinct input: every grouped product asks (four to eight per layer call and
 # pass), and the rule costs several microseconds of host time against well under one for the
-# lookup. Keyed on everything the rule reads, the environment's value included, so a changed
-# variable, dtype, device or width is a new key, never a stale answer. An unknown environment
-# value raises each time (exceptions are not cached). Few distinct keys exist in a process (one
+# lookup. Keyed on everything the rule reads, the switch included, so a changed switch, dtype,
+# device or width is a new key, never a stale answer. Few distinct keys exist in a process (one
 # per weight stack shape, dtype and device), the bound only guards against a pathological one.
 _cached_backend = functools.lru_cache(maxsize=1024)(decide_backend)
 
@@ -253,8 +236,9 @@ def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> GroupedMMBackend:
     expert MLP step picks predictably: ``x`` is the row operand ``[N, *]`` and ``w`` the other
     operand, either a stacked weight ``[G, *, *]`` or, for the weight-gradient form, a second
     row operand ``[N, *]``. All feature widths (every dim but the row/group dim) must be a
-    multiple of 16 bytes. ``LRMOE_GROUPED_MM`` is read on every call; the rule's answer is
-    memoised per distinct input (:func:`decide_backend`, the uncached reference).
+    multiple of 16 bytes; the active kernel options' ``grouped_mm`` off gives ``"loop"``. The
+    rule's answer is memoised per distinct input (:func:`decide_backend`, the uncached
+    reference).
 
     Args:
         x: Row operand ``[N, K]``.
@@ -262,9 +246,6 @@ def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> GroupedMMBackend:
 
     Returns:
         ``"torch_grouped_mm"`` or ``"loop"``.
-
-    Raises:
-        ValueError: If ``LRMOE_GROUPED_MM`` holds an unknown value.
     """
     return grouped_mm_backend_for(x.dtype, x.device, x.shape[-1], w)
 
@@ -275,11 +256,11 @@ def grouped_mm_backend_for(
     """:func:`grouped_mm_backend` for a row operand described by its dtype, device and width
     (``[N, width]``), e.g. one not computed yet, without allocating it."""
     if not hasattr(F, "grouped_mm"):  # outside the memo: tests may take it away
-        _env_mode()  # a bad value raises all the same
         return "loop"
     shape = w.shape
     widths = (width, shape[-1], shape[-2]) if len(shape) == 3 else (width, shape[-1])
-    return _cached_backend(os.environ.get(GROUPED_MM_ENV), dtype, device, w.dtype, w.device, widths)
+    grouped_mm = active_kernels().grouped_mm
+    return _cached_backend(grouped_mm, dtype, device, w.dtype, w.device, widths)
 
 
 def _layout_ok(t: torch.Tensor) -> bool:

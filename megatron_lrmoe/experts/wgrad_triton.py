@@ -344,7 +344,7 @@ def accumulate_grouped_wgrad(
     """``out[g] += a_g^T @ b_g`` (``accumulate``, else ``out[g] = ...``) for rows grouped by
     ``counts``, summed in fp32.
 
-    The Triton kernel on CUDA for bf16/fp16 operands (``LRMOE_TRITON`` not ``"0"``); otherwise
+    The Triton kernel on CUDA for bf16/fp16 operands (``KernelOptions.triton`` on); otherwise
     :func:`grouped_wgrad_reference` (fp32 operands included: the kernel's fp32 dot would run in
     TF32).
 

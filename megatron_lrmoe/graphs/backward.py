@@ -40,15 +40,16 @@ the eager path picks.
 
 Scope (:func:`expert_graph_wanted`): CUDA, EP 1 without replicas, the front graphs on,
 weight gradients fused into ``main_grad`` (``grad_accumulation_fusion``), torch's grouped GEMM
-and the Triton kernels. ``LRMOE_EXPERT_GRAPHS=0`` turns it off (the front then replays alone
-and the expert half runs eagerly). Like the front graph's, the shared buffers assume that the
-layers' backwards run on one stream, one after the other (what Megatron does at EP 1).
+and the Triton kernels. ``expert_graphs`` off in the active kernel options
+(``options.active_kernels()``: the running layer's ``LRMoEConfig.kernels``) turns it off (the
+front then replays alone and the expert half runs eagerly). Like the front graph's, the shared
+buffers assume that the layers' backwards run on one stream, one after the other (what Megatron
+does at EP 1).
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import weakref
 from typing import Callable, NamedTuple
 
@@ -60,7 +61,6 @@ from megatron_lrmoe.dispatch import rows_triton
 from megatron_lrmoe.experts import activation_triton
 from megatron_lrmoe.experts.activation import GluSpec
 from megatron_lrmoe.experts.grouped_gemm import (
-    GROUPED_MM_ENV,
     GroupSizes,
     grouped_mm_backend,
     grouped_mm_nn,
@@ -79,9 +79,9 @@ from megatron_lrmoe.graphs.front import (
     ScoredCall,
     front_graphs_wanted,
 )
+from megatron_lrmoe.options import active_kernels
 
 __all__ = [
-    "EXPERT_GRAPHS_ENV",
     "ExpertRows",
     "expert_graph_rows",
     "expert_graph_wanted",
@@ -89,8 +89,6 @@ __all__ = [
     "reset",
     "run_layer_graph",
 ]
-
-EXPERT_GRAPHS_ENV = "LRMOE_EXPERT_GRAPHS"
 
 # Room for this many more rows than the call that sized a shared set keeps, so that the small
 # changes of K from call to call (quotas rounded per expert) reuse it.
@@ -273,10 +271,6 @@ _SHAPES_SEEN: collections.Counter[_Shape] = collections.Counter()
 _GRAPHS: GraphCache[_LayerGraph] = GraphCache(capacity=1024)
 
 
-def _enabled() -> bool:
-    return os.environ.get(EXPERT_GRAPHS_ENV, "1") != "0"
-
-
 def expert_graph_wanted(
     g: torch.Tensor,
     weights: tuple[torch.Tensor, torch.Tensor],
@@ -284,11 +278,11 @@ def expert_graph_wanted(
     h: torch.Tensor | None,
 ) -> bool:
     """Whether :func:`run_layer_graph` can take this backward (the caller has checked EP 1
-    and no replicas): CUDA outside another capture, this switch and the front graphs' on
-    (``front_graphs_wanted``), the weight gradients going into ``main_grad`` buffers that stay
-    where they are (``MainGrads.fixed``: DDP's, not Megatron-FSDP's), and tensors the captured
-    kernels can use."""
-    if not (_enabled() and into is not None and into.fixed and g.is_cuda):
+    and no replicas): CUDA outside another capture, ``expert_graphs`` and the front graphs on
+    in the active kernel options (``front_graphs_wanted``), the weight gradients going into
+    ``main_grad`` buffers that stay where they are (``MainGrads.fixed``: DDP's, not
+    Megatron-FSDP's), and tensors the captured kernels can use."""
+    if not (active_kernels().expert_graphs and into is not None and into.fixed and g.is_cuda):
         return False
     contiguous = into.fc1.is_contiguous() and into.fc2.is_contiguous()
     if not (contiguous and front_graphs_wanted(g.device)):
@@ -304,8 +298,9 @@ def _kernels_take(g: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     Cached by everything it depends on (the two switches included): it runs in every backward
     of every layer, where a dozen checks cost more host time than one lookup.
     """
+    kernels = active_kernels()
     key = (
-        os.environ.get(GROUPED_MM_ENV), os.environ.get(tc.TRITON_ENV), g.dtype,
+        kernels.grouped_mm, kernels.triton, g.dtype,
         g.device, g.shape[1], w1.dtype, w1.device, tuple(w1.shape), w2.dtype, tuple(w2.shape),
     )
     ok = _TAKES.get(key)

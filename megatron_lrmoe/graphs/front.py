@@ -25,20 +25,21 @@ captures go into its cache (``select_triton._GRAPHS``: at most 8 graphs of eithe
 cache, the switch ``_graphs_wanted`` and ``_host_block`` are looked up in that module at call
 time, so that a replacement there (``testing/host_graphs.py``, the tests) reaches both.
 
-Switches: ``LRMOE_SCORE_GRAPHS=0`` keeps the scoring (and so the front) out of the replayed
-selection, ``LRMOE_FRONT_GRAPHS=0`` the row-dot and the packing; ``LRMOE_SELECT_GRAPHS=0`` turns
-every one of these graphs off.
+Switches (the active kernel options, ``options.active_kernels()``: the running layer's
+``LRMoEConfig.kernels``): ``score_graphs`` off keeps the scoring (and so the front) out of the
+replayed selection, ``front_graphs`` off the row-dot and the packing; ``select_graphs`` off
+turns every one of these graphs off.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
 from megatron_lrmoe import triton_common as tc
 from megatron_lrmoe.dispatch import rows_triton
+from megatron_lrmoe.options import active_kernels
 from megatron_lrmoe.select import contract, scores_triton, scoring, select_triton
 from megatron_lrmoe.select.select_triton import (
     _BLOCK,
@@ -66,12 +67,6 @@ __all__ = [
     "score_select_triton",
     "scored_call",
 ]
-
-# Set LRMOE_SCORE_GRAPHS=0 to keep the scoring out of the replayed selection
-# (score_select_triton), LRMOE_FRONT_GRAPHS=0 to keep the router gradient's row-dot and the
-# packing out of it (front_triton).
-_SCORE_GRAPHS_ENV = "LRMOE_SCORE_GRAPHS"
-_FRONT_GRAPHS_ENV = "LRMOE_FRONT_GRAPHS"
 
 
 class ScoreInputs(NamedTuple):
@@ -215,18 +210,15 @@ def score_select_triton(
     as the eager composition, so the same bits.
 
     ``None`` (the caller then scores and selects eagerly, which is also what the first sighting
-    of a shape does): not CUDA, graphs off (``LRMOE_SELECT_GRAPHS=0``, or
-    ``LRMOE_SCORE_GRAPHS=0`` for this one only) or inside another capture, device-side
+    of a shape does): not CUDA, graphs off (``select_graphs``, or ``score_graphs`` for this
+    one only, off in the active kernel options) or inside another capture, device-side
     uniforms, nothing to keep, or inputs the graph cannot read in place (dtypes, layouts,
     alignment: ``_graph_scorable``). Invalid inputs raise as in
     ``select_triton``; ``owned`` as there (for every output). The kept scores' sum
     (``kept_total``) is taken over the rows of the kept buffer below the device's kept count,
     so its fp32 rounding may differ from the eager sum's in the last bits.
     """
-    if not (
-        os.environ.get(_SCORE_GRAPHS_ENV, "1") != "0"
-        and select_triton._graphs_wanted(probs.device)
-    ):
+    if not (active_kernels().score_graphs and select_triton._graphs_wanted(probs.device)):
         return None
     inputs = ScoreInputs(g, x, probs, token)
     call = scored_call(policy, inputs, counts, quota, uniforms, None, kept_total)
@@ -261,7 +253,7 @@ def front_triton(
     once for its pairs) that does the eager ``row_dot_triton``'s and ``pack_pairs_triton``'s
     arithmetic in their order, so the same bits (``test_interp_row_dot_and_packing_in_one_walk``).
 
-    ``None`` as :func:`score_select_triton`, also with ``LRMOE_FRONT_GRAPHS=0`` or buffers the
+    ``None`` as :func:`score_select_triton`, also with ``front_graphs`` off or buffers the
     graph cannot use in place (``_front_ready``). ``row_of_pair`` is a graph buffer (valid until
     the next replay) unless ``owned``; the other outputs are the caller's.
     """
@@ -278,11 +270,11 @@ def front_triton(
 
 def front_graphs_wanted(device: torch.device) -> bool:
     """Whether :func:`front_triton` may replay a graph on ``device`` at all (CUDA, outside
-    another capture, no switch off), so that a caller can skip preparing its buffers."""
+    another capture, none of ``front_graphs``, ``score_graphs``, ``select_graphs`` off in the
+    active kernel options), so that a caller can skip preparing its buffers."""
+    kernels = active_kernels()
     return (
-        os.environ.get(_FRONT_GRAPHS_ENV, "1") != "0"
-        and os.environ.get(_SCORE_GRAPHS_ENV, "1") != "0"
-        and select_triton._graphs_wanted(device)
+        kernels.front_graphs and kernels.score_graphs and select_triton._graphs_wanted(device)
     )
 
 

@@ -22,7 +22,7 @@ layer_number - 1``, Megatron's ``moe/<name>_layer_<i>`` convention, when ``per_l
                                gradient's row-dot, which is in the same graph); not counted
                                where the whole trimmed backward replays as one graph per layer
                                (EP 1, fused accumulation: no span inside a graph;
-                               ``LRMOE_EXPERT_GRAPHS=0`` brings it back)
+                               ``--no-lrmoe-expert-graphs`` brings it back)
 ``budget_trimmed_fraction``    only for calls the controller planned (budgets, ``auto``): pairs the
                                budgets took from the keep ratio's quotas / all pairs of those calls
 ``planner_ms``                 same calls: the controller's milliseconds per rank and iteration

@@ -46,13 +46,17 @@ to run per backward:
   - the whole backward as one graph per layer (``trimmed._graphed_backward``,
     ``graphs/backward.py``'s ``run_layer_graph``): at EP 1, with the weight gradients
     fused into ``main_grad`` buffers that stay put (DDP's, not Megatron-FSDP's), bf16/fp16
-    tensors Triton and torch's grouped GEMM take, ``LRMOE_EXPERT_GRAPHS`` not ``0`` and the
-    front graphs on (``expert_graph_wanted``), and at least one kept pair;
+    tensors Triton and torch's grouped GEMM take, ``expert_graphs`` on and the front graphs
+    on (``expert_graph_wanted``), and at least one kept pair;
   - the front only (``stages.replayed_front``, ``graphs/front.py``'s ``front_triton``): the
     router gradient, scoring, selection and packing as one graph, at any EP; the exchange,
-    expert backward and return then run as in the eager route. Needs Triton
-    (``LRMOE_TRITON``) and ``LRMOE_SELECT_GRAPHS``, ``LRMOE_SCORE_GRAPHS``,
-    ``LRMOE_FRONT_GRAPHS`` not ``0``.
+    expert backward and return then run as in the eager route. Needs ``triton``,
+    ``select_graphs``, ``score_graphs`` and ``front_graphs`` on.
+
+The switches named here are the call's kernel options (``ExpertCall.lrmoe.kernels``,
+``megatron_lrmoe/options.py``): :func:`lrmoe_experts` makes them active for the forward and each
+function's ``backward`` for the backward, so every stage and kernel wrapper below reads them
+(``options.active_kernels()``).
 
 Modules, in the order the data flows: ``call.py`` (:class:`ExpertCall`, the per-call context and
 the forward's row movements), ``exact.py``, ``trimmed.py`` (the trimmed function and its
@@ -71,6 +75,7 @@ import torch
 from megatron_lrmoe.op.call import ExpertCall
 from megatron_lrmoe.op.exact import ExactMoEFunction
 from megatron_lrmoe.op.trimmed import TrimmedMoEFunction
+from megatron_lrmoe.options import using_kernels
 
 __all__ = ["ExactMoEFunction", "ExpertCall", "TrimmedMoEFunction", "lrmoe_experts"]
 
@@ -95,4 +100,5 @@ def lrmoe_experts(
         ``[T, H]``: for each token the sum of its pairs' routing-weighted expert outputs.
     """
     fn = ExactMoEFunction if call.exact else TrimmedMoEFunction
-    return fn.apply(hidden, probs, call, w1, w2)
+    with using_kernels(call.lrmoe.kernels):
+        return fn.apply(hidden, probs, call, w1, w2)

@@ -15,6 +15,7 @@ from megatron_lrmoe.op.call import ExpertCall
 from megatron_lrmoe.op.keep_curve import observe_keep_curve, token_sq_norms
 from megatron_lrmoe.op.record import _record_exact
 from megatron_lrmoe.op.weight_grads import _fused_weight_grads, _main_grad_targets
+from megatron_lrmoe.options import using_kernels
 
 __all__ = ["ExactMoEFunction"]
 
@@ -56,6 +57,12 @@ class ExactMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # The call's kernel options, on whatever thread autograd runs this (options.py).
+        with using_kernels(ctx.call.lrmoe.kernels):
+            return ExactMoEFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         call: ExpertCall = ctx.call
         x, h, p_e, w1, w2 = ctx.saved_tensors
         if call.sample_stream is not None:

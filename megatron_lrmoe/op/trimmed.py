@@ -44,6 +44,7 @@ from megatron_lrmoe.op.stages import (
     select_kept,
 )
 from megatron_lrmoe.op.weight_grads import _fused_weight_grads, _main_grad_targets
+from megatron_lrmoe.options import using_kernels
 
 __all__ = ["TrimmedMoEFunction"]
 
@@ -98,6 +99,12 @@ class TrimmedMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # The call's kernel options, on whatever thread autograd runs this (options.py).
+        with using_kernels(ctx.call.lrmoe.kernels):
+            return TrimmedMoEFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         call: ExpertCall = ctx.call
         if ctx.stashed:
             hidden, probs, w1, w2 = ctx.saved_tensors
@@ -176,7 +183,7 @@ def _graphed_backward(
     was written: the caller runs the stages.
 
     The front and the expert half are not timed apart here (no span: a timing event cannot be
-    recorded inside the graph); ``LRMOE_EXPERT_GRAPHS=0`` times the front as ``front``.
+    recorded inside the graph); with ``expert_graphs`` off the front is timed as ``front``.
     """
     counts, quota, uniforms = _local_segments(call, key)
     num_kept = int(quota.numpy().sum())

@@ -26,7 +26,7 @@ and uniforms give bit-identical selections on every device and run.
 Implementations. :func:`select_topk` and :func:`select_sample` are the torch reference (any
 device). :func:`select` is what callers use: on CUDA it runs the fused Triton kernels of
 ``select/select_triton.py``, which give bit-identical results in a handful of launches (switch:
-``LRMOE_TRITON=0``, see ``triton_common.use_triton``), and the torch functions elsewhere.
+``KernelOptions.triton``, see ``triton_common.use_triton``), and the torch functions elsewhere.
 
 Device-to-host syncs: none when ``counts`` and ``quota`` are CPU tensors (the controller plans on
 the host). When they live on an accelerator they are copied to the host once per call to validate
@@ -604,9 +604,9 @@ def select(
     """:func:`select_topk` (``"topk"``) or :func:`select_sample` (``"sample"``), fused on CUDA.
 
     CUDA scores take the fused Triton path (``select/select_triton.py``: a handful of launches
-    instead of about a hundred, bit-identical results) when triton imports and ``LRMOE_TRITON``
-    is not ``"0"`` (``triton_common.use_triton``); everything else takes the torch functions,
-    which stay the reference.
+    instead of about a hundred, bit-identical results) when triton imports and the active kernel
+    options have ``triton`` on (``triton_common.use_triton``); everything else takes the torch
+    functions, which stay the reference.
 
     Args:
         policy: ``"topk"`` or ``"sample"``.

@@ -39,10 +39,10 @@ On CUDA, steps 2-10 of one shape (N rows, G segments, policy, which sort) are ca
 CUDA graph the second time the shape is seen and replayed after that (``_GraphCache``): one
 launch from the host instead of about twenty, the same kernels on the same inputs (the scores
 and the table's host rows are copied into the graph's static buffers first; the outputs are
-copied out). Not inside another capture, not with device-side uniforms;
-``LRMOE_SELECT_GRAPHS=0`` turns it off. The backward's front, the scoring and more replayed in
-the same graph, is ``graphs/front.py``'s: it extends :class:`_Captured` and captures into the
-same cache.
+copied out). Not inside another capture, not with device-side uniforms; ``select_graphs`` off in
+the active kernel options (``options.active_kernels()``, ``--no-lrmoe-select-graphs``) turns it
+off. The backward's front, the scoring and more replayed in the same graph, is
+``graphs/front.py``'s: it extends :class:`_Captured` and captures into the same cache.
 
 Why the repairs need no scan over all rows: among a segment's active rows (uncapped, positive
 weight, quota left), which are the consecutive ranks ``[c*, c* + n_active)``, the floored units
@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple
 
@@ -94,6 +93,7 @@ import numpy as np
 import torch
 
 from megatron_lrmoe.cuda_graphs import GraphCache, capture as capture_graph
+from megatron_lrmoe.options import active_kernels
 from megatron_lrmoe.select import contract
 from megatron_lrmoe.triton_common import _cdiv, _device_ctx, jit_kernels
 
@@ -930,16 +930,14 @@ def _sort_order_reference(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 # CUDA graphs
 # --------------------------------------------------------------------------------------------
 
-# Set LRMOE_SELECT_GRAPHS=0 to launch the selection kernels one by one on every call (and to keep
-# graphs/front.py's graphs, which replay these launches, off as well).
-_GRAPHS_ENV = "LRMOE_SELECT_GRAPHS"
-
 
 def _graphs_wanted(device: torch.device) -> bool:
-    """Replay captured selections: on CUDA, not inside someone else's capture, not disabled."""
+    """Replay captured selections: on CUDA, not inside someone else's capture, not switched off
+    (``select_graphs`` of the active kernel options; off, graphs/front.py's graphs, which
+    replay these launches, are off as well)."""
     return (
         device.type == "cuda"
-        and os.environ.get(_GRAPHS_ENV, "1") != "0"
+        and active_kernels().select_graphs
         and not torch.cuda.is_current_stream_capturing()
     )
 

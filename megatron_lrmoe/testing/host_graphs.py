@@ -17,8 +17,9 @@ for the rest of the process: call them only in a worker process of its own
 
 from __future__ import annotations
 
-import os
 from typing import Callable
+
+from megatron_lrmoe.options import active_kernels
 
 __all__ = ["graphs_on_host", "layer_graphs_on_host"]
 
@@ -64,15 +65,16 @@ def graphs_on_host(replay: bool = True) -> None:
 
 def layer_graphs_on_host(replay: bool = True) -> None:
     """:func:`graphs_on_host`, and the one graph per layer (``graphs/backward.py``):
-    wanted wherever the weight gradients go into ``main_grad`` and ``LRMOE_EXPERT_GRAPHS`` is
-    not ``0``, no memory pool, and room for exactly the kept rows (on the host the grouped
-    GEMMs' group sizes must add up to the rows: calls must keep the same count)."""
+    wanted wherever the weight gradients go into ``main_grad`` and ``expert_graphs`` is on in
+    the active kernel options (the layer's ``LRMoEConfig.kernels``), no memory pool, and room
+    for exactly the kept rows (on the host the grouped GEMMs' group sizes must add up to the
+    rows: calls must keep the same count)."""
     from megatron_lrmoe.graphs import backward as bg
     from megatron_lrmoe.op import trimmed
 
     graphs_on_host(replay)
     trimmed.expert_graph_wanted = lambda g, weights, into, h: (
-        into is not None and os.environ.get(bg.EXPERT_GRAPHS_ENV, "1") != "0"
+        into is not None and active_kernels().expert_graphs
     )
     bg.capture = lambda launch, device, pool: _graph(launch, replay)
     bg.ExpertRows.pool_for = lambda self, graph: None

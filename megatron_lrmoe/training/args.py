@@ -6,7 +6,9 @@ Typical use (this is what ``pretrain_lrmoe.py`` does)::
     validate_lrmoe_args(args)                   # ValueError naming both flags of a bad pair
     lrmoe_config = lrmoe_config_from_args(args)  # None unless --lrmoe
 
-Every ``LRMoEConfig`` field has one flag, ``--lrmoe-<field with dashes>``. The flags default to
+Every ``LRMoEConfig`` field has one flag, ``--lrmoe-<field with dashes>``, except ``kernels``,
+whose switches (``KernelOptions``, all on) have one flag each in a group of their own,
+``--no-lrmoe-<switch with dashes>`` (Megatron's ``--no-*-fusion`` style). The flags default to
 ``None`` ("not given"), so ``LRMoEConfig``'s own defaults apply and a ``--lrmoe-*`` flag given
 without ``--lrmoe`` is detected. Stock ``--moe-*`` flags keep their meaning: LRMoE only replaces
 the MoE layer class, so the router, load balancing and expert shapes still come from them.
@@ -31,10 +33,12 @@ from megatron_lrmoe.config import (
     moe_graph_capture,
     offloaded_expert_modules,
 )
+from megatron_lrmoe.options import KernelOptions
 
 __all__ = [
     "LRMOE_FLAGS",
     "LRMOE_HELP_FLAG",
+    "LRMOE_KERNEL_FLAGS",
     "LRMOE_TRACE_FLAG",
     "add_lrmoe_args",
     "lrmoe_help_text",
@@ -43,7 +47,8 @@ __all__ = [
     "validate_lrmoe_args",
 ]
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LRMoEConfig)}
+# The config's fields with one flag each (``kernels`` has one per switch: LRMOE_KERNEL_FLAGS).
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LRMoEConfig) if f.name != "kernels"}
 _CHOICES = {
     "selection": SELECTIONS,
     "scope": SCOPES,
@@ -57,7 +62,13 @@ def _flag(field_name: str) -> str:
 
 
 LRMOE_FLAGS: dict[str, str] = {name: _flag(name) for name in _DEFAULTS}
-"""``LRMoEConfig`` field name -> its command-line flag."""
+"""``LRMoEConfig`` field name -> its command-line flag (every field but ``kernels``)."""
+
+LRMOE_KERNEL_FLAGS: dict[str, str] = {
+    f.name: _flag(f.name) for f in dataclasses.fields(KernelOptions)
+}
+"""``KernelOptions`` switch -> its flag (``--lrmoe-<switch>``; ``--no-lrmoe-<switch>`` turns it
+off: ``LRMoEConfig.kernels``)."""
 
 LRMOE_HELP_FLAG = "--lrmoe-help"
 LRMOE_TRACE_FLAG = "--lrmoe-trace-dir"
@@ -133,6 +144,42 @@ _HELP: dict[str, str] = {
         "With --lrmoe-keep-ratio auto: the variance the pair sample may add to the expert "
         "weight gradients, relative to their own mini-batch noise (e.g. 0.1; the 'added "
         "variance' metric). Budgets stay hard limits. Default: none (required with auto)."
+    ),
+}
+
+_KERNEL_HELP: dict[str, str] = {
+    "triton": (
+        "The Triton kernels on CUDA (row gathers and packing, the pair plan, pair scores, the "
+        "selection, the activation, the weight gradients into main_grad). Off: their torch "
+        "implementations, and no CUDA graphs (they replay those kernels)."
+    ),
+    "grouped_mm": (
+        "torch's grouped_mm for the experts' grouped GEMMs where it runs without a "
+        "device-to-host sync (bf16 on sm90/sm100 GPUs, widths a multiple of 16 bytes). Off: one "
+        "torch.mm per expert."
+    ),
+    "select_graphs": (
+        "The backward's selection replayed as a CUDA graph, captured per shape on its second "
+        "call. Off: launched kernel by kernel, and the scoring, front and expert graphs off "
+        "too."
+    ),
+    "score_graphs": (
+        "The pair scoring inside the selection's graph. Off: launched before it (and the "
+        "front graph off)."
+    ),
+    "front_graphs": (
+        "The router gradient's row-dot and the packing of the kept rows inside the scoring "
+        "and selection graph. Off: launched around it."
+    ),
+    "expert_graphs": (
+        "At EP 1 with the weight gradients fused into main_grad "
+        "(--lrmoe-grad-accumulation-fusion): the whole trimmed backward as one CUDA graph per "
+        "layer. Off: the front replayed alone, the expert half launched kernel "
+        "by kernel (saves the graphs' memory)."
+    ),
+    "native_planner": (
+        "The controller's compiled planner (control/_native.c, built on first use with the "
+        "system C compiler; same plans). Off: the Python planner (slower)."
     ),
 }
 
@@ -275,11 +322,24 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             group.add_argument(flag, action="store_true", default=None, help=text)
+    kernels = parser.add_argument_group(
+        title="LRMoE kernels",
+        description=(
+            "The fast paths an LRMoE layer takes (LRMoEConfig.kernels), all on; switch one off "
+            "to debug it or to time LRMoE without it. Results are the same up to "
+            "floating-point rounding. Need --lrmoe."
+        ),
+    )
+    for name, flag in LRMOE_KERNEL_FLAGS.items():
+        kernels.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=None, help=_KERNEL_HELP[name]
+        )
     return parser
 
 
 def _given_lrmoe_flags(args: argparse.Namespace) -> list[str]:
-    given = [f for n, f in LRMOE_FLAGS.items() if getattr(args, f"lrmoe_{n}", None) is not None]
+    flags = {**LRMOE_FLAGS, **LRMOE_KERNEL_FLAGS}
+    given = [f for n, f in flags.items() if getattr(args, f"lrmoe_{n}", None) is not None]
     if getattr(args, "lrmoe_trace_dir", None) is not None:
         given.append(LRMOE_TRACE_FLAG)
     return given
