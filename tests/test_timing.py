@@ -59,5 +59,5 @@ def _spans_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_timer_counts_training_forwards_and_backwards() -> None:
-    got = run_distributed(_spans_worker, 1, timeout=120)[0]
+    got = run_distributed(_spans_worker, 1, timeout=300)[0]
     assert got == {"train": 2, "eval": 0, "checkpointed": 3, "removed": 0}, got

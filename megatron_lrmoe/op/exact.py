@@ -12,7 +12,7 @@ import torch
 from megatron_lrmoe.dispatch.rows import gather_rows, gather_sum
 from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
 from megatron_lrmoe.op.call import ExpertCall
-from megatron_lrmoe.op.keep_curve import observe_keep_curve, token_sq_norms
+from megatron_lrmoe.op.keep_curve import observe_keep_curve, row_norms
 from megatron_lrmoe.op.record import _record_exact
 from megatron_lrmoe.op.weight_grads import _fused_weight_grads, _main_grad_targets
 from megatron_lrmoe.options import using_kernels
@@ -52,7 +52,7 @@ class ExactMoEFunction(torch.autograd.Function):
         ctx.params = (w1, w2)  # the parameter objects themselves (see _main_grad_targets)
         ctx.save_for_backward(x, h, p_e, w1, w2)
         # keep_ratio "auto": what the backward's measurement needs on the token side.
-        ctx.auto = (probs.detach(), token_sq_norms(hidden)) if call.auto_keep is not None else None
+        ctx.auto = (probs.detach(), row_norms(hidden)) if call.auto_keep is not None else None
         return out
 
     @staticmethod
@@ -69,7 +69,8 @@ class ExactMoEFunction(torch.autograd.Function):
             call.sample_stream()  # every backward advances the stream, exact or not
         g = grad_out.contiguous()
         if ctx.auto is not None:
-            observe_keep_curve(call, g, *ctx.auto)
+            probs, x_norms = ctx.auto
+            observe_keep_curve(call, probs, torch.stack((row_norms(g), x_norms)))
             ctx.auto = None
         dz = call.to_experts(gather_rows(g, call.token_of_send))
         into = _main_grad_targets(call, *ctx.params)

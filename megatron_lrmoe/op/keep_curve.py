@@ -10,8 +10,8 @@ estimate is an upper bound). The curve over ``control.auto_keep.KEEP_GRID`` and 
 are summed over the EP group (one all-reduce of 16 float64 values) and copied to the host
 without waiting (pinned memory, an event); the layer reads them when it plans its next call.
 
-Cost per call (auto layers only): two row norms, one sort of the pairs' scores, a ``[16, S]``
-pass, the all-reduce; no device-to-host sync.
+Cost per call (auto layers only): the token norms (one fused pass in the trimmed route), one
+sort of the pairs' scores, a ``[15, S]`` pass, the all-reduce; no device-to-host sync.
 """
 
 from __future__ import annotations
@@ -26,31 +26,30 @@ from megatron_lrmoe.dispatch.compaction import HostCounts, host_to_device
 from megatron_lrmoe.op.call import ExpertCall
 from megatron_lrmoe.select.variance import added_variance_curve
 
-__all__ = ["DeviceCurve", "observe_keep_curve", "token_sq_norms"]
+__all__ = ["DeviceCurve", "observe_keep_curve", "row_norms"]
 
 
-def token_sq_norms(rows: torch.Tensor) -> torch.Tensor:
-    """``[T]`` float64 squared L2 norm of every row (fp32 accumulation, as the scores)."""
-    return torch.linalg.vector_norm(rows, ord=2, dim=-1, dtype=torch.float32).to(torch.float64) ** 2
+def row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """``[T]`` L2 norm of every row, fp32 accumulation (``scoring.token_norms``' reference, for
+    one matrix: the exact route keeps only the input's norms from its forward)."""
+    return torch.linalg.vector_norm(rows, ord=2, dim=-1, dtype=torch.float32)
 
 
-def observe_keep_curve(
-    call: ExpertCall, g: torch.Tensor, probs: torch.Tensor, x_sq: torch.Tensor
-) -> None:
+def observe_keep_curve(call: ExpertCall, probs: torch.Tensor, norms: torch.Tensor) -> None:
     """Measure this call's curve and queue it on ``call.auto_keep`` (a no-op without it).
 
     Args:
-        g: ``[T, H]`` the gradient rows reaching the layer.
         probs: ``[S]`` routing weight of each pair, pair order.
-        x_sq: ``[T]`` squared norms of the layer's input rows (:func:`token_sq_norms`).
+        norms: ``[2, T]`` norms of the gradient rows reaching the layer (row 0) and of its input
+            rows (row 1), as ``scoring.token_norms`` gives them.
     """
     auto = call.auto_keep
     if auto is None:
         return
     token = call.perm.token_of_pair
-    g_sq = token_sq_norms(g)
+    sq = norms.to(torch.float64).square()
     p = probs.detach().to(torch.float64)
-    scores = p * p * g_sq.index_select(0, token) * x_sq.index_select(0, token)
+    scores = p * p * sq[0].index_select(0, token) * sq[1].index_select(0, token)
     finite = torch.isfinite(scores).all()
     scores = torch.nan_to_num(scores, nan=0.0, posinf=0.0, neginf=0.0)
     plan = call.plan

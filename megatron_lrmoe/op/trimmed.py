@@ -27,7 +27,7 @@ from megatron_lrmoe.graphs.backward import (
 from megatron_lrmoe.graphs.front import ScoreInputs, scored_call
 from megatron_lrmoe.observe.stats import SpanTimer
 from megatron_lrmoe.op.call import ExpertCall
-from megatron_lrmoe.op.keep_curve import observe_keep_curve, token_sq_norms
+from megatron_lrmoe.op.keep_curve import observe_keep_curve
 from megatron_lrmoe.op.record import _record_trimmed
 from megatron_lrmoe.op.stages import (
     KeptPlan,
@@ -45,6 +45,7 @@ from megatron_lrmoe.op.stages import (
 )
 from megatron_lrmoe.op.weight_grads import _fused_weight_grads, _main_grad_targets
 from megatron_lrmoe.options import using_kernels
+from megatron_lrmoe.select.scoring import token_norms
 
 __all__ = ["TrimmedMoEFunction"]
 
@@ -115,7 +116,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
         timer = SpanTimer(grad_out.device) if stats is not None else None
         g = grad_out.contiguous()
         if call.auto_keep is not None:
-            observe_keep_curve(call, g, probs, token_sq_norms(hidden))
+            observe_keep_curve(call, probs, token_norms(g, hidden))
 
         key = call.sample_stream() if call.sample_stream is not None else ()
         into = _main_grad_targets(call, *ctx.params)

@@ -132,7 +132,7 @@ def added_variance_curve(
     counts = counts.to(device=device, dtype=torch.int64)
     num_rows, num_segments = scores.numel(), counts.numel()
     if num_rows == 0:
-        return _zeros(len(fractions), device)
+        return torch.zeros(len(fractions), dtype=torch.float64, device=device)
     s = scores.to(torch.float64)
     seg = torch.repeat_interleave(torch.arange(num_segments, device=device), counts, output_size=num_rows)
     # Decreasing score within each segment: segments are contiguous, so a stable sort of the
@@ -198,10 +198,6 @@ def added_variance_curve_reference(
                 total += (1.0 / pi - 1.0) * seg_s[j]
         out.append(total)
     return torch.tensor(out, dtype=torch.float64)
-
-
-def _zeros(n: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(n, dtype=torch.float64, device=device)
 
 
 def _suffix_sum(values: torch.Tensor) -> torch.Tensor:
