@@ -38,7 +38,7 @@ per rank (CPU shim, fp32, one thread each), with the defaults of ``--ep``'s back
 ``--keep``, fused accumulation, statistics on, scope local, ``save`` mode, no replicas, 32
 experts, 256 tokens per rank, hidden 64). Every rank's input differs (seeded by its rank), so
 the ranks send each other different counts. Besides the EP 1 stages: the all-to-alls' side of
-the op (``EP_FORWARD_TARGETS``: ``ExpertCall.to_experts`` / ``to_sources`` / ``reorder``) and
+the op (``EP_FORWARD_TARGETS``: ``RowRoute.to_experts`` / ``to_sources`` / ``reorder``) and
 the two collectives, ``fwd.all_gather_counts`` and ``all_to_all_rows``, which are left out of
 every stage around them (``StageClock``'s ``exclude``, as the backward's ``--ep``), and
 ``forward_host``: the whole ``layer(x)`` minus them. Per-rank table; the JSON's ``stage_us`` is
@@ -100,9 +100,9 @@ EP_BACKWARD_STAGES = (
 )
 EP_TARGETS = (
     "megatron_lrmoe.op:ExpertCall.fold_grads",
-    "megatron_lrmoe.op:ExpertCall.to_experts",
-    "megatron_lrmoe.op:ExpertCall.to_sources",
-    "megatron_lrmoe.op:ExpertCall.reorder",
+    "megatron_lrmoe.dispatch.route:RowRoute.to_experts",
+    "megatron_lrmoe.dispatch.route:RowRoute.to_sources",
+    "megatron_lrmoe.dispatch.route:RowRoute.reorder",
     "megatron_lrmoe.dispatch.comm:all_to_all_rows",
 )
 # Where a rank waits for the others: left out of every stage around it (StageClock.exclude).
@@ -131,9 +131,9 @@ FORWARD_TARGETS = (
 # At EP > 1 also the count exchange and our stages around the forward's all-to-alls.
 EP_FORWARD_STAGES = ("fwd.all_gather_counts",)
 EP_FORWARD_TARGETS = (
-    "megatron_lrmoe.op:ExpertCall.to_experts",
-    "megatron_lrmoe.op:ExpertCall.to_sources",
-    "megatron_lrmoe.op:ExpertCall.reorder",
+    "megatron_lrmoe.dispatch.route:RowRoute.to_experts",
+    "megatron_lrmoe.dispatch.route:RowRoute.to_sources",
+    "megatron_lrmoe.dispatch.route:RowRoute.reorder",
     "megatron_lrmoe.dispatch.comm:all_to_all_rows",
 )
 # The collectives, where a rank waits for the others (StageClock.exclude).

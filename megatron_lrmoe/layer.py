@@ -15,6 +15,7 @@ from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.control.auto_keep import AutoKeepRatio
 from megatron_lrmoe.dispatch.dispatcher import LRAlltoAllTokenDispatcher
 from megatron_lrmoe.dispatch.replicas import ReplicaLayout
+from megatron_lrmoe.dispatch.route import RowRoute
 from megatron_lrmoe.experts.grouped_gemm import grouped_mm_backend, grouped_mm_backend_for
 from megatron_lrmoe.experts.module import LRGroupedMLP
 from megatron_lrmoe.experts.replica_weights import ReplicaWeightCache
@@ -215,7 +216,7 @@ class LRMoELayer(MoELayer):
                 if resolved is not probs:  # fewer pairs than T * topk: run it again, rebuilt
                     probs, call = resolved, self._expert_call(lrmoe)
                     output = self._experts(hidden_states, probs, call, weights)
-            call.set_plan(self._plan(None, lrmoe))
+            plan, layout, fetched = self._plan(None, lrmoe), None, 0
         else:
             probs = dispatcher.resolve(probs)
             control = layout = replica_weights = None
@@ -238,11 +239,12 @@ class LRMoELayer(MoELayer):
                         layout, w1, w2, self.ep_group, step
                     )
                     fetched = self._replica_cache.last_fetched
-            call = self._expert_call(lrmoe, self._plan(control, lrmoe), layout, replica_weights)
+            plan = self._plan(control, lrmoe)
+            call = self._expert_call(lrmoe, plan, layout, replica_weights)
             output = self._experts(hidden_states, probs, call, weights)
         # The op reads the statistics only in backward: filled here, behind the forward's work.
-        stats = self._call_stats(call, call_index, 0 if deferred else fetched)
-        call.stats = stats
+        stats = self._call_stats(plan, layout, call_index, fetched)
+        call.complete(stats, plan if call.planned is None else None)
         self.last_call_stats = stats
         if stats is not None and torch.is_grad_enabled():
             for fn in list(self._stats_listeners.values()):
@@ -309,14 +311,11 @@ class LRMoELayer(MoELayer):
         """The op's context; without ``plan`` (deferred) the forward rows come from the device."""
         dispatcher = self.token_dispatcher
         return ExpertCall(
-            plan_source=plan,
+            planned=plan,
             lrmoe=lrmoe,
             spec=self.experts.spec,
-            group=self.ep_group,
-            perm=dispatcher.pair_permutation,
-            stats=None,
+            route=RowRoute.build(dispatcher.pair_permutation, plan, layout, self.ep_group),
             sample_stream=self.next_sample_stream,
-            layout=layout,
             replica_weights=replica_weights,
             device_rows=dispatcher.device_rows_per_local_expert if plan is None else None,
             fuse_grad_accumulation=lrmoe.fuses_grad_accumulation(self.config),
@@ -333,11 +332,16 @@ class LRMoELayer(MoELayer):
         w1, w2 = weights
         return lrmoe_experts(hidden_states, probs, call, w1, w2)
 
-    def _call_stats(self, call: ExpertCall, call_index: int, fetched: int) -> Optional[CallStats]:
+    def _call_stats(
+        self,
+        plan: CallPlan,
+        layout: Optional[ReplicaLayout],
+        call_index: int,
+        fetched: int,
+    ) -> Optional[CallStats]:
         """This call's statistics (``record_stats``), from its plan."""
         if not self.lrmoe_config.record_stats:
             return None
-        plan, layout = call.plan, call.layout
         # One reduction on a numpy view of the host counts, the rest summed from its list: a
         # torch CPU op costs several microseconds of host time each, and this runs in every
         # forward (tests/test_layer.py compares the counts with torch sums over the counts).

@@ -295,8 +295,8 @@ def test_host_path_cpu_times_the_forward_at_ep2(tmp_path: Path) -> None:
         assert set(stages) >= {
             "layer_call", "forward_host", "fwd.router", "fwd.all_gather_counts",
             "fwd.CallPlan.build", "fwd.op", "TrimmedMoEFunction.forward", "LRMoELayer._plan",
-            "LRMoELayer._call_stats", "expert_forward_parts", "ExpertCall.to_experts",
-            "ExpertCall.to_sources", "ExpertCall.reorder", "all_to_all_rows",
+            "LRMoELayer._call_stats", "expert_forward_parts", "RowRoute.to_experts",
+            "RowRoute.to_sources", "RowRoute.reorder", "all_to_all_rows",
         }, stages
         # Keep 0.5 runs the trimmed op; EP 2 never defers the forward (no device offsets).
         assert not {"ExactMoEFunction.forward", "LRMoELayer._gemms_take_device_offsets"} & (
@@ -304,7 +304,7 @@ def test_host_path_cpu_times_the_forward_at_ep2(tmp_path: Path) -> None:
         ), stages
         assert all(us > 0 for us in stages.values()), stages
         assert stages["fwd.CallPlan.build"] <= stages["LRMoELayer._plan"], stages
-        for part in ("expert_forward_parts", "ExpertCall.to_experts", "ExpertCall.to_sources"):
+        for part in ("expert_forward_parts", "RowRoute.to_experts", "RowRoute.to_sources"):
             assert stages[part] <= stages["TrimmedMoEFunction.forward"], (part, stages)
         assert stages["fwd.op"] <= stages["fwd.routed_experts_compute"], stages
 
@@ -325,10 +325,10 @@ def test_host_path_cpu_times_the_eager_backward_at_ep2(tmp_path: Path) -> None:
             "backward_call", "TrimmedMoEFunction.backward", "row_dot", "select_kept",
             "_local_segments", "_local_plan", "pack_kept", "exchange_kept", "_kept_inputs",
             "expert_backward_parts", "return_dx", "gather_sum", "_trimmed_grads",
-            "_record_trimmed", "ExpertCall.fold_grads", "ExpertCall.reorder",
+            "_record_trimmed", "ExpertCall.fold_grads", "RowRoute.reorder",
         }, stages
         # Keep 0.5 runs the trimmed op; the forward's calls (to_experts) do not count.
-        assert not {"ExactMoEFunction.backward", "ExpertCall.to_experts"} & set(stages), stages
+        assert not {"ExactMoEFunction.backward", "RowRoute.to_experts"} & set(stages), stages
         # Each call's part lies inside its whole, so the medians keep that order too.
         whole = stages["TrimmedMoEFunction.backward"]
         parts = ("row_dot", "select_kept", "pack_kept", "exchange_kept", "_kept_inputs",

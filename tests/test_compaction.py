@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrmoe.config import LRMoEConfig
 from megatron_lrmoe.dispatch.compaction import (
     chunk_transpose_index,
     inverse_permutation,
     kept_position_shift,
 )
-from megatron_lrmoe.op import ExpertCall
+from megatron_lrmoe.dispatch.route import RowRoute
 
 
 def _chunk_rows(counts: np.ndarray, b_major: bool) -> dict[tuple[int, int, int], int]:
@@ -82,11 +81,16 @@ def test_inverse_permutation_is_the_transposed_grids_index(grid: int) -> None:
     assert torch.equal(inverse_permutation(there), chunk_transpose_index(counts.t(), "cpu"))
 
 
+def _bare_route() -> RowRoute:
+    """A route with nothing to exchange: its reorder needs only the grids it is given."""
+    return RowRoute(None, None, None, [], [], None)
+
+
 def test_reorder_derives_the_way_back_per_grid() -> None:
-    """ExpertCall.reorder caches one index per grid and derives a transpose's from it: each
+    """RowRoute.reorder caches one index per grid and derives a transpose's from it: each
     reorder equals the reference index's gather, whichever direction came first, and an index
     never serves a grid with other counts (a stale one would misplace rows here)."""
-    call = ExpertCall(None, LRMoEConfig(), None, None, None, None)  # reorder needs no plan
+    call = _bare_route()  # reorder needs no plan
     grids = [torch.tensor([[2, 0, 3], [1, 4, 0]]), torch.tensor([[2, 0, 3], [0, 4, 1]])]
     for counts in grids:
         rows = torch.arange(int(counts.sum()), dtype=torch.float32).unsqueeze(1).repeat(1, 3)
@@ -97,7 +101,7 @@ def test_reorder_derives_the_way_back_per_grid() -> None:
         expected = rows[chunk_transpose_index(counts.t(), "cpu")]
         assert torch.equal(call.reorder(rows, counts.t()), expected)
     # The way back first, then the way there (from the cached transpose).
-    fresh = ExpertCall(None, LRMoEConfig(), None, None, None, None)
+    fresh = _bare_route()
     counts = grids[1]
     rows = torch.randn(int(counts.sum()), 2)
     expected = rows[chunk_transpose_index(counts.t(), "cpu")]
@@ -110,7 +114,7 @@ def test_reorder_keys_on_the_grids_shape_and_values() -> None:
     """Grids with the same bytes and other shapes (a [2, 3] grid and its [3, 2] reshape) or the
     same shape and other values each get their own index; int32 counts give the int64 grid's
     index."""
-    call = ExpertCall(None, LRMoEConfig(), None, None, None, None)
+    call = _bare_route()
     flat = torch.tensor([1, 0, 2, 3, 1, 2])
     for counts in (flat.view(2, 3), flat.view(3, 2), flat.flip(0).view(3, 2)):
         rows = torch.randn(int(counts.sum()), 2)

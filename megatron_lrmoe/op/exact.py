@@ -42,12 +42,11 @@ class ExactMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
-        x = call.to_experts(gather_rows(hidden, call.token_of_send))
-        p_e = call.to_experts(call.to_send_order(probs))
-        z, h = expert_forward_parts(
-            x, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec, probs=p_e
-        )
-        out = gather_sum(call.to_sources(z), call.slot_send)
+        x = call.route.to_experts(gather_rows(hidden, call.route.token_of_send))
+        p_e = call.route.to_experts(call.route.to_send_order(probs))
+        stacks, counts = call.weight_stacks(w1, w2), call.stack_counts(call.forward_groups)
+        z, h = expert_forward_parts(x, stacks, counts, call.spec, probs=p_e)
+        out = gather_sum(call.route.to_sources(z), call.route.slot_send)
         ctx.call = call
         ctx.params = (w1, w2)  # the parameter objects themselves (see _main_grad_targets)
         ctx.save_for_backward(x, h, p_e, w1, w2)
@@ -72,7 +71,7 @@ class ExactMoEFunction(torch.autograd.Function):
             probs, x_norms = ctx.auto
             observe_keep_curve(call, probs, torch.stack((row_norms(g), x_norms)))
             ctx.auto = None
-        dz = call.to_experts(gather_rows(g, call.token_of_send))
+        dz = call.route.to_experts(gather_rows(g, call.route.token_of_send))
         into = _main_grad_targets(call, *ctx.params)
         dx, dw1, dw2, dp_e = expert_backward_parts(
             dz, x, h, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec,
@@ -81,10 +80,10 @@ class ExactMoEFunction(torch.autograd.Function):
         dw1, dw2 = call.fold_grads(dw1, dw2, into)
         if into is not None:
             dw1, dw2 = _fused_weight_grads(*ctx.params)
-        d_probs = call.to_pair_order(call.to_sources(dp_e).to(p_e.dtype))
+        d_probs = call.route.to_pair_order(call.route.to_sources(dp_e).to(p_e.dtype))
         d_hidden = None
         if dx is not None:
-            d_hidden = gather_sum(call.to_sources(dx), call.slot_send)
+            d_hidden = gather_sum(call.route.to_sources(dx), call.route.slot_send)
         if call.stats is not None:
             _record_exact(call, g)
         return d_hidden, d_probs, None, dw1, dw2

@@ -215,7 +215,7 @@ def replayed_front(
     x_kept = hidden.new_empty((num_kept, width)) if _packs_inputs(call) else None
     buffers = FrontBuffers(
         z=z,
-        slots=call.slot_send,
+        slots=call.route.slot_send,
         d_probs=torch.empty(probs.shape, dtype=probs.dtype, device=probs.device),
         g_kept=g_kept,
         x_kept=x_kept,
@@ -292,13 +292,9 @@ def _local_plan(
         positions = sel.kept_index + repeat_per_row(
             shift, quota_np, sel.kept_index.numel(), device
         )
-        positions = comm.all_to_all_rows(
-            positions,
-            quota_np.reshape(p, nle).sum(1).tolist(),
-            recv_np.sum(1).tolist(),
-            call.group,
+        kept_positions = call.route.exchange(
+            positions, quota_np.reshape(p, nle).sum(1).tolist(), recv_np.sum(1).tolist(), recv_kept
         )
-        kept_positions = call.reorder(positions, recv_kept)
     return KeptPlan(sel.kept_index, sel.weight, send_kept, recv_kept, kept_positions, poison)
 
 
@@ -363,7 +359,7 @@ def _select_with_replicas(
         )
         chunk_of_row = row_chunk_ids(kept_layout.recv_counts.reshape(-1), device)
         positions = host_to_device(chunk_start.reshape(-1), device)[chunk_of_row] + within
-        kept_positions = call.reorder(positions, kept_layout.recv_counts)
+        kept_positions = call.route.reorder(positions, kept_layout.recv_counts)
     return KeptPlan(
         kept_index=sel.kept_index,
         weight=sel.weight,
@@ -383,7 +379,7 @@ def _select_global(
     plan, lrmoe, group = call.plan, call.lrmoe, call.group
     device = scores.device
     p, nle = plan.ep_size, plan.num_local_experts
-    recv_scores = call.to_experts(scores)
+    recv_scores = call.route.to_experts(scores)
     uniforms = None
     if lrmoe.selection == "sample":
         uniforms = _uniforms(call, key, plan.quota.numel())[plan.local_experts]
@@ -396,7 +392,7 @@ def _select_global(
         owned=False,
     )
     weight_expert_order = owner_sel.dense_weight(recv_scores.shape[0])
-    weight_recv_order = call.reorder(weight_expert_order, plan.recv_counts.t())
+    weight_recv_order = call.route.reorder(weight_expert_order, plan.recv_counts.t())
     weight_src = comm.all_to_all_rows(weight_recv_order, plan.recv_splits, plan.send_splits, group)
     kept_src = weight_src > 0
     # Kept counts per chunk on both sides; one host copy for both.
@@ -466,11 +462,9 @@ def exchange_kept(
     call: ExpertCall, kept: KeptPlan, g_kept: torch.Tensor, x_kept: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Stage 3: all-to-all of the kept rows only, into expert order on the receiver."""
-    send, recv = kept.send_splits, kept.recv_splits
-    dz = call.reorder(comm.all_to_all_rows(g_kept, send, recv, call.group), kept.recv_kept)
-    x_in = None
-    if x_kept is not None:
-        x_in = call.reorder(comm.all_to_all_rows(x_kept, send, recv, call.group), kept.recv_kept)
+    route, send, recv = call.route, kept.send_splits, kept.recv_splits
+    dz = route.exchange(g_kept, send, recv, kept.recv_kept)
+    x_in = None if x_kept is None else route.exchange(x_kept, send, recv, kept.recv_kept)
     return dz, x_in
 
 
@@ -496,7 +490,5 @@ def return_dx(
     that row or ``-1``, so the gather-sum walks the slot plan ``perm.slot_pair`` through it: no
     ``[T, K]`` index is built (``PairPermutation.slot_rows`` is the reference).
     """
-    send, recv = kept.send_splits, kept.recv_splits
-    dx_k = call.reorder(dx_k, kept.recv_kept.t())
-    dx_k = comm.all_to_all_rows(dx_k, recv, send, call.group)
+    dx_k = call.route.exchange_back(dx_k, kept.send_splits, kept.recv_splits, kept.recv_kept)
     return gather_sum(dx_k, call.perm.slot_pair, row_of=row_of_pair)

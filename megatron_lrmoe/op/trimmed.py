@@ -65,7 +65,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
     | x       | [R, H]     | ``save`` mode at EP > 1: received rows (remote tokens)        |
     | out     | [T, H]     | ``sum_k p * z`` per token (fp32 sum, one rounding)             |
 
-    With replicas, ``z`` is in send order (``call.slot_send`` sums it back), ``h`` and ``x``
+    With replicas, ``z`` is in send order (``call.route.slot_send`` sums it back), ``h`` and ``x``
     hold the rows of every local instance (owned experts, then replicas), and the replica
     weights come with ``call`` (their gradients are folded into ``dw1``, ``dw2``).
 
@@ -79,12 +79,12 @@ class TrimmedMoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
         save = call.activation_mode == "save"
-        x = call.to_experts(gather_rows(hidden, call.token_of_send))
+        x = call.route.to_experts(gather_rows(hidden, call.route.token_of_send))
         z, h = expert_forward_parts(
-            x, call.weight_stacks(w1, w2), call.stack_counts(call.groups), call.spec
+            x, call.weight_stacks(w1, w2), call.stack_counts(call.forward_groups), call.spec
         )
-        z = call.to_sources(z)  # send order
-        out = gather_sum(z, call.slot_send, scale=call.to_send_order(probs))
+        z = call.route.to_sources(z)  # send order
+        out = gather_sum(z, call.route.slot_send, scale=call.route.to_send_order(probs))
         ctx.call = call
         ctx.params = (w1, w2)  # the parameter objects themselves (see _main_grad_targets)
         h = h if save else None
@@ -139,7 +139,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
         else:
             # Router gradient, exact for every pair: d probs = <g_token, z_pair>. Walked token
             # by token (each g row read once for its K pairs, not once per pair).
-            d_probs = call.to_pair_order(row_dot(g, z, probs.dtype, slots=call.slot_send))
+            d_probs = call.route.to_pair_order(row_dot(g, z, probs.dtype, slots=call.route.slot_send))
             kept = select_kept(call, g, hidden, probs, key, timer)
             if timer:
                 timer.start("packing")
@@ -197,7 +197,7 @@ def _graphed_backward(
     if rows is None:
         return None
     d_probs = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
-    front = rows.front_buffers(z, call.slot_send, d_probs)
+    front = rows.front_buffers(z, call.route.slot_send, d_probs)
     scored = scored_call(
         call.lrmoe.selection, ScoreInputs(g, hidden, probs, perm.token_of_pair), counts, quota,
         uniforms, front, kept_total=call.stats is not None,
