@@ -36,7 +36,7 @@ git rev-parse HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 step cuda_tests env LRMOE_TEST_CUDA=1 python3 -m pytest -q -p no:cacheprovider -W ignore \
   -k "expert_graph or scoring_graph or front_graph or captured or cuda or gpu" \
   tests/test_layer.py tests/test_select_kernels.py tests/test_metrics.py \
-  tests/test_triton_kernels.py tests/test_pair_plan_kernels.py tests/test_ops.py \
+  tests/test_triton_kernels.py tests/test_pair_plan_triton.py tests/test_ops.py \
   tests/test_cuda_graphs.py
 if [ -f benchmarks/select_bench.py ] && [ -z "${SKIP_SELECT_BENCH:-}" ]; then
   step select_bench python3 benchmarks/select_bench.py --out "$out/select_bench.json"

@@ -1,4 +1,4 @@
-"""Pair permutation plan on one GPU: Triton (``pair_plan_kernels``) against the torch reference.
+"""Pair permutation plan on one GPU: Triton (``pair_plan_triton``) against the torch reference.
 
     python benchmarks/pair_plan_bench.py [--calls 500]
 
@@ -32,7 +32,7 @@ def main() -> None:
 
     import triton
 
-    from megatron_lrmoe.dispatch.pair_plan_kernels import pair_plan_triton
+    from megatron_lrmoe.dispatch.pair_plan_triton import pair_plan_triton
     from megatron_lrmoe.dispatch.permutation import _build_torch
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
@@ -40,7 +40,7 @@ def main() -> None:
         idx = torch.rand(t, e, device="cuda").topk(k, dim=1).indices
         routing_map = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, idx, True)
         s = t * k
-        # The kernels themselves, also for maps above pair_plan_kernels.MAX_KERNEL_MAP (where
+        # The kernels themselves, also for maps above pair_plan_triton.MAX_KERNEL_MAP (where
         # PairPermutation.build takes the torch plan).
         fast, ref = pair_plan_triton(routing_map, s, k), _build_torch(routing_map, s, k)
         same = all(

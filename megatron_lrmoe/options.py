@@ -18,7 +18,7 @@ How they reach the code that reads them:
 
 Why one process-wide object and not an argument: the Triton switch and the grouped GEMMs'
 backend are read by the low-level wrappers every stage calls (``triton_common.use_triton`` from
-``dispatch/rows.py``, ``dispatch/pair_plan_kernels.py``, ``select/scoring.py``,
+``dispatch/rows.py``, ``dispatch/pair_plan_triton.py``, ``select/scoring.py``,
 ``experts/activation.py``, ``experts/wgrad_triton.py``, ``graphs/``; ``experts/grouped_gemm.py``
 from every grouped product), often several calls below the op and also without any layer (the
 tests, the benchmarks); an argument would run through nearly every signature of the data path.

@@ -1,7 +1,7 @@
 """What the package's Triton kernel modules share: the switch, the lazy import, launch helpers.
 
 The kernels live beside the stage that uses them: ``dispatch/rows_triton.py`` (row scaling,
-gathers, row dots, packing), ``dispatch/pair_plan_kernels.py``, ``select/scores_triton.py`` (row
+gathers, row dots, packing), ``dispatch/pair_plan_triton.py``, ``select/scores_triton.py`` (row
 norms, pair scores), ``select/select_triton.py`` (the selection), ``experts/activation_triton.py``,
 ``experts/wgrad_triton.py``.
 

@@ -870,7 +870,7 @@ def kernel_options_in_a_layer_call(rank: int, world: int) -> dict[str, Any]:
     pair plan saw (forward, backward, and a second call), whether the planner asked for the
     compiled library, and the active options afterwards (the outer ones, then the defaults)."""
     from megatron_lrmoe.control import native
-    from megatron_lrmoe.dispatch import pair_plan_kernels
+    from megatron_lrmoe.dispatch import pair_plan_triton
     from megatron_lrmoe.experts import grouped_gemm as gg
     from megatron_lrmoe.options import active_kernels, using_kernels
 
@@ -883,7 +883,7 @@ def kernel_options_in_a_layer_call(rank: int, world: int) -> dict[str, Any]:
     lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
     seen: dict[str, set] = {"gemm": set(), "pair_plan": set()}
     asked = []
-    backend_for, use_pair_plan = gg.grouped_mm_backend_for, pair_plan_kernels.use_pair_plan_kernels
+    backend_for, use_pair_plan = gg.grouped_mm_backend_for, pair_plan_triton.use_pair_plan_triton
 
     def gemm(*args: Any, **kwargs: Any) -> Any:
         seen["gemm"].add(active_kernels())
@@ -894,7 +894,7 @@ def kernel_options_in_a_layer_call(rank: int, world: int) -> dict[str, Any]:
         return use_pair_plan(*args, **kwargs)
 
     gg.grouped_mm_backend_for = gemm
-    pair_plan_kernels.use_pair_plan_kernels = pair_plan
+    pair_plan_triton.use_pair_plan_triton = pair_plan
     library = native.library
     native.library = lambda: asked.append(1) or library()
     outer = KernelOptions(select_graphs=False)
@@ -906,7 +906,7 @@ def kernel_options_in_a_layer_call(rank: int, world: int) -> dict[str, Any]:
             inside_after = active_kernels()
     finally:
         gg.grouped_mm_backend_for = backend_for
-        pair_plan_kernels.use_pair_plan_kernels = use_pair_plan
+        pair_plan_triton.use_pair_plan_triton = use_pair_plan
         native.library = library
     stats = lr.last_call_stats
     return {

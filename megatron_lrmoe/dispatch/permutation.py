@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lrmoe.dispatch import pair_plan_kernels
+from megatron_lrmoe.dispatch import pair_plan_triton
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class PairPermutation:
 
         ``num_pairs`` is known on the host from the all-gathered counts, so nothing here syncs.
         On CUDA (Triton available, ``KernelOptions.triton`` on) the plan comes from two Triton
-        kernels and one ``cumsum`` (``pair_plan_kernels.pair_plan_triton``, about 15 kernels
+        kernels and one ``cumsum`` (``pair_plan_triton.pair_plan_triton``, about 15 kernels
         fewer than :func:`_build_torch`, the reference and the host path). A speculative
         ``num_pairs`` above the map's count (``dispatcher.expect_full_routing``) gives a plan
         with in-bounds indices, to be rebuilt once the real count is known.
@@ -63,8 +63,8 @@ class PairPermutation:
                 f"routing map has {num_pairs} pairs for {num_tokens} tokens, more than "
                 f"moe_router_topk ({topk}) per token"
             )
-        if pair_plan_kernels.use_pair_plan_kernels(routing_map):
-            token_of_pair, expert_of_pair, slot_pair = pair_plan_kernels.pair_plan_triton(
+        if pair_plan_triton.use_pair_plan_triton(routing_map):
+            token_of_pair, expert_of_pair, slot_pair = pair_plan_triton.pair_plan_triton(
                 routing_map, num_pairs, topk
             )
             return cls(

@@ -1,4 +1,4 @@
-"""The Triton pair plan (``dispatch/pair_plan_kernels.py``) against the torch plan it replaces.
+"""The Triton pair plan (``dispatch/pair_plan_triton.py``) against the torch plan it replaces.
 
 Shape legend: T tokens, E experts, K top-k, S pairs.
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_lrmoe import triton_common
-from megatron_lrmoe.dispatch import pair_plan_kernels
+from megatron_lrmoe.dispatch import pair_plan_triton
 from megatron_lrmoe.dispatch.permutation import PairPermutation, _build_torch
 from megatron_lrmoe.testing.interpreter import run_interpreter_tests
 
@@ -84,9 +84,9 @@ def test_host_maps_take_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_kernels(*args: object, **kwargs: object) -> None:
         raise AssertionError("the Triton plan must not run on host tensors")
 
-    monkeypatch.setattr(pair_plan_kernels, "pair_plan_triton", no_kernels)
+    monkeypatch.setattr(pair_plan_triton, "pair_plan_triton", no_kernels)
     routing_map = _routing(6, 4, 2, seed=2)
-    assert not pair_plan_kernels.use_pair_plan_kernels(routing_map)
+    assert not pair_plan_triton.use_pair_plan_triton(routing_map)
     perm = PairPermutation.build(routing_map, 12, 2)
     assert perm.full and torch.equal(perm.slot_pair, _build_torch(routing_map, 12, 2).slot_pair)
 
@@ -125,7 +125,7 @@ def test_interp_matches_torch(t: int, e: int, k: int, block_t, block_e, drop: st
     """Bit-identical to the torch plan when ``num_pairs`` is the map's True count."""
     routing_map = _routing(t, e, k, seed=t * 1000 + e, drop=drop)
     s = int(routing_map.sum())
-    got = pair_plan_kernels.pair_plan_triton(routing_map, s, k, block_t=block_t, block_e=block_e)
+    got = pair_plan_triton.pair_plan_triton(routing_map, s, k, block_t=block_t, block_e=block_e)
     _assert_same_plan(got, _build_torch(routing_map, s, k))
 
 
@@ -133,7 +133,7 @@ def test_interp_matches_torch(t: int, e: int, k: int, block_t, block_e, drop: st
 def test_interp_all_tokens_to_one_expert() -> None:
     routing_map = torch.zeros(45, 7, dtype=torch.bool)
     routing_map[:, 5] = True
-    got = pair_plan_kernels.pair_plan_triton(routing_map, 45, 2, block_t=16, block_e=4)
+    got = pair_plan_triton.pair_plan_triton(routing_map, 45, 2, block_t=16, block_e=4)
     _assert_same_plan(got, _build_torch(routing_map, 45, 2))
     assert torch.equal(got[0], torch.arange(45)) and bool((got[2][:, 1] == -1).all())
 
@@ -141,7 +141,7 @@ def test_interp_all_tokens_to_one_expert() -> None:
 @interp
 def test_interp_empty_map() -> None:
     routing_map = torch.zeros(9, 5, dtype=torch.bool)
-    got = pair_plan_kernels.pair_plan_triton(routing_map, 0, 3, block_t=4, block_e=4)
+    got = pair_plan_triton.pair_plan_triton(routing_map, 0, 3, block_t=4, block_e=4)
     _assert_same_plan(got, _build_torch(routing_map, 0, 3))
     assert bool((got[2] == -1).all())
 
@@ -157,7 +157,7 @@ def test_interp_strided_map(layout: str) -> None:
         wide[:, 3:13] = routing_map
         strided = wide[:, 3:13]
     s = int(routing_map.sum())
-    got = pair_plan_kernels.pair_plan_triton(strided, s, 3, block_t=8, block_e=4)
+    got = pair_plan_triton.pair_plan_triton(strided, s, 3, block_t=8, block_e=4)
     _assert_same_plan(got, _build_torch(routing_map, s, 3))
 
 
@@ -170,7 +170,7 @@ def test_interp_speculative_num_pairs(drop: str) -> None:
     routing_map = _routing(t, e, k, seed=9, drop=drop)
     real = int(routing_map.sum())
     assert real < t * k
-    got = pair_plan_kernels.pair_plan_triton(routing_map, t * k, k, block_t=8, block_e=8)
+    got = pair_plan_triton.pair_plan_triton(routing_map, t * k, k, block_t=8, block_e=8)
     _assert_in_bounds(got, t, e, t * k)
     exact = _build_torch(routing_map, real, k)
     assert torch.equal(got[0][:real], exact.token_of_pair)
@@ -185,7 +185,7 @@ def test_interp_maps_outside_the_contract_stay_in_bounds() -> None:
     t, e, k = 30, 9, 2
     routing_map = _routing(t, e, 4, seed=5)  # 4 experts per token, K = 2
     for s in (t * k, 7):
-        got = pair_plan_kernels.pair_plan_triton(routing_map, s, k, block_t=8, block_e=4)
+        got = pair_plan_triton.pair_plan_triton(routing_map, s, k, block_t=8, block_e=4)
         _assert_in_bounds(got, t, e, s)
 
 
@@ -194,14 +194,14 @@ def test_interp_build_takes_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> 
     """``PairPermutation.build`` runs the kernels where ``use_triton`` says so (CUDA normally;
     forced here), with the same plan and ``full`` flag, and still rejects too many pairs."""
     calls = []
-    real_plan = pair_plan_kernels.pair_plan_triton
+    real_plan = pair_plan_triton.pair_plan_triton
 
     def counted(*args: object, **kwargs: object) -> tuple:
         calls.append(args[1:])
         return real_plan(*args, **kwargs)
 
     monkeypatch.setattr(triton_common, "use_triton", lambda *tensors: True)
-    monkeypatch.setattr(pair_plan_kernels, "pair_plan_triton", counted)
+    monkeypatch.setattr(pair_plan_triton, "pair_plan_triton", counted)
     for drop, k in (("none", 3), ("some", 3)):
         routing_map = _routing(17, 8, k, seed=6, drop=drop)
         s = int(routing_map.sum())
@@ -225,7 +225,7 @@ def test_interp_build_takes_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("t, e, k", [(4096, 128, 8), (1000, 160, 8), (3000, 256, 8), (77, 512, 6)])
 def test_cuda_matches_torch(t: int, e: int, k: int, drop: str):
     routing_map = _routing(t, e, k, seed=t + e, drop=drop).cuda()
-    assert pair_plan_kernels.use_pair_plan_kernels(routing_map)
+    assert pair_plan_triton.use_pair_plan_triton(routing_map)
     s = int(routing_map.sum())
     perm = PairPermutation.build(routing_map, s, k)
     _assert_same_plan(

@@ -43,7 +43,7 @@ import torch
 from megatron_lrmoe import triton_common
 from megatron_lrmoe.triton_common import _cdiv, _device_ctx
 
-__all__ = ["pair_plan_triton", "use_pair_plan_kernels"]
+__all__ = ["pair_plan_triton", "use_pair_plan_triton"]
 
 # Map elements per program tile (BLOCK_T x BLOCK_E), at least 16 tokens: 8 per thread with 8
 # warps. The write kernel keeps per element two ranks, a pair and three store addresses; ptxas
@@ -186,7 +186,7 @@ def _kernels() -> SimpleNamespace:
 MAX_KERNEL_MAP = 1 << 22
 
 
-def use_pair_plan_kernels(routing_map: torch.Tensor) -> bool:
+def use_pair_plan_triton(routing_map: torch.Tensor) -> bool:
     """Whether :func:`pair_plan_triton` serves this map: the Triton switch
     (``triton_common.use_triton``: CUDA, triton, ``KernelOptions.triton``), a non-empty bool map
     of at most ``MAX_KERNEL_MAP`` entries (which also keeps positions within the kernels' int32
