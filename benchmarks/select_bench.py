@@ -217,7 +217,8 @@ def ptx_report() -> dict[str, Any]:
     """Counts of float64 division / sqrt instructions (IEEE or approximate) in the compiled
     selection kernels' PTX."""
     found: dict[str, Any] = {}
-    jitted = [k for k in vars(select_triton._kernels()).values() if hasattr(k, "device_caches")]
+    kernels = vars(select_triton.selection_kernels()).values()
+    jitted = [k for k in kernels if hasattr(k, "device_caches")]
     caches = [c for k in jitted for c in (getattr(k, "device_caches", None) or {}).values()]
     for cache in caches:
         entries = cache[0] if isinstance(cache, tuple) else cache
@@ -243,11 +244,11 @@ def sort_part(counts: torch.Tensor, device: torch.device, args: argparse.Namespa
     """The selection's sort alone on these segments: the merge sort at several tiles
     against the 64-bit ``torch.sort`` (``_sort_order_reference``), same order checked, device
     time of one call from the profiler."""
-    k = select_triton._kernels()
+    k = select_triton.selection_kernels()
     n, g = int(counts.sum()), counts.numel()
     scores = lrm_like_scores(n, args.seed + 1).to(device)
     table = select_triton._segment_table(counts, counts, None, device)
-    key = select_triton._sort_keys(k, scores, table, select_triton._BLOCK)
+    key = select_triton._sort_keys(k, scores, table, select_triton.ROW_BLOCK)
     ref_key, ref_order = select_triton._sort_order_reference(key)
     out: dict[str, Any] = {
         "sum_sq": int((counts.double() ** 2).sum()),

@@ -464,7 +464,7 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     runs: dict[str, list[dict[str, torch.Tensor]]] = {}
     graphs = {}
     for mode, kernels in modes.items():
-        select_triton._GRAPHS = select_triton._GraphCache()
+        select_triton.GRAPHS = select_triton._GraphCache()
         torch.manual_seed(5)
         lr = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=0.5, kernels=kernels))(
             config=cfg, pg_collection=pg, layer_number=1
@@ -480,7 +480,7 @@ def cuda_scoring_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
             runs[mode].append(got)
         captured = [
             v
-            for v in select_triton._GRAPHS.graphs.values()
+            for v in select_triton.GRAPHS.graphs.values()
             if isinstance(v, front_graph._CapturedScored)
         ]
         graphs[mode] = {
@@ -611,7 +611,7 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
     fronts = {}
     for mode in ("front", "stages"):
         kernels = KernelOptions(front_graphs=mode == "front")
-        select_triton._GRAPHS = select_triton._GraphCache()
+        select_triton.GRAPHS = select_triton._GraphCache()
         torch.manual_seed(5)
         lrmoe = LRMoEConfig(
             keep_ratio=0.5, selection=selection, debug_record_selection=True, kernels=kernels
@@ -619,7 +619,7 @@ def interp_front_matches_stages(rank: int, world: int, selection: str) -> dict[s
         lr = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1)
         runs[mode] = _run_calls(lr, inputs, main_grad=False)
         fronts[mode] = sum(
-            getattr(v, "has_front", False) for v in select_triton._GRAPHS.graphs.values()
+            getattr(v, "has_front", False) for v in select_triton.GRAPHS.graphs.values()
         )
     return {**_same_kept_and_diffs(runs["front"], runs["stages"]), "fronts": fronts}
 
@@ -650,7 +650,7 @@ def interp_graphed_backward_matches_stages(
     graphs = {}
     for mode in ("graph", "stages"):
         on = mode == "graph"
-        select_triton._GRAPHS = select_triton._GraphCache()
+        select_triton.GRAPHS = select_triton._GraphCache()
         bg.reset()
         torch.manual_seed(5)
         lrmoe = LRMoEConfig(

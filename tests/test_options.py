@@ -99,8 +99,8 @@ def test_grouped_mm_switch() -> None:
 def test_graph_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each graph switch turns its graph off and, as documented, the graphs built on it."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert select_triton._graphs_wanted(CUDA) and front.front_graphs_wanted(CUDA)
-    assert not select_triton._graphs_wanted(torch.device("cpu"))
+    assert select_triton.graphs_wanted(CUDA) and front.front_graphs_wanted(CUDA)
+    assert not select_triton.graphs_wanted(torch.device("cpu"))
     wanted = {
         "select_graphs": (False, False),
         "score_graphs": (True, False),
@@ -109,7 +109,7 @@ def test_graph_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     }
     for name, (selection, fronts) in wanted.items():
         with using_kernels(KernelOptions(**{name: False})):
-            assert select_triton._graphs_wanted(CUDA) == selection, name
+            assert select_triton.graphs_wanted(CUDA) == selection, name
             assert front.front_graphs_wanted(CUDA) == fronts, name
     # The scoring graph declines before looking at its inputs when the scoring is kept out.
     with using_kernels(KernelOptions(score_graphs=False)):

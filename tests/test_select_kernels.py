@@ -218,7 +218,7 @@ def test_gpu_captured_selection_matches_reference(
     graph, the rest replay it; every call equals the reference, and a replay never changes the
     outputs an earlier call returned. ``KernelOptions(select_graphs=False)`` launches
     eagerly."""
-    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(11)
     n, g = 5000, 16
     calls = []
@@ -231,17 +231,17 @@ def test_gpu_captured_selection_matches_reference(
         uniforms = torch.rand(g, generator=gen, dtype=torch.float64)  # host: graphed
         got = _check(policy, (scores.cuda(), counts, quota, uniforms))
         calls.append(((scores, counts, quota, uniforms), got))
-        assert len(select_triton._GRAPHS.graphs) == (0 if call == 0 else 1)
+        assert len(select_triton.GRAPHS.graphs) == (0 if call == 0 else 1)
     torch.cuda.synchronize()
     for case, got in calls:
         ref = _reference(policy, case)
         assert torch.equal(got.kept_index.cpu(), ref.kept_index)
         assert torch.equal(got.weight.cpu(), ref.weight)
-    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "GRAPHS", select_triton._GraphCache())
     with using_kernels(KernelOptions(select_graphs=False)):
         for case, _ in calls[:3]:
             _check(policy, (case[0].cuda(), *case[1:]))
-    assert not select_triton._GRAPHS.graphs and not select_triton._GRAPHS.seen
+    assert not select_triton.GRAPHS.graphs and not select_triton.GRAPHS.seen
 
 
 @cuda
@@ -249,7 +249,7 @@ def test_gpu_merge_sort_product_launches_give_torch_sorts_order() -> None:
     """Every launch of the product table (MERGE_TILES), on segments that pick it: tied and
     sanitized scores, a largest segment at the launch's bound among smaller ones."""
     gen = torch.Generator().manual_seed(7)
-    k = select_triton._kernels()
+    k = select_triton.selection_kernels()
     for bound, tile in select_triton.MERGE_TILES:
         smaller = torch.randint(1, bound // 4, (24,), generator=gen)
         counts = torch.cat([smaller[:12], torch.tensor([bound, 0]), smaller[12:]])
@@ -258,7 +258,7 @@ def test_gpu_merge_sort_product_launches_give_torch_sorts_order() -> None:
         scores = torch.randint(0, 50, (n,), generator=gen).float()
         scores[torch.randperm(n, generator=gen)[: n // 8]] = float("nan")
         table = select_triton._segment_table(counts, counts, None, torch.device("cuda"))
-        key = select_triton._sort_keys(k, scores.cuda(), table, select_triton._BLOCK)
+        key = select_triton._sort_keys(k, scores.cuda(), table, select_triton.ROW_BLOCK)
         sorted_key, order = select_triton._sort_order(k, key, table, tile)
         ref_key, ref_order = select_triton._sort_order_reference(key)
         assert torch.equal(order, ref_order), tile
@@ -268,7 +268,7 @@ def test_gpu_merge_sort_product_launches_give_torch_sorts_order() -> None:
 @cuda
 def test_gpu_captured_selection_keys_on_the_sort(monkeypatch: pytest.MonkeyPatch) -> None:
     """One shape, segments that pick either sort: a graph for each, both equal the reference."""
-    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "GRAPHS", select_triton._GraphCache())
     n, g = 4096, 8
     even = torch.full((g,), n // g)
     skewed = torch.tensor([n - 7 * 8] + [8] * 7)
@@ -281,7 +281,7 @@ def test_gpu_captured_selection_keys_on_the_sort(monkeypatch: pytest.MonkeyPatch
         quota = counts // 3
         uniforms = torch.rand(g, generator=gen, dtype=torch.float64)
         _check("sample", (torch.rand(n, generator=gen).cuda(), counts, quota, uniforms))
-    assert len(select_triton._GRAPHS.graphs) == 2
+    assert len(select_triton.GRAPHS.graphs) == 2
 
 
 @cuda
@@ -289,7 +289,7 @@ def test_gpu_replayed_selection_unowned_outputs(monkeypatch: pytest.MonkeyPatch)
     """``owned=False`` (the layer's backward): replays hand out the graph's buffers; what a
     caller queues before the next replay reads that call's selection, and the next replay
     reuses the same memory (no copies). The default copies."""
-    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(5)
     n, g = 3000, 8
     counts = torch.full((g,), n // g, dtype=torch.int64)
@@ -333,7 +333,7 @@ def _scoring_case(gen: torch.Generator, t: int, h: int, k: int, e: int, poison: 
 
 def _scored_graphs() -> list:
     """The front graphs (``graphs/front.py``) among the selection's captured graphs."""
-    graphs = select_triton._GRAPHS.graphs.values()
+    graphs = select_triton.GRAPHS.graphs.values()
     return [v for v in graphs if isinstance(v, front_graph._CapturedScored)]
 
 
@@ -344,7 +344,7 @@ def test_gpu_captured_scoring_matches_eager(monkeypatch: pytest.MonkeyPatch, pol
     second captures both into one graph, later calls replay it on new tensors (read in place).
     Every call gives the bits of the eager steps (norms, pair scores, poison, total, selection),
     with a non-finite gradient too; ``owned=False`` hands out the graph's own buffers."""
-    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(3)
     pointers = []
     for call in range(5):
@@ -380,7 +380,7 @@ def test_gpu_captured_scoring_matches_eager(monkeypatch: pytest.MonkeyPatch, pol
 def test_gpu_captured_scoring_declines_unreadable_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inputs the graph cannot read in place (a misaligned ``probs``) and device uniforms take
     the eager steps: same results, no scoring graph."""
-    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
         (g, x, probs, token), counts, quota, uniforms = _scoring_case(gen, 64, 64, 2, 4, False)
@@ -410,7 +410,7 @@ def test_gpu_front_graph_matches_steps(monkeypatch: pytest.MonkeyPatch, policy: 
     call to call and a non-finite gradient once. Every call gives the bits of the eager steps
     (``row_dot``, ``score_and_select`` without graphs, ``pack_pairs`` with the map of packed
     rows)."""
-    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "GRAPHS", select_triton._GraphCache())
     gen = torch.Generator().manual_seed(6)
     t, h, k = 300, 136, 4
     for call in range(5):
@@ -472,20 +472,20 @@ def test_interp_scored_graph_body_matches_steps(
     kept-score sum under the device's kept count) and the outputs it hands out, over calls of
     one shape on new tensors, against the eager steps. (CUDA graphs themselves need a GPU: the
     ``test_gpu_captured_scoring_*`` tests.)"""
-    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
-    monkeypatch.setattr(select_triton, "_graphs_wanted", lambda device: True)
+    monkeypatch.setattr(select_triton, "GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "graphs_wanted", lambda device: True)
 
     def capture(self, launch, device) -> None:
         launch()  # the eager run that precedes every capture
         self.graph = _EagerGraph(launch)
 
-    monkeypatch.setattr(select_triton._Captured, "_capture", capture)
-    block = select_triton._host_block
+    monkeypatch.setattr(select_triton.CapturedSelection, "_capture", capture)
+    block = select_triton.host_block
 
     def host_block(counts, quota, uniforms, _pin, lead) -> torch.Tensor:
         return block(counts, quota, uniforms, False, lead)  # no pinned memory without CUDA
 
-    monkeypatch.setattr(select_triton, "_host_block", host_block)
+    monkeypatch.setattr(select_triton, "host_block", host_block)
     monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
     gen = torch.Generator().manual_seed(9)
     t, h, k, e = 30, 24, 3, 5
@@ -524,17 +524,17 @@ def test_interp_front_graph_body_matches_steps(
     gradient's row-dot, the scoring and selection, and the packing of the kept rows with the
     map from pairs to packed rows, into new per-call buffers on every call, against the eager
     steps (``row_dot_triton``, ``pack_pairs_triton`` on the reference selection)."""
-    monkeypatch.setattr(select_triton, "_GRAPHS", select_triton._GraphCache())
-    monkeypatch.setattr(select_triton, "_graphs_wanted", lambda device: True)
+    monkeypatch.setattr(select_triton, "GRAPHS", select_triton._GraphCache())
+    monkeypatch.setattr(select_triton, "graphs_wanted", lambda device: True)
 
     def capture(self, launch, device) -> None:
         launch()
         self.graph = _EagerGraph(launch)
 
-    monkeypatch.setattr(select_triton._Captured, "_capture", capture)
-    block = select_triton._host_block
+    monkeypatch.setattr(select_triton.CapturedSelection, "_capture", capture)
+    block = select_triton.host_block
     monkeypatch.setattr(
-        select_triton, "_host_block", lambda c, q, u, _pin, lead: block(c, q, u, False, lead)
+        select_triton, "host_block", lambda c, q, u, _pin, lead: block(c, q, u, False, lead)
     )
     monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
     gen = torch.Generator().manual_seed(10)
@@ -673,7 +673,7 @@ def _sort_case(num_segments: int, max_count: int = 150) -> tuple[torch.Tensor, t
     scores[torch.randperm(n, generator=gen)[: n // 6]] = float("nan")
     scores[torch.randperm(n, generator=gen)[: n // 6]] = -float("inf")
     table = select_triton._segment_table(counts, counts, None, torch.device("cpu"))
-    return select_triton._sort_keys(select_triton._kernels(), scores, table, BLOCK), table
+    return select_triton._sort_keys(select_triton.selection_kernels(), scores, table, BLOCK), table
 
 
 @interp
@@ -687,7 +687,8 @@ def test_interp_merge_sort_gives_torch_sorts_order(
     spanning several segments, empty segments, a padded last tile, ties (by row)."""
     key, table = _sort_case(num_segments)
     tile = select_triton.MergeTile(*tile)
-    sorted_key, order = select_triton._sort_order(select_triton._kernels(), key, table, tile)
+    kernels = select_triton.selection_kernels()
+    sorted_key, order = select_triton._sort_order(kernels, key, table, tile)
     ref_key, ref_order = select_triton._sort_order_reference(key)
     assert torch.equal(order, ref_order)
     assert torch.equal(sorted_key, ref_key)

@@ -748,8 +748,8 @@ def test_interp_layer_graph_body_matches_front_and_eager_stages(
     from megatron_lrmoe.graphs import front as front_graph
     from megatron_lrmoe.select import select_triton
 
-    host_block = select_triton._host_block
-    monkeypatch.setattr(select_triton, "_host_block", lambda c, q, u, _pin, lead: host_block(
+    host_block = select_triton.host_block
+    monkeypatch.setattr(select_triton, "host_block", lambda c, q, u, _pin, lead: host_block(
         c, q, u, False, lead
     ))
     monkeypatch.setattr(bg, "capture", lambda launch, device, pool: (

@@ -20,9 +20,9 @@ Where it is used:
   ``graphs/backward.py`` captures together with the expert backward, one graph per layer.
 
 It builds on the selection's own graph in ``select/select_triton.py``: :class:`FrontWork`
-extends its ``_Captured`` (the segment table, the selection's outputs, the capture) and the
-captures go into its cache (``select_triton._GRAPHS``: at most 8 graphs of either kind). That
-cache, the switch ``_graphs_wanted`` and ``_host_block`` are looked up in that module at call
+extends its ``CapturedSelection`` (the segment table, the selection's outputs, the capture) and the
+captures go into its cache (``select_triton.GRAPHS``: at most 8 graphs of either kind). That
+cache, the switch ``graphs_wanted`` and ``host_block`` are looked up in that module at call
 time, so that a replacement there (``testing/host_graphs.py``, the tests) reaches both.
 
 Switches (the active kernel options, ``options.active_kernels()``: the running layer's
@@ -42,16 +42,16 @@ from megatron_lrmoe.dispatch import rows_triton
 from megatron_lrmoe.options import active_kernels
 from megatron_lrmoe.select import contract, scores_triton, scoring, select_triton
 from megatron_lrmoe.select.select_triton import (
-    _BLOCK,
-    _HOST_ROWS,
-    _QUOTA,
-    _SLOT,
-    _UNIFORM,
+    HOST_ROWS,
+    ROW_BLOCK,
+    ROW_QUOTA,
+    ROW_SLOT,
+    ROW_UNIFORM,
+    CapturedSelection,
     MergeTile,
-    _Captured,
-    _kernels,
-    _launch,
+    launch_selection,
     merge_tile,
+    selection_kernels,
 )
 from megatron_lrmoe.triton_common import _device_ctx, use_triton
 
@@ -218,7 +218,7 @@ def score_select_triton(
     (``kept_total``) is taken over the rows of the kept buffer below the device's kept count,
     so its fp32 rounding may differ from the eager sum's in the last bits.
     """
-    if not (active_kernels().score_graphs and select_triton._graphs_wanted(probs.device)):
+    if not (active_kernels().score_graphs and select_triton.graphs_wanted(probs.device)):
         return None
     inputs = ScoreInputs(g, x, probs, token)
     call = scored_call(policy, inputs, counts, quota, uniforms, None, kept_total)
@@ -274,7 +274,7 @@ def front_graphs_wanted(device: torch.device) -> bool:
     active kernel options), so that a caller can skip preparing its buffers."""
     kernels = active_kernels()
     return (
-        kernels.front_graphs and kernels.score_graphs and select_triton._graphs_wanted(device)
+        kernels.front_graphs and kernels.score_graphs and select_triton.graphs_wanted(device)
     )
 
 
@@ -284,13 +284,13 @@ def _replay_scored(call: ScoredCall | None, owned: bool) -> Front | None:
     ``None`` where ``call`` is ``None`` or the key is new."""
     if call is None:
         return None
-    entry, capture = select_triton._GRAPHS.lookup(call.key)
+    entry, capture = select_triton.GRAPHS.lookup(call.key)
     if entry is None and not capture:
         return None
     with _device_ctx(call.inputs.probs):
         if entry is None:
             entry = _CapturedScored(call)
-            select_triton._GRAPHS.add(call.key, entry)
+            select_triton.GRAPHS.add(call.key, entry)
             return entry.front(call.num_kept, True)
         return entry.run_scored(call.host, call.num_kept, owned)
 
@@ -301,7 +301,7 @@ class ScoredCall(NamedTuple):
     :class:`FrontWork` is built from."""
 
     key: tuple
-    host: torch.Tensor  # [ARG_SLOTS + _HOST_ROWS * G] int64
+    host: torch.Tensor  # [ARG_SLOTS + HOST_ROWS * G] int64
     num_kept: int
     inputs: ScoreInputs
     sample: bool
@@ -333,16 +333,16 @@ def scored_call(
         contract.check_uniforms(uniforms, num_segments)
         if uniforms.device.type != "cpu":
             return None
-    host = select_triton._host_block(
+    host = select_triton.host_block(
         counts_h, quota_h, uniforms if sample else None, True, tc.ARG_SLOTS
     )
-    rows = host.numpy()[tc.ARG_SLOTS :].reshape(_HOST_ROWS, num_segments)
-    num_kept = int(rows[_SLOT, -1] + rows[_QUOTA, -1]) if num_segments else 0
+    rows = host.numpy()[tc.ARG_SLOTS :].reshape(HOST_ROWS, num_segments)
+    num_kept = int(rows[ROW_SLOT, -1] + rows[ROW_QUOTA, -1]) if num_segments else 0
     if num_kept == 0 or (front is not None and not _front_ready(inputs, front, num_kept)):
         return None
     sort = merge_tile(counts_h)
     key = (
-        probs.device.index, "scored", tuple(g.shape), n, num_segments, sample, _BLOCK, sort,
+        probs.device.index, "scored", tuple(g.shape), n, num_segments, sample, ROW_BLOCK, sort,
         kept_total, g.dtype, x.dtype, g.stride(0), x.stride(0), probs.dtype, token.dtype,
         None if front is None else _FrontShape.of(front),
     )
@@ -374,7 +374,7 @@ class _FrontShape(NamedTuple):
         )
 
 
-class FrontWork(_Captured):
+class FrontWork(CapturedSelection):
     """The buffers and launches of a replayed scoring and selection of one shape, with the
     router gradient's row-dot and the packing behind it when it has a front
     (:func:`front_triton`; one walk over the tokens, ``rows_triton.row_dot_pack_from_args``,
@@ -392,10 +392,10 @@ class FrontWork(_Captured):
     """
 
     def __init__(self, call: ScoredCall) -> None:
-        kernels, (g, x, probs, token), front = _kernels(), call.inputs, call.front
-        kept_total, sample, block = call.kept_total, call.sample, _BLOCK
+        kernels, (g, x, probs, token), front = selection_kernels(), call.inputs, call.front
+        kept_total, sample, block = call.kept_total, call.sample, ROW_BLOCK
         device, n, t = probs.device, probs.numel(), g.shape[0]
-        g_segments = (call.host.numel() - tc.ARG_SLOTS) // _HOST_ROWS
+        g_segments = (call.host.numel() - tc.ARG_SLOTS) // HOST_ROWS
         self.norms = torch.empty((2, t), dtype=torch.float32, device=device)
         self.top = torch.empty(2, dtype=torch.float32, device=device)
         self.scores = torch.empty(n, dtype=torch.float32, device=device)
@@ -408,9 +408,9 @@ class FrontWork(_Captured):
         # Views handed out after every replay (owned=False), made once: on the backward's host
         # path each slicing is a torch call. The kept rows' views by kept count (few counts).
         self._host_part = self.flat[: call.host.numel()]
-        self._sum_views = (self.sums[0], self.sums[1], self.sums[2], self.table[_QUOTA])
+        self._sum_views = (self.sums[0], self.sums[1], self.sums[2], self.table[ROW_QUOTA])
         self._kept_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
+        u = self.table[ROW_UNIFORM].view(torch.float64) if sample else self.scores
         select_args = (
             kernels, self.scores, self.table, self.kept, self.weight, u, sample, block,
             call.sort,
@@ -442,10 +442,10 @@ class FrontWork(_Captured):
                 self.scores, self.partial, self.args, self.norms, self.top, dtypes[1]
             )
             torch.sum(self.partial, dim=1, out=self.sums[:2])
-            _launch(*select_args)
+            launch_selection(*select_args)
             if kept_total:
                 # The kept rows are kept[:K], K = the last segment's slot + quota, on the device.
-                valid = self.rows < self.table[_SLOT, -1] + self.table[_QUOTA, -1]
+                valid = self.rows < self.table[ROW_SLOT, -1] + self.table[ROW_QUOTA, -1]
                 picked = self.scores.index_select(0, torch.where(valid, self.kept, 0))
                 picked = torch.where(valid, picked.nan_to_num(0.0, 0.0, 0.0), 0.0)
                 torch.sum(picked, dim=0, out=self.sums[2])
@@ -461,7 +461,7 @@ class FrontWork(_Captured):
     def quota(self) -> torch.Tensor:
         """``[G]`` int64 on the device: the kept rows of each segment (the expert backward's
         group sizes at EP 1), as loaded by :meth:`load_host`."""
-        return self.table[_QUOTA]
+        return self.table[ROW_QUOTA]
 
     def load_host(self, host: torch.Tensor) -> None:
         self._host_part.copy_(host, non_blocking=True)

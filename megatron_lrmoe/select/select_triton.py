@@ -42,7 +42,7 @@ and the table's host rows are copied into the graph's static buffers first; the 
 copied out). Not inside another capture, not with device-side uniforms; ``select_graphs`` off in
 the active kernel options (``options.active_kernels()``, ``--no-lrmoe-select-graphs``) turns it
 off. The backward's front, the scoring and more replayed in the same graph, is
-``graphs/front.py``'s: it extends :class:`_Captured` and captures into the same cache.
+``graphs/front.py``'s: it extends :class:`CapturedSelection` and captures into the same cache.
 
 Why the repairs need no scan over all rows: among a segment's active rows (uncapped, positive
 weight, quota left), which are the consecutive ranks ``[c*, c* + n_active)``, the floored units
@@ -72,7 +72,7 @@ would become uint32, so none are used (``2**31 - 1`` and ``2**32`` are int32 / i
 
 Triton is imported lazily, with the conventions of ``megatron_lrmoe/triton_common.py`` (whose
 ``triton_available`` this module reuses): the kernel bodies are plain functions until
-:func:`_kernels` wraps them, and under ``TRITON_INTERPRET=1`` (set before triton is first
+:func:`selection_kernels` wraps them, and under ``TRITON_INTERPRET=1`` (set before triton is first
 imported) the launcher accepts CPU tensors and runs them in Triton's interpreter (the tests do).
 
 Why one module of about a thousand lines: the ten kernels are one pipeline over one shared
@@ -97,22 +97,40 @@ from megatron_lrmoe.options import active_kernels
 from megatron_lrmoe.select import contract
 from megatron_lrmoe.triton_common import _cdiv, _device_ctx, jit_kernels
 
-__all__ = ["select_triton"]
+# select_triton is the entry point; the rest is the capture interface graphs/front.py builds on
+# (its front graph replays these launches with the router gradient's and the packing's around
+# them, into the same graph cache).
+__all__ = [
+    "GRAPHS",
+    "HOST_ROWS",
+    "ROW_BLOCK",
+    "ROW_QUOTA",
+    "ROW_SLOT",
+    "ROW_UNIFORM",
+    "CapturedSelection",
+    "MergeTile",
+    "graphs_wanted",
+    "host_block",
+    "launch_selection",
+    "merge_tile",
+    "select_triton",
+    "selection_kernels",
+]
 
 # Rows per program of the row-parallel kernels, and of each step of the per-segment scans: 512
 # programs at N = 131072, a few per multiprocessor; the best of 256 / 512 / 1024 rows with 4 or 8
 # warps on an H200 (within a few microseconds of each other).
-_BLOCK = 256
+ROW_BLOCK = 256
 _NUM_WARPS = 4
 
-# Rows of the [_ROWS, G] int64 segment table. The first _HOST_ROWS are filled on the host (the
+# Rows of the [_ROWS, G] int64 segment table. The first HOST_ROWS are filled on the host (the
 # accumulators with zeros) and copied in one go; the rest are written by the per-segment kernels.
 (
     _START,  # first row of the segment
     _END,  # one past its last row
-    _QUOTA,
-    _SLOT,  # first output slot: exclusive cumsum of quota
-    _UNIFORM,  # float64 bits of the segment's uniform (host uniforms only)
+    ROW_QUOTA,
+    ROW_SLOT,  # first output slot: exclusive cumsum of quota
+    ROW_UNIFORM,  # float64 bits of the segment's uniform (host uniforms only)
     _W,  # sum of w_int
     _W2,  # sum of w2
     _ASUM,  # sum of the floored units a
@@ -126,17 +144,18 @@ _NUM_WARPS = 4
     _REST,  # ... and this many units go to rank _RFULL
     _GROW,  # bit 0: first pass adds units; bit 1: second pass adds units
 ) = range(17)
-_HOST_ROWS = _CSTAR
+HOST_ROWS = _CSTAR
 _ROWS = _GROW + 1
 
-# Bound to ``triton.language`` by :func:`_kernels`; the kernel bodies resolve it at compile (or
-# interpret) time, never at definition time (annotations are strings here).
+# Bound to ``triton.language`` by :func:`selection_kernels`; the kernel bodies resolve it at
+# compile (or interpret) time, never at definition time (annotations are strings here).
 tl: Any = None
 
 
 # --------------------------------------------------------------------------------------------
-# Device helpers (plain functions; :func:`_kernels` replaces them by their triton.jit versions
-# in this module's globals before any kernel compiles, so the kernels call the jitted ones).
+# Device helpers (plain functions; :func:`selection_kernels` replaces them by their triton.jit
+# versions in this module's globals before any kernel compiles, so the kernels call the jitted
+# ones).
 # Integer constants: 2147483647 = 2**31 - 1, 4294967296 = 2**32 (a probability of 1).
 # --------------------------------------------------------------------------------------------
 
@@ -196,7 +215,7 @@ _HELPERS = ("_sqrt_weight", "_round_half_even", "_fixed_point", "_bounds", "_seg
 
 
 # --------------------------------------------------------------------------------------------
-# Kernel bodies (plain functions; wrapped by triton.jit or the interpreter in _kernels()).
+# Kernel bodies (plain functions; wrapped by triton.jit or the interpreter in selection_kernels()).
 # Row indices are int64: unit sums reach N * 2**32 and slots are int64 anyway.
 # Row kernels: program p covers rows [p * BLOCK, (p + 1) * BLOCK) of the sorted or canonical
 # order. Segment kernels: program g covers segment g. `table_ptr` is the [_ROWS, G] table; row r
@@ -608,7 +627,7 @@ def _draw_kernel(
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels() -> SimpleNamespace:
+def selection_kernels() -> SimpleNamespace:
     """The kernel bodies wrapped by ``triton.jit`` (built once, on first launch).
 
     Under ``TRITON_INTERPRET=1`` these are interpreter functions that run on host tensors;
@@ -645,40 +664,40 @@ def _host_table(
     uniforms: torch.Tensor | None,
     pin: bool,
 ) -> torch.Tensor:
-    """The host rows (``[_HOST_ROWS, G]`` int64) of the segment table.
+    """The host rows (``[HOST_ROWS, G]`` int64) of the segment table.
 
-    Rows ``_START`` .. ``_NGT1`` (accumulators zeroed here, so no memset launches), ``_UNIFORM``
+    Rows ``_START`` .. ``_NGT1`` (accumulators zeroed here, so no memset launches), ``ROW_UNIFORM``
     holds the float64 bits of host ``uniforms`` (if given). Pinned (``pin``): a copy from it
     returns at once, and the caching host allocator keeps the block alive until the copy ran.
     """
-    block = _host_block(counts_h, quota_h, uniforms, pin, lead=0)
-    return block.view(_HOST_ROWS, counts_h.numel())
+    block = host_block(counts_h, quota_h, uniforms, pin, lead=0)
+    return block.view(HOST_ROWS, counts_h.numel())
 
 
-def _host_block(
+def host_block(
     counts_h: torch.Tensor,
     quota_h: torch.Tensor,
     uniforms: torch.Tensor | None,
     pin: bool,
     lead: int,
 ) -> torch.Tensor:
-    """``[lead + _HOST_ROWS * G]`` int64: ``lead`` slots for the caller (not written), then the
+    """``[lead + HOST_ROWS * G]`` int64: ``lead`` slots for the caller (not written), then the
     rows of :func:`_host_table`, so that both go to the device in one copy."""
     num_segments = counts_h.numel()
-    flat = torch.empty(lead + _HOST_ROWS * num_segments, dtype=torch.int64, pin_memory=pin)
+    flat = torch.empty(lead + HOST_ROWS * num_segments, dtype=torch.int64, pin_memory=pin)
     # Filled through numpy: ~1 us per row where a torch CPU op costs ~5 us.
-    rows = flat.numpy()[lead:].reshape(_HOST_ROWS, num_segments)
-    rows[_UNIFORM:] = 0  # the uniforms (unless given) and the accumulators; the rest is set below
+    rows = flat.numpy()[lead:].reshape(HOST_ROWS, num_segments)
+    rows[ROW_UNIFORM:] = 0  # the uniforms (unless given) and the accumulators; the rest below
     counts_np, quota_np = counts_h.numpy(), quota_h.numpy()
     np.cumsum(counts_np, out=rows[_END])
     np.subtract(rows[_END], counts_np, out=rows[_START])
-    rows[_QUOTA] = quota_np
-    np.cumsum(quota_np, out=rows[_SLOT])
-    rows[_SLOT] -= quota_np
+    rows[ROW_QUOTA] = quota_np
+    np.cumsum(quota_np, out=rows[ROW_SLOT])
+    rows[ROW_SLOT] -= quota_np
     if uniforms is not None:
         if uniforms.dtype != torch.float64:
             uniforms = uniforms.to(torch.float64)
-        rows[_UNIFORM].view(np.float64)[:] = uniforms.numpy()
+        rows[ROW_UNIFORM].view(np.float64)[:] = uniforms.numpy()
     return flat
 
 
@@ -692,7 +711,7 @@ def _segment_table(
     :func:`_host_table`; the rows from ``_CSTAR`` on are written by the per-segment kernels."""
     host = _host_table(counts_h, quota_h, uniforms, pin=device.type == "cuda")
     table = torch.empty((_ROWS, counts_h.numel()), dtype=torch.int64, device=device)
-    table[:_HOST_ROWS].copy_(host, non_blocking=True)
+    table[:HOST_ROWS].copy_(host, non_blocking=True)
     return table
 
 
@@ -731,7 +750,7 @@ def select_triton(
             adding up to N, a quota out of range, or host tensors without the interpreter.
     """
     sample = contract.check_policy(policy, uniforms)
-    block = _BLOCK if block is None else block
+    block = ROW_BLOCK if block is None else block
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     scores = contract.check_scores(scores).contiguous()
@@ -744,7 +763,7 @@ def select_triton(
         contract.check_uniforms(uniforms, num_segments)
         if uniforms.device.type == "cpu":
             host_uniforms = uniforms
-    kernels = _kernels()
+    kernels = selection_kernels()
     if device.type != "cuda" and not kernels.interpreted:
         raise ValueError(
             "select_triton got host tensors; it needs CUDA tensors, or TRITON_INTERPRET=1 set "
@@ -755,13 +774,13 @@ def select_triton(
         table = _segment_table(counts_h, quota_h, host_uniforms, device)
         empty = torch.empty(0, dtype=torch.int64, device=device)
         # Nothing to write (and N == 0 has nothing to sort).
-        return contract.Selection(empty, empty.float(), table[_QUOTA])
-    if (sample and host_uniforms is None) or not _graphs_wanted(device):
+        return contract.Selection(empty, empty.float(), table[ROW_QUOTA])
+    if (sample and host_uniforms is None) or not graphs_wanted(device):
         return _select_eager(
             kernels, scores, counts_h, quota_h, host_uniforms, uniforms, sample, block,
             merge_tile(counts_h),
         )
-    return _GRAPHS.select(
+    return GRAPHS.select(
         kernels, scores, counts_h, quota_h, host_uniforms, sample, block, num_kept, owned
     )
 
@@ -784,16 +803,16 @@ def _select_eager(
     kept = torch.empty(num_kept, dtype=torch.int64, device=device)
     weight = torch.empty(num_kept, dtype=torch.float32, device=device)
     if host_uniforms is not None:
-        u = table[_UNIFORM].view(torch.float64)
+        u = table[ROW_UNIFORM].view(torch.float64)
     elif sample:
         u = uniforms.detach().to(device=device, dtype=torch.float64).contiguous()
     else:
         u = scores  # unread placeholder
-    _launch(kernels, scores, table, kept, weight, u, sample, block, sort)
-    return contract.Selection(kept, weight, table[_QUOTA])
+    launch_selection(kernels, scores, table, kept, weight, u, sample, block, sort)
+    return contract.Selection(kept, weight, table[ROW_QUOTA])
 
 
-def _launch(
+def launch_selection(
     kernels: SimpleNamespace,
     scores: torch.Tensor,
     table: torch.Tensor,
@@ -931,7 +950,7 @@ def _sort_order_reference(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 # --------------------------------------------------------------------------------------------
 
 
-def _graphs_wanted(device: torch.device) -> bool:
+def graphs_wanted(device: torch.device) -> bool:
     """Replay captured selections: on CUDA, not inside someone else's capture, not switched off
     (``select_graphs`` of the active kernel options; off, graphs/front.py's graphs, which
     replay these launches, are off as well)."""
@@ -942,7 +961,7 @@ def _graphs_wanted(device: torch.device) -> bool:
     )
 
 
-class _Captured:
+class CapturedSelection:
     """One captured selection: static inputs and outputs, and the graph that links them.
 
     Inputs are copied in before a replay (the scores, ``[N]``, device to device; the host rows
@@ -966,10 +985,10 @@ class _Captured:
         n, g = scores.numel(), host.shape[1]
         self.scores = torch.empty_like(scores)
         self._outputs(scores.device, n, g, lead=0)
-        u = self.table[_UNIFORM].view(torch.float64) if sample else self.scores
+        u = self.table[ROW_UNIFORM].view(torch.float64) if sample else self.scores
         args = (kernels, self.scores, self.table, self.kept, self.weight, u, sample, block, sort)
         self._load(scores, host)
-        self._capture(lambda: _launch(*args), scores.device)
+        self._capture(lambda: launch_selection(*args), scores.device)
 
     def _outputs(self, device: torch.device, n: int, g: int, lead: int) -> None:
         """The segment table (after ``lead`` int64 slots of one flat buffer: the host part of
@@ -984,11 +1003,11 @@ class _Captured:
 
     def _load(self, scores: torch.Tensor, host: torch.Tensor) -> None:
         self.scores.copy_(scores)
-        self.table[:_HOST_ROWS].copy_(host, non_blocking=True)
+        self.table[:HOST_ROWS].copy_(host, non_blocking=True)
 
     def outputs(self, num_kept: int, owned: bool = True) -> contract.Selection:
         """The last run's outputs: copies, or (``owned=False``) the buffers themselves."""
-        kept, weight, quota = self.kept[:num_kept], self.weight[:num_kept], self.table[_QUOTA]
+        kept, weight, quota = self.kept[:num_kept], self.weight[:num_kept], self.table[ROW_QUOTA]
         if owned:
             kept, weight, quota = kept.clone(), weight.clone(), quota.clone()
         return contract.Selection(kept, weight, quota)
@@ -1001,7 +1020,7 @@ class _Captured:
         return self.outputs(num_kept, owned)
 
 
-class _GraphCache(GraphCache[_Captured]):
+class _GraphCache(GraphCache[CapturedSelection]):
     """Captured selections by shape (at most 8, each holding a few ``[N]`` buffers in its
     memory pool)."""
 
@@ -1028,11 +1047,11 @@ class _GraphCache(GraphCache[_Captured]):
         host = _host_table(counts_h, quota_h, host_uniforms, pin=True)
         with _device_ctx(scores):
             if entry is None:
-                entry = _Captured(kernels, scores, host, sample, block, sort)
+                entry = CapturedSelection(kernels, scores, host, sample, block, sort)
                 self.add(key, entry)
                 return entry.outputs(num_kept)
             return entry.run(scores, host, num_kept, owned)
 
 
 # Also holds graphs/front.py's captures (one least-recently-used list of both kinds).
-_GRAPHS = _GraphCache()
+GRAPHS = _GraphCache()

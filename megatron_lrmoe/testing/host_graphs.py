@@ -53,14 +53,14 @@ def graphs_on_host(replay: bool = True) -> None:
 
     assert rows_triton._kernels().interpreted, "needs TRITON_INTERPRET=1 before the spawn"
     stages.use_triton = lambda *tensors: True
-    select_triton._graphs_wanted = lambda device: True
-    host_block = select_triton._host_block
-    select_triton._host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
+    select_triton.graphs_wanted = lambda device: True
+    host_block = select_triton.host_block
+    select_triton.host_block = lambda c, q, u, _pin, lead: host_block(c, q, u, False, lead)
 
     def capture(self, launch, device) -> None:
         self.graph = _graph(launch, replay)
 
-    select_triton._Captured._capture = capture
+    select_triton.CapturedSelection._capture = capture
 
 
 def layer_graphs_on_host(replay: bool = True) -> None:
