@@ -107,11 +107,11 @@ def _walk_case(t: dict, topk: int) -> Case:
         )
 
     def tile(block_m: int, block_h: int, warps: int, stages: int) -> Callable[[], object]:
-        return lambda: kernels.row_dot_pack_args[(tc._cdiv(n_walk, block_m),)](
+        return lambda: kernels.row_dot_pack_args[(tc.cdiv(n_walk, block_m),)](
             block, t["row_of"], t["weight"], t["poison"], n_walk, width, *strides, topk,
-            OUT_TY=tc._tl_dtype(dtypes[0]), G_TY=tc._tl_dtype(dtypes[1]),
-            Z_TY=tc._tl_dtype(dtypes[2]), X_TY=tc._tl_dtype(dtypes[3]),
-            P_TY=tc._tl_dtype(dtypes[4]), HAS_X=True, BLOCK_M=block_m, BLOCK_H=block_h,
+            OUT_TY=tc.tl_dtype(dtypes[0]), G_TY=tc.tl_dtype(dtypes[1]),
+            Z_TY=tc.tl_dtype(dtypes[2]), X_TY=tc.tl_dtype(dtypes[3]),
+            P_TY=tc.tl_dtype(dtypes[4]), HAS_X=True, BLOCK_M=block_m, BLOCK_H=block_h,
             num_warps=warps, num_stages=stages,
         )
 
@@ -139,7 +139,7 @@ def _gather_case(t: dict) -> Case:
     kernels = tk._kernels()
 
     def tile(block_m: int, block_h: int, warps: int, stages: int) -> Callable[[], object]:
-        grid = (tc._cdiv(n_out, block_m), tc._cdiv(width, block_h))
+        grid = (tc.cdiv(n_out, block_m), tc.cdiv(width, block_h))
         return lambda: kernels.scale_rows[grid](
             out, x, token, token, n_out, width, x.stride(0), out.stride(0), HAS_INDEX=True,
             BLOCK_M=block_m, BLOCK_H=block_h, HAS_SCALE=False, num_warps=warps,
@@ -167,7 +167,7 @@ def _rowdot_case(t: dict) -> Case:
         out.copy_(tk.row_dot_triton(g, z, torch.float32, slots=slots))
 
     def tile(block_m: int, block_h: int, warps: int, stages: int) -> Callable[[], object]:
-        return lambda: kernels.row_dot[(tc._cdiv(n_walk, block_m),)](
+        return lambda: kernels.row_dot[(tc.cdiv(n_walk, block_m),)](
             out, g, z, index, n_walk, width, g.stride(0), z.stride(0), slots.shape[1],
             A_INDEX=False, SLOTS=True, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps,
             num_stages=stages,

@@ -12,12 +12,15 @@ for inputs that need autograd, and for unusual shapes, so their semantics do not
 
 Triton is imported lazily (first launch or first :func:`triton_available` call), so importing
 the package works where triton is missing or broken. Each kernel module's bodies are plain
-functions until its ``_kernels()`` wraps them; they reference that module's global ``tl``,
-which is bound then (this module's, which :func:`_arg_ptr` and :func:`_tl_dtype` use, by
-:func:`triton_available`).
+functions until its kernel factory (``_kernels()``; ``select_triton.selection_kernels()``)
+wraps them; they reference that module's global ``tl``, which is bound then (this module's,
+which :func:`arg_ptr` and :func:`tl_dtype` use, by :func:`triton_available`).
 
-Tuning constants that several kernel modules read (``_TILE``, ``_PAIR_BLOCK``,
-``_STRIDING_PROGRAMS``) are read from this module at launch time (``tc._TILE``), so that one
+Everything here is shared by the kernel modules, so nothing here is private to this module:
+the names they import are public (``__all__``).
+
+Tuning constants that several kernel modules read (``TILE``, ``PAIR_BLOCK``,
+``STRIDING_PROGRAMS``) are read from this module at launch time (``tc.TILE``), so that one
 change (a test's monkeypatch) reaches every launcher.
 
 Under ``TRITON_INTERPRET=1`` (set before triton is first imported: triton's own helpers such as
@@ -46,8 +49,8 @@ __all__ = [
     "ARG_H",
     "ARG_H_ROWS",
     "ARG_OUT",
-    "ARG_ROW_OF",
     "ARG_PROBS",
+    "ARG_ROW_OF",
     "ARG_SLOTS",
     "ARG_SLOT_PLAN",
     "ARG_TOKEN",
@@ -55,9 +58,24 @@ __all__ = [
     "ARG_X_OUT",
     "ARG_Z",
     "KERNEL_DTYPES",
+    "MAX_BLOCK",
+    "MIN_BLOCK",
+    "NUM_WARPS",
+    "PAIR_BLOCK",
+    "STRIDING_PROGRAMS",
+    "TILE",
+    "arg_ptr",
     "args_ready",
+    "cdiv",
+    "check_dtype",
     "checked_kernels",
+    "col_block",
+    "device_ctx",
+    "jit_kernels",
+    "reduction_tile",
+    "tl_dtype",
     "triton_available",
+    "unit_cols",
     "use_triton",
 ]
 
@@ -68,16 +86,16 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Elements per program tile: 4096 bf16 elements are 8 KiB per input, 16 per thread at 8 warps,
 # large enough to hide memory latency on H100/H200 without spilling in the backward kernel.
-_TILE = 4096
+TILE = 4096
 
 
-_NUM_WARPS = 8
+NUM_WARPS = 8
 
 
-_MIN_BLOCK, _MAX_BLOCK = 16, 1024
+MIN_BLOCK, MAX_BLOCK = 16, 1024
 
 
-# Bound to ``triton.language`` by ``triton_available()``; :func:`_arg_ptr` resolves it at
+# Bound to ``triton.language`` by ``triton_available()``; :func:`arg_ptr` resolves it at
 # compile (or interpret) time, never at definition time (annotations are strings here).
 tl: Any = None
 
@@ -144,7 +162,7 @@ def jit_kernels(
 
     Args:
         module: The calling module's ``globals()``.
-        helpers: Names of the module's device helpers (``_arg_ptr`` is this module's).
+        helpers: Names of the module's device helpers (``arg_ptr`` is this module's).
         kernels: ``{name: function}`` or ``{name: (function, jit keyword arguments)}``.
         what: The kernels' job, named in the error without ``triton``.
 
@@ -190,7 +208,7 @@ def checked_kernels(kernels: SimpleNamespace, t: torch.Tensor) -> SimpleNamespac
     return kernels
 
 
-def _arg_ptr(args_ptr, index, TY: tl.constexpr):
+def arg_ptr(args_ptr, index, TY: tl.constexpr):
     """Pointer ``index`` of an argument block (int64 addresses, each 16-byte aligned: the
     launcher checks), typed ``TY``: kernels replayed from a CUDA graph read the addresses of
     tensors that change from call to call from such a block."""
@@ -200,12 +218,12 @@ def _arg_ptr(args_ptr, index, TY: tl.constexpr):
     return tl.multiple_of(ptr, 16)
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 @functools.lru_cache(maxsize=256)
-def _col_block(width: int, override: int | None) -> int:
+def col_block(width: int, override: int | None) -> int:
     """Power-of-two column block with the least padding, the larger one on ties.
 
     E.g. F = 768 gets 256 (no masked-off lanes) where the next power of two (1024) would idle a
@@ -215,31 +233,31 @@ def _col_block(width: int, override: int | None) -> int:
         if override < 1 or override & (override - 1):
             raise ValueError(f"block width must be a power of two, got {override}")
         return override
-    best, best_pad = _MAX_BLOCK, None
-    b = _MAX_BLOCK
-    while b >= _MIN_BLOCK:
-        pad = _cdiv(max(width, 1), b) * b
+    best, best_pad = MAX_BLOCK, None
+    b = MAX_BLOCK
+    while b >= MIN_BLOCK:
+        pad = cdiv(max(width, 1), b) * b
         if best_pad is None or pad < best_pad:
             best, best_pad = b, pad
         b //= 2
     return best
 
 
-def _reduction_tile(
+def reduction_tile(
     width: int, override: int | None, max_block_h: int, accumulators: int
 ) -> tuple[int, int]:
     """``(BLOCK_H, BLOCK_M)`` of a kernel that loops over the columns and reduces each row: a
     column block of at most ``max_block_h`` (unless overridden) and rows so that its fp32
-    accumulators (``accumulators`` tiles' worth of ``_TILE``) stay in registers."""
+    accumulators (``accumulators`` tiles' worth of ``TILE``) stay in registers."""
     block_h = (
-        _col_block(width, override)
+        col_block(width, override)
         if override is not None
-        else min(_col_block(width, None), max_block_h)
+        else min(col_block(width, None), max_block_h)
     )
-    return block_h, max(1, (_TILE // accumulators) // block_h)
+    return block_h, max(1, (TILE // accumulators) // block_h)
 
 
-def _unit_cols(x: torch.Tensor) -> torch.Tensor:
+def unit_cols(x: torch.Tensor) -> torch.Tensor:
     """``x`` (2-D) with unit column stride: the kernels take any row stride, but coalesced
     loads need contiguous rows, so only a column-strided input is copied."""
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
@@ -248,7 +266,7 @@ def _unit_cols(x: torch.Tensor) -> torch.Tensor:
 _NULL_CTX = contextlib.nullcontext()
 
 
-def _device_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager:
+def device_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Triton launches on the current CUDA device: pin it to the tensors' device when it differs.
 
     Entering ``torch.cuda.device`` costs about 10 us of host time per launch, the price of a
@@ -260,13 +278,13 @@ def _device_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device)
 
 
-def _check_dtype(name: str, t: torch.Tensor) -> None:
+def check_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name}: dtype {t.dtype} not supported by the Triton kernels")
 
 
 # Pairs per program of the pair-scoring kernel.
-_PAIR_BLOCK = 1024
+PAIR_BLOCK = 1024
 
 
 # Slots of the int64 argument block that the ``*_args`` kernels read tensor addresses (and, in
@@ -300,7 +318,7 @@ def args_ready(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _tl_dtype(dtype: torch.dtype) -> Any:
+def tl_dtype(dtype: torch.dtype) -> Any:
     """The ``triton.language`` dtype of a torch dtype (``tl`` is bound by then)."""
     return {
         torch.bfloat16: tl.bfloat16,
@@ -313,4 +331,4 @@ def _tl_dtype(dtype: torch.dtype) -> Any:
 
 # Programs per column block of the striding packing kernel: a few per multiprocessor of an
 # H100 / H200 (132), enough to keep their memory pipes busy.
-_STRIDING_PROGRAMS = 1024
+STRIDING_PROGRAMS = 1024

@@ -486,7 +486,7 @@ def test_interp_scored_graph_body_matches_steps(
         return block(counts, quota, uniforms, False, lead)  # no pinned memory without CUDA
 
     monkeypatch.setattr(select_triton, "host_block", host_block)
-    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
+    monkeypatch.setattr(triton_common, "PAIR_BLOCK", 16)
     gen = torch.Generator().manual_seed(9)
     t, h, k, e = 30, 24, 3, 5
     for call in range(4):
@@ -536,7 +536,7 @@ def test_interp_front_graph_body_matches_steps(
     monkeypatch.setattr(
         select_triton, "host_block", lambda c, q, u, _pin, lead: block(c, q, u, False, lead)
     )
-    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
+    monkeypatch.setattr(triton_common, "PAIR_BLOCK", 16)
     gen = torch.Generator().manual_seed(10)
     t, h, k = 30, 24, 4
     counts = torch.tensor([20, 0, 31, 17, 22])  # 90 pairs, 3 per token, in 4 slots each

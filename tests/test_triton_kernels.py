@@ -292,7 +292,7 @@ def test_arg_block_kernels_vectorise_like_direct_ones() -> None:
 def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     # 512-element tiles: with 64-wide column blocks a program covers 8 rows, so the small N
     # below span several row blocks with a ragged last one (as 4096-element tiles do at scale).
-    monkeypatch.setattr(triton_common, "_TILE", 512)
+    monkeypatch.setattr(triton_common, "TILE", 512)
 
 
 def _rows_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -378,7 +378,7 @@ def test_interp_gather_rows(
     """The gather kernel copies the bits of ``index_select``: repeated and unordered rows,
     int32 and int64 and non-contiguous indices, strided and transposed rows, ragged row and
     column blocks (8 rows x 16 columns at H = 200), no rows at all."""
-    monkeypatch.setattr(triton_common, "_TILE", 64)
+    monkeypatch.setattr(triton_common, "TILE", 64)
     g = _gen(250 + k)
     n, h = 23, 200
     rows = _rows_layout(torch.randn(n, h, generator=g).to(dtype), layout)
@@ -582,7 +582,7 @@ def test_interp_scoring_from_arg_block(monkeypatch: pytest.MonkeyPatch, dtype, n
     """The kernels a replayed graph launches read ``g``, ``x``, ``probs``, ``token`` at the
     addresses of the argument block and give the bits of the direct launchers; a row-strided
     ``x`` keeps its stride; ``args_ready`` refuses what they cannot read."""
-    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)
+    monkeypatch.setattr(triton_common, "PAIR_BLOCK", 16)
     gen = _gen(900 + n)
     h, pairs = 72, 3 * n + 1
     g = torch.randn(n, h, generator=gen).to(dtype)
@@ -640,9 +640,9 @@ def test_interp_row_dot_and_packing_in_one_walk(
     the packing launched apart: the router gradient of every pair, the kept pairs' scaled
     gradient rows (and input rows) in packed order, the map from pairs to packed rows; rows
     past the count are not touched, nor the map's trailing entry."""
-    monkeypatch.setattr(triton_common, "_STRIDING_PROGRAMS", programs)
-    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 4)  # several blocks of kept rows
-    monkeypatch.setattr(triton_common, "_TILE", 256)  # several walk rows per program
+    monkeypatch.setattr(triton_common, "STRIDING_PROGRAMS", programs)
+    monkeypatch.setattr(triton_common, "PAIR_BLOCK", 4)  # several blocks of kept rows
+    monkeypatch.setattr(triton_common, "TILE", 256)  # several walk rows per program
     gen = _gen(1700 + n)
     h, k = 72, 3
     g, x, slots, token, z, probs = _token_walk_case(gen, n, h, k, dtype)
@@ -690,8 +690,8 @@ def test_interp_act_backward_from_arg_block(
     (``h``, its kept rows, the slot plan, the map to packed rows and the output at the argument
     block's addresses, the row count in the block, programs striding up to it) give the bits of
     the direct launchers; rows past the count are left alone."""
-    monkeypatch.setattr(triton_common, "_STRIDING_PROGRAMS", programs)
-    monkeypatch.setattr(triton_common, "_TILE", 128)  # 2-row blocks at F = 24 + 8 padding
+    monkeypatch.setattr(triton_common, "STRIDING_PROGRAMS", programs)
+    monkeypatch.setattr(triton_common, "TILE", 128)  # 2-row blocks at F = 24 + 8 padding
     gen = _gen(990)
     f, saved, kept, room = 24, 40, 13, 17
     f1 = 2 * f if spec.gated else f
@@ -851,7 +851,7 @@ def _reaches(root: object, targets: tuple[torch.Tensor, ...], skip: tuple[object
 @pytest.mark.parametrize("n", [0, 1, 37, 100])
 @pytest.mark.parametrize("probs_dtype", [torch.float32, torch.bfloat16], ids=["p32", "p16"])
 def test_interp_pair_scores(monkeypatch: pytest.MonkeyPatch, n: int, probs_dtype) -> None:
-    monkeypatch.setattr(triton_common, "_PAIR_BLOCK", 16)  # several blocks, a ragged last one
+    monkeypatch.setattr(triton_common, "PAIR_BLOCK", 16)  # several blocks, a ragged last one
     g = _gen(800 + n)
     t = 11
     norms = torch.rand(2, t, generator=g) * 50

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from megatron_lrmoe import triton_common
-from megatron_lrmoe.triton_common import _cdiv, _device_ctx
+from megatron_lrmoe.triton_common import cdiv, device_ctx
 
 __all__ = ["pair_plan_triton", "use_pair_plan_triton"]
 
@@ -238,7 +238,7 @@ def pair_plan_triton(
     """
     num_tokens, num_experts = routing_map.shape
     bt, be, bk = _blocks(num_experts, topk, block_t, block_e)
-    num_blocks = _cdiv(num_tokens, bt)
+    num_blocks = cdiv(num_tokens, bt)
     device = routing_map.device
     out = torch.empty(2 * num_pairs + num_tokens * topk, dtype=torch.int64, device=device)
     token_of_pair = out[:num_pairs]
@@ -254,7 +254,7 @@ def pair_plan_triton(
             "before triton is first imported"
         )
     grid = (num_blocks,)
-    with _device_ctx(hits):
+    with device_ctx(hits):
         kernels.count[grid](
             counts, hits, num_tokens, num_experts, num_blocks, stride_t, stride_e,
             BLOCK_T=bt, BLOCK_E=be, num_warps=_NUM_WARPS,
@@ -262,7 +262,7 @@ def pair_plan_triton(
         counts.cumsum_(0)
         kernels.write[grid](
             token_of_pair, expert_of_pair, slot_pair, counts, hits, num_tokens, num_experts,
-            num_blocks, num_pairs, topk, stride_t, stride_e, _cdiv(num_pairs, num_blocks),
+            num_blocks, num_pairs, topk, stride_t, stride_e, cdiv(num_pairs, num_blocks),
             BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk, FILL_BLOCK=_FILL_BLOCK, num_warps=_NUM_WARPS,
         )
     return token_of_pair, expert_of_pair, slot_pair.view(num_tokens, topk)

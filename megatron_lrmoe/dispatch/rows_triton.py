@@ -25,16 +25,16 @@ import torch
 
 from megatron_lrmoe import triton_common as tc
 from megatron_lrmoe.triton_common import (
-    _MAX_BLOCK,
-    _NUM_WARPS,
-    _arg_ptr,
-    _cdiv,
-    _check_dtype,
-    _col_block,
-    _device_ctx,
-    _reduction_tile,
-    _tl_dtype,
-    _unit_cols,
+    MAX_BLOCK,
+    NUM_WARPS,
+    arg_ptr,
+    cdiv,
+    check_dtype,
+    col_block,
+    device_ctx,
+    reduction_tile,
+    tl_dtype,
+    unit_cols,
     checked_kernels,
     jit_kernels,
 )
@@ -228,9 +228,9 @@ def _gather_sum_args_kernel(
     """:func:`_gather_sum_body` through ``row_of`` (no scale) with the slot plan at
     ``args[ARG_SLOT_PLAN]``, ``row_of`` at ``args[ARG_ROW_OF]`` and ``out`` at
     ``args[ARG_OUT]``: per-call tensors of a replayed graph."""
-    index_ptr = _arg_ptr(args_ptr, 5, tl.int64)
-    row_of_ptr = _arg_ptr(args_ptr, 12, tl.int64)
-    out_ptr = _arg_ptr(args_ptr, 13, OUT_TY)
+    index_ptr = arg_ptr(args_ptr, 5, tl.int64)
+    row_of_ptr = arg_ptr(args_ptr, 12, tl.int64)
+    out_ptr = arg_ptr(args_ptr, 13, OUT_TY)
     _gather_sum_body(
         out_ptr, rows_ptr, index_ptr, rows_ptr, row_of_ptr, n_out, width, slots, rows_stride,
         out_stride, False, True, BLOCK_M, BLOCK_H,
@@ -343,14 +343,14 @@ def _row_dot_pack_args_kernel(
     (``HAS_X``) ``x_out[i] = x[token]`` as :func:`_pack_pairs_body` writes them. Tensors at the
     argument block's slots: ``g`` 0, ``x`` 1, ``probs`` 2, ``z`` 4, ``slots`` 5, ``d_probs`` 6,
     ``g_out`` 7, ``x_out`` 8 (``triton_common.ARG_*``)."""
-    g_ptr = _arg_ptr(args_ptr, 0, G_TY)
-    x_ptr = _arg_ptr(args_ptr, 1, X_TY)
-    probs_ptr = _arg_ptr(args_ptr, 2, P_TY)
-    z_ptr = _arg_ptr(args_ptr, 4, Z_TY)
-    slots_ptr = _arg_ptr(args_ptr, 5, tl.int64)
-    out_ptr = _arg_ptr(args_ptr, 6, OUT_TY)
-    g_out_ptr = _arg_ptr(args_ptr, 7, G_TY)
-    x_out_ptr = _arg_ptr(args_ptr, 8, X_TY)
+    g_ptr = arg_ptr(args_ptr, 0, G_TY)
+    x_ptr = arg_ptr(args_ptr, 1, X_TY)
+    probs_ptr = arg_ptr(args_ptr, 2, P_TY)
+    z_ptr = arg_ptr(args_ptr, 4, Z_TY)
+    slots_ptr = arg_ptr(args_ptr, 5, tl.int64)
+    out_ptr = arg_ptr(args_ptr, 6, OUT_TY)
+    g_out_ptr = arg_ptr(args_ptr, 7, G_TY)
+    x_out_ptr = arg_ptr(args_ptr, 8, X_TY)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_walk
     pairs = tl.load(slots_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
@@ -385,8 +385,8 @@ def _row_dot_pack_args_kernel(
 
 # Device helpers called by the kernels above: plain functions until :func:`_kernels` replaces
 # them by their triton.jit versions in this module's globals (before any kernel compiles);
-# ``_arg_ptr`` is triton_common.py's.
-_HELPERS = ("_arg_ptr", "_row_dot_body", "_pack_pairs_body", "_gather_sum_body")
+# ``arg_ptr`` is triton_common.py's.
+_HELPERS = ("arg_ptr", "_row_dot_body", "_pack_pairs_body", "_gather_sum_body")
 
 
 @functools.lru_cache(maxsize=1)
@@ -436,7 +436,7 @@ _WALK_WARPS = 4
 
 def _gather_sum_tile(width: int, override: int | None) -> tuple[int, int]:
     """The tile of the gather-sum, direct and from an argument block alike."""
-    return _reduction_tile(width, override, max_block_h=_MAX_BLOCK, accumulators=2)
+    return reduction_tile(width, override, max_block_h=MAX_BLOCK, accumulators=2)
 
 
 def scale_rows_triton(
@@ -460,8 +460,8 @@ def scale_rows_triton(
     """
     if rows.dim() != 2 or scale.dim() != 1:
         raise ValueError(f"scale_rows_triton: rows {tuple(rows.shape)}, scale {tuple(scale.shape)}")
-    _check_dtype("rows", rows)
-    _check_dtype("scale", scale)
+    check_dtype("rows", rows)
+    check_dtype("scale", scale)
     n_out = rows.shape[0] if index is None else index.shape[0]
     if index is not None and (index.dim() != 1 or index.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"scale_rows_triton: index must be 1-D int32/int64, got {index.dtype}")
@@ -471,13 +471,13 @@ def scale_rows_triton(
     out = torch.empty((n_out, width), dtype=rows.dtype, device=rows.device)
     if out.numel() == 0:
         return out
-    rows = _unit_cols(rows)
+    rows = unit_cols(rows)
     scale = scale.contiguous()
     index = index.contiguous() if index is not None else None
-    block_h = _col_block(width, block_h)
-    block_m = max(1, tc._TILE // block_h)
-    grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
-    with _device_ctx(rows):
+    block_h = col_block(width, block_h)
+    block_m = max(1, tc.TILE // block_h)
+    grid = (cdiv(n_out, block_m), cdiv(width, block_h))
+    with device_ctx(rows):
         _kernels_for(rows).scale_rows[grid](
             out,
             rows,
@@ -490,7 +490,7 @@ def scale_rows_triton(
             HAS_INDEX=index is not None,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
-            num_warps=_NUM_WARPS,
+            num_warps=NUM_WARPS,
         )
     return out
 
@@ -521,16 +521,16 @@ def gather_rows_triton(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
             f"gather_rows_triton: rows {tuple(rows.shape)}, index {index.dtype} "
             f"{tuple(index.shape)}"
         )
-    _check_dtype("rows", rows)
+    check_dtype("rows", rows)
     n_out, width = index.shape[0], rows.shape[1]
     out = torch.empty((n_out, width), dtype=rows.dtype, device=rows.device)
     if out.numel() == 0:
         return out
-    rows, index = _unit_cols(rows), index.contiguous()
-    block_h = min(_col_block(width, None), _GATHER_BLOCK_H)
-    block_m = max(1, (2 * tc._TILE) // block_h)
-    grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
-    with _device_ctx(rows):
+    rows, index = unit_cols(rows), index.contiguous()
+    block_h = min(col_block(width, None), _GATHER_BLOCK_H)
+    block_m = max(1, (2 * tc.TILE) // block_h)
+    grid = (cdiv(n_out, block_m), cdiv(width, block_h))
+    with device_ctx(rows):
         _kernels_for(rows).scale_rows[grid](
             out, rows, index, index, n_out, width, rows.stride(0), out.stride(0),
             HAS_INDEX=True, BLOCK_M=block_m, BLOCK_H=block_h, HAS_SCALE=False,
@@ -585,20 +585,20 @@ def row_dot_triton(
             f"row_dot_triton: slots must be [{a.shape[0]}, K] int64, got "
             f"{slots.dtype} {tuple(slots.shape)}"
         )
-    _check_dtype("a", a)
-    _check_dtype("b", b)
+    check_dtype("a", a)
+    check_dtype("b", b)
     n_rows, width = b.shape
     out = torch.empty(n_rows, dtype=out_dtype, device=b.device)
     if n_rows == 0:
         return out
-    a, b = _unit_cols(a), _unit_cols(b)
-    block_h, block_m = _reduction_tile(
+    a, b = unit_cols(a), unit_cols(b)
+    block_h, block_m = reduction_tile(
         width, block_h, max_block_h=_ROW_DOT_BLOCK_H, accumulators=2
     )
     index = a_index if slots is None else slots.reshape(-1)
     n_walk = n_rows if slots is None else index.numel()
-    with _device_ctx(b):
-        _kernels_for(b).row_dot[(_cdiv(n_walk, block_m),)](
+    with device_ctx(b):
+        _kernels_for(b).row_dot[(cdiv(n_walk, block_m),)](
             out,
             a,
             b,
@@ -612,7 +612,7 @@ def row_dot_triton(
             SLOTS=slots is not None,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
-            num_warps=_NUM_WARPS,
+            num_warps=NUM_WARPS,
         )
     return out
 
@@ -640,16 +640,16 @@ def row_dot_pack_from_args(
     block. ``T >= 1``."""
     n_tokens, width = shape
     n_walk = n_tokens * slots_per_token
-    block_h, block_m = _reduction_tile(width, None, max_block_h=_ROW_DOT_BLOCK_H, accumulators=4)
+    block_h, block_m = reduction_tile(width, None, max_block_h=_ROW_DOT_BLOCK_H, accumulators=4)
     kernels = _kernels_for(args)
-    with _device_ctx(args):
+    with device_ctx(args):
         row_of_pair.fill_(-1)
-        grid = (max(1, min(_cdiv(pairs.shape[0], tc._PAIR_BLOCK), tc._STRIDING_PROGRAMS)),)
-        kernels.row_of_args[grid](row_of_pair, pairs, args, BLOCK=tc._PAIR_BLOCK, num_warps=4)
-        kernels.row_dot_pack_args[(_cdiv(n_walk, block_m),)](
+        grid = (max(1, min(cdiv(pairs.shape[0], tc.PAIR_BLOCK), tc.STRIDING_PROGRAMS)),)
+        kernels.row_of_args[grid](row_of_pair, pairs, args, BLOCK=tc.PAIR_BLOCK, num_warps=4)
+        kernels.row_dot_pack_args[(cdiv(n_walk, block_m),)](
             args, row_of_pair, weight, poison, n_walk, width, *strides, slots_per_token,
-            OUT_TY=_tl_dtype(dtypes[0]), G_TY=_tl_dtype(dtypes[1]), Z_TY=_tl_dtype(dtypes[2]),
-            X_TY=_tl_dtype(dtypes[3]), P_TY=_tl_dtype(dtypes[4]), HAS_X=has_x,
+            OUT_TY=tl_dtype(dtypes[0]), G_TY=tl_dtype(dtypes[1]), Z_TY=tl_dtype(dtypes[2]),
+            X_TY=tl_dtype(dtypes[3]), P_TY=tl_dtype(dtypes[4]), HAS_X=has_x,
             BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_WALK_WARPS,
         )
 
@@ -703,7 +703,7 @@ def pack_pairs_triton(
             f"pack_pairs_triton: row_of_pair must be a contiguous 1-D int64 tensor, got "
             f"{row_of_pair.dtype} {tuple(row_of_pair.shape)}"
         )
-    _check_dtype("g", g)
+    check_dtype("g", g)
     n_out, width = pairs.shape[0], g.shape[1]
     g_out = torch.empty((n_out, width), dtype=g.dtype, device=g.device)
     x_out = None if x is None else torch.empty((n_out, width), dtype=x.dtype, device=g.device)
@@ -711,12 +711,12 @@ def pack_pairs_triton(
         if row_of_pair is not None and n_out:  # zero-width rows: no program runs
             row_of_pair.index_copy_(0, pairs.long(), torch.arange(n_out, device=g.device))
         return g_out, x_out
-    g = _unit_cols(g)
-    x = None if x is None else _unit_cols(x)
-    block_h = _col_block(width, block_h)
-    block_m = max(1, tc._TILE // block_h)
-    grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
-    with _device_ctx(g):
+    g = unit_cols(g)
+    x = None if x is None else unit_cols(x)
+    block_h = col_block(width, block_h)
+    block_m = max(1, tc.TILE // block_h)
+    grid = (cdiv(n_out, block_m), cdiv(width, block_h))
+    with device_ctx(g):
         _kernels_for(g).pack_pairs[grid](
             g_out,
             x_out if x_out is not None else g_out,  # placeholders when HAS_X is off
@@ -739,7 +739,7 @@ def pack_pairs_triton(
             HAS_ROW_OF=row_of_pair is not None,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
-            num_warps=_NUM_WARPS,
+            num_warps=NUM_WARPS,
         )
     return g_out, x_out
 
@@ -778,17 +778,17 @@ def gather_sum_triton(
             f"gather_sum_triton: row_of must be 1-D int64, got {row_of.dtype} "
             f"{tuple(row_of.shape)}"
         )
-    _check_dtype("rows", rows)
+    check_dtype("rows", rows)
     n_out, slots = index.shape
     width = rows.shape[1]
     out = torch.empty((n_out, width), dtype=rows.dtype, device=rows.device)
     if out.numel() == 0:
         return out
-    rows = _unit_cols(rows)
+    rows = unit_cols(rows)
     index = index.contiguous()
     block_h, block_m = _gather_sum_tile(width, block_h)
-    grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
-    with _device_ctx(rows):
+    grid = (cdiv(n_out, block_m), cdiv(width, block_h))
+    with device_ctx(rows):
         _kernels_for(rows).gather_sum[grid](
             out,
             rows,
@@ -804,7 +804,7 @@ def gather_sum_triton(
             HAS_ROW_OF=row_of is not None,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
-            num_warps=_NUM_WARPS,
+            num_warps=NUM_WARPS,
         )
     return out
 
@@ -822,9 +822,9 @@ def gather_sum_from_args(
     if n_out == 0 or width == 0:
         return
     block_h, block_m = _gather_sum_tile(width, None)
-    grid = (_cdiv(n_out, block_m), _cdiv(width, block_h))
-    with _device_ctx(args):
+    grid = (cdiv(n_out, block_m), cdiv(width, block_h))
+    with device_ctx(args):
         _kernels_for(args).gather_sum_args[grid](
-            args, rows, n_out, width, slots, rows.stride(0), width, OUT_TY=_tl_dtype(out_dtype),
-            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+            args, rows, n_out, width, slots, rows.stride(0), width, OUT_TY=tl_dtype(out_dtype),
+            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=NUM_WARPS,
         )

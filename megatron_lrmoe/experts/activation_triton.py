@@ -23,15 +23,15 @@ import torch
 from megatron_lrmoe import triton_common as tc
 from megatron_lrmoe.triton_common import (
     KERNEL_DTYPES,
-    _NUM_WARPS,
-    _arg_ptr,
-    _cdiv,
-    _check_dtype,
-    _col_block,
-    _device_ctx,
-    _reduction_tile,
-    _tl_dtype,
-    _unit_cols,
+    NUM_WARPS,
+    arg_ptr,
+    cdiv,
+    check_dtype,
+    col_block,
+    device_ctx,
+    reduction_tile,
+    tl_dtype,
+    unit_cols,
     checked_kernels,
     jit_kernels,
 )
@@ -210,8 +210,8 @@ def _act_bwd_args_kernel(
     with ``h`` at ``args[ARG_H]``, ``h_rows`` at ``args[ARG_H_ROWS]`` and the row count in
     ``args[ARG_COUNT]``, which only the device knows when a graph replays this launch: the
     programs stride over the row blocks up to it."""
-    h_ptr = _arg_ptr(args_ptr, 10, H_TY)
-    h_rows_ptr = _arg_ptr(args_ptr, 11, tl.int64)
+    h_ptr = arg_ptr(args_ptr, 10, H_TY)
+    h_rows_ptr = arg_ptr(args_ptr, 11, tl.int64)
     n_rows = tl.load(args_ptr + 9)
     for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
         _act_bwd_body(
@@ -223,8 +223,8 @@ def _act_bwd_args_kernel(
 
 # Device helpers called by the kernels above: plain functions until :func:`_kernels` replaces
 # them by their triton.jit versions in this module's globals (before any kernel compiles);
-# ``_arg_ptr`` is triton_common.py's.
-_HELPERS = ("_arg_ptr", "_act_bwd_body")
+# ``arg_ptr`` is triton_common.py's.
+_HELPERS = ("arg_ptr", "_act_bwd_body")
 
 
 @functools.lru_cache(maxsize=1)
@@ -258,12 +258,12 @@ def _kernels_for(t: torch.Tensor) -> SimpleNamespace:
 
 def _act_bwd_tile(width: int, override: int | None) -> tuple[int, int]:
     """The tile of the activation backward, direct and from an argument block alike."""
-    return _reduction_tile(width, override, max_block_h=256, accumulators=2)
+    return reduction_tile(width, override, max_block_h=256, accumulators=2)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     # [..., W] -> [M, W]; a view when possible, and unit column stride for the kernels.
-    return _unit_cols(x.reshape(-1, x.shape[-1]))
+    return unit_cols(x.reshape(-1, x.shape[-1]))
 
 
 def _kind_code(kind: str) -> int:
@@ -293,7 +293,7 @@ def act_forward_triton(
     Returns:
         ``[..., F]`` contiguous, in ``h``'s dtype.
     """
-    _check_dtype("h", h)
+    check_dtype("h", h)
     code = _kind_code(kind)
     if h.dim() < 1 or (gated and h.shape[-1] % 2):
         raise ValueError(f"act_forward_triton: bad fc1 shape {tuple(h.shape)} (gated={gated})")
@@ -303,10 +303,10 @@ def act_forward_triton(
         return out
     h2, out2 = _as_rows(h), out.view(-1, width)
     _check_probs(probs, h2.shape[0], "act_forward_triton")
-    block_f = _col_block(width, block_f)
-    block_m = max(1, tc._TILE // block_f)
-    grid = (_cdiv(h2.shape[0], block_m), _cdiv(width, block_f))
-    with _device_ctx(h):
+    block_f = col_block(width, block_f)
+    block_m = max(1, tc.TILE // block_f)
+    grid = (cdiv(h2.shape[0], block_m), cdiv(width, block_f))
+    with device_ctx(h):
         _kernels_for(h).act_fwd[grid](
             out2,
             h2,
@@ -320,7 +320,7 @@ def act_forward_triton(
             HAS_PROBS=probs is not None,
             BLOCK_M=block_m,
             BLOCK_F=block_f,
-            num_warps=_NUM_WARPS,
+            num_warps=NUM_WARPS,
         )
     return out
 
@@ -366,8 +366,8 @@ def act_backward_triton(
     """
     # This runs in every backward of every layer, where it is on the host's critical path:
     # each shape is read once, and 2-D inputs (the usual case) are not reshaped.
-    _check_dtype("h", h)
-    _check_dtype("d", d)
+    check_dtype("h", h)
+    check_dtype("d", d)
     code = _kind_code(kind)
     h_shape, d_shape = h.shape, d.shape
     if not h_shape or (gated and h_shape[-1] % 2):
@@ -398,12 +398,12 @@ def act_backward_triton(
         if dprobs is not None:
             dprobs.zero_()
         return _lead_view(dh, out_lead), _lead_view(act, out_lead), dprobs
-    h2 = _unit_cols(h) if len(h_shape) == 2 else _as_rows(h)
-    d2 = _unit_cols(d) if len(d_shape) == 2 else _as_rows(d)
+    h2 = unit_cols(h) if len(h_shape) == 2 else _as_rows(h)
+    d2 = unit_cols(d) if len(d_shape) == 2 else _as_rows(d)
     act2 = act if act is not None else dh
     block_f, block_m = _act_bwd_tile(width, block_f)
-    with _device_ctx(h):
-        _kernels_for(h).act_bwd[(_cdiv(rows, block_m),)](
+    with device_ctx(h):
+        _kernels_for(h).act_bwd[(cdiv(rows, block_m),)](
             dh,
             act2,
             dprobs if dprobs is not None else dh,  # placeholders when unread
@@ -424,7 +424,7 @@ def act_backward_triton(
             H_INDEXED=h_rows is not None,
             BLOCK_M=block_m,
             BLOCK_F=block_f,
-            num_warps=_NUM_WARPS,
+            num_warps=NUM_WARPS,
         )
     return _lead_view(dh, out_lead), _lead_view(act, out_lead), dprobs
 
@@ -444,7 +444,7 @@ def act_backward_from_args(
     ``h_stride``, ``h_dtype``) at ``args[ARG_H]``, ``h_rows`` (int64, contiguous) at
     ``args[ARG_H_ROWS]``, the rows ``M`` in ``args[ARG_COUNT]``. ``d`` ``[N, F]`` and the
     outputs ``dh`` ``[N, F1]``, ``act`` ``[N, F]`` (unit column strides, ``h_dtype``) have room
-    for the most rows there can be; at most ``triton_common._STRIDING_PROGRAMS`` programs
+    for the most rows there can be; at most ``triton_common.STRIDING_PROGRAMS`` programs
     stride over the row blocks up to ``M``, and rows from ``M`` on are not touched."""
     width1 = dh.shape[1]
     width = width1 // 2 if gated else width1
@@ -460,12 +460,12 @@ def act_backward_from_args(
     if n_max == 0 or width == 0:
         return
     block_f, block_m = _act_bwd_tile(width, None)
-    grid = (max(1, min(_cdiv(n_max, block_m), tc._STRIDING_PROGRAMS)),)
-    with _device_ctx(args):
+    grid = (max(1, min(cdiv(n_max, block_m), tc.STRIDING_PROGRAMS)),)
+    with device_ctx(args):
         _kernels_for(args).act_bwd_args[grid](
             args, dh, act, d, width, h_stride, d.stride(0), dh.stride(0),
-            act.stride(0), H_TY=_tl_dtype(h_dtype), GATED=bool(gated), KIND=_kind_code(kind),
-            BLOCK_M=block_m, BLOCK_F=block_f, num_warps=_NUM_WARPS,
+            act.stride(0), H_TY=tl_dtype(h_dtype), GATED=bool(gated), KIND=_kind_code(kind),
+            BLOCK_M=block_m, BLOCK_F=block_f, num_warps=NUM_WARPS,
         )
 
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from megatron_lrmoe.experts.grouped_gemm import Counts, GroupSizes
-from megatron_lrmoe.triton_common import _cdiv, _device_ctx, jit_kernels, use_triton
+from megatron_lrmoe.triton_common import cdiv, device_ctx, jit_kernels, use_triton
 
 tl: Any = None  # bound to triton.language on first use (see triton_common.py)
 
@@ -289,7 +289,7 @@ def grouped_wgrad_triton(
     groups, m, n = out.shape
     if groups == 0 or m == 0 or n == 0:
         return out
-    tiles = _cdiv(m, config.block_m) * _cdiv(n, config.block_n)
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
     kernel, persistent, interpreted = _kernel()
     if not out.is_cuda and not interpreted:
         raise ValueError(
@@ -305,7 +305,7 @@ def grouped_wgrad_triton(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    with _device_ctx(out):
+    with device_ctx(out):
         if config.programs_per_sm <= 0:
             kernel[(tiles, groups)](
                 out, a, b, offs, m, n, a.stride(0), b.stride(0), **tiles_and_launch

@@ -53,7 +53,7 @@ from megatron_lrmoe.select.select_triton import (
     merge_tile,
     selection_kernels,
 )
-from megatron_lrmoe.triton_common import _device_ctx, use_triton
+from megatron_lrmoe.triton_common import device_ctx, use_triton
 
 __all__ = [
     "Front",
@@ -287,7 +287,7 @@ def _replay_scored(call: ScoredCall | None, owned: bool) -> Front | None:
     entry, capture = select_triton.GRAPHS.lookup(call.key)
     if entry is None and not capture:
         return None
-    with _device_ctx(call.inputs.probs):
+    with device_ctx(call.inputs.probs):
         if entry is None:
             entry = _CapturedScored(call)
             select_triton.GRAPHS.add(call.key, entry)

@@ -21,14 +21,14 @@ import torch
 
 from megatron_lrmoe import triton_common as tc
 from megatron_lrmoe.triton_common import (
-    _NUM_WARPS,
-    _arg_ptr,
-    _cdiv,
-    _check_dtype,
-    _device_ctx,
-    _reduction_tile,
-    _tl_dtype,
-    _unit_cols,
+    NUM_WARPS,
+    arg_ptr,
+    cdiv,
+    check_dtype,
+    device_ctx,
+    reduction_tile,
+    tl_dtype,
+    unit_cols,
     checked_kernels,
     jit_kernels,
 )
@@ -106,8 +106,8 @@ def _row_norms_args_kernel(
     BLOCK_H: tl.constexpr,
 ):
     """:func:`_row_norms_body` on ``g`` and ``x`` at the addresses ``args[0]``, ``args[1]``."""
-    g_ptr = _arg_ptr(args_ptr, 0, G_TY)
-    x_ptr = _arg_ptr(args_ptr, 1, X_TY)
+    g_ptr = arg_ptr(args_ptr, 0, G_TY)
+    x_ptr = arg_ptr(args_ptr, 1, X_TY)
     _row_norms_body(out_ptr, g_ptr, x_ptr, n_rows, width, g_stride, x_stride, BLOCK_M, BLOCK_H)
 
 
@@ -181,8 +181,8 @@ def _pair_scores_args_kernel(
 ):
     """:func:`_pair_scores_body` on ``probs`` and ``token`` at the addresses ``args[2]``,
     ``args[3]``."""
-    probs_ptr = _arg_ptr(args_ptr, 2, P_TY)
-    token_ptr = _arg_ptr(args_ptr, 3, T_TY)
+    probs_ptr = arg_ptr(args_ptr, 2, P_TY)
+    token_ptr = arg_ptr(args_ptr, 3, T_TY)
     _pair_scores_body(
         scores_ptr, partial_ptr, probs_ptr, token_ptr, norms_ptr, top_ptr, n_pairs, n_tokens,
         n_blocks, BLOCK,
@@ -191,8 +191,8 @@ def _pair_scores_args_kernel(
 
 # Device helpers called by the kernels above: plain functions until :func:`_kernels` replaces
 # them by their triton.jit versions in this module's globals (before any kernel compiles);
-# ``_arg_ptr`` is triton_common.py's.
-_HELPERS = ("_arg_ptr", "_row_norms_body", "_pair_scores_body")
+# ``arg_ptr`` is triton_common.py's.
+_HELPERS = ("arg_ptr", "_row_norms_body", "_pair_scores_body")
 
 
 @functools.lru_cache(maxsize=1)
@@ -235,16 +235,16 @@ def row_norms_triton(g: torch.Tensor, x: torch.Tensor, *, block_h: int | None = 
     """
     if g.dim() != 2 or g.shape != x.shape:
         raise ValueError(f"row_norms_triton: g {tuple(g.shape)} and x {tuple(x.shape)}")
-    _check_dtype("g", g)
-    _check_dtype("x", x)
+    check_dtype("g", g)
+    check_dtype("x", x)
     n_rows, width = g.shape
     out = torch.empty((2, n_rows), dtype=torch.float32, device=g.device)
     if n_rows == 0:
         return out
-    g, x = _unit_cols(g), _unit_cols(x)
-    block_h, block_m = _reduction_tile(width, block_h, max_block_h=256, accumulators=4)
-    with _device_ctx(g):
-        _kernels_for(g).row_norms[(_cdiv(n_rows, block_m),)](
+    g, x = unit_cols(g), unit_cols(x)
+    block_h, block_m = reduction_tile(width, block_h, max_block_h=256, accumulators=4)
+    with device_ctx(g):
+        _kernels_for(g).row_norms[(cdiv(n_rows, block_m),)](
             out,
             g,
             x,
@@ -254,7 +254,7 @@ def row_norms_triton(g: torch.Tensor, x: torch.Tensor, *, block_h: int | None = 
             x.stride(0),
             BLOCK_M=block_m,
             BLOCK_H=block_h,
-            num_warps=_NUM_WARPS,
+            num_warps=NUM_WARPS,
         )
     return out
 
@@ -287,10 +287,10 @@ def pair_scores_triton(
     if n == 0:
         return scores, torch.zeros((2, blocks), dtype=torch.float32, device=probs.device)
     partial = torch.empty((2, blocks), dtype=torch.float32, device=probs.device)
-    with _device_ctx(probs):
+    with device_ctx(probs):
         _kernels_for(probs).pair_scores[(blocks,)](
             scores, partial, probs.contiguous(), token.contiguous(), norms.contiguous(),
-            top.contiguous(), n, norms.shape[1], blocks, BLOCK=tc._PAIR_BLOCK, num_warps=4,
+            top.contiguous(), n, norms.shape[1], blocks, BLOCK=tc.PAIR_BLOCK, num_warps=4,
         )
     return scores, partial
 
@@ -308,12 +308,12 @@ def row_norms_from_args(
     inside a CUDA graph that is replayed on other tensors. ``T >= 1``."""
     n_rows, width = shape
     kernels = _kernels_for(out)
-    block_h, block_m = _reduction_tile(width, None, max_block_h=256, accumulators=4)
-    with _device_ctx(out):
-        kernels.row_norms_args[(_cdiv(n_rows, block_m),)](
+    block_h, block_m = reduction_tile(width, None, max_block_h=256, accumulators=4)
+    with device_ctx(out):
+        kernels.row_norms_args[(cdiv(n_rows, block_m),)](
             out, args, n_rows, width, strides[0], strides[1],
-            G_TY=_tl_dtype(dtypes[0]), X_TY=_tl_dtype(dtypes[1]),
-            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+            G_TY=tl_dtype(dtypes[0]), X_TY=tl_dtype(dtypes[1]),
+            BLOCK_M=block_m, BLOCK_H=block_h, num_warps=NUM_WARPS,
         )
 
 
@@ -331,13 +331,13 @@ def pair_scores_from_args(
     n = scores.shape[0]
     blocks = partial.shape[1]
     kernels = _kernels_for(scores)
-    with _device_ctx(scores):
+    with device_ctx(scores):
         kernels.pair_scores_args[(blocks,)](
             scores, partial, args, norms, top, n, norms.shape[1], blocks,
-            P_TY=_tl_dtype(dtypes[0]), T_TY=_tl_dtype(dtypes[1]), BLOCK=tc._PAIR_BLOCK, num_warps=4,
+            P_TY=tl_dtype(dtypes[0]), T_TY=tl_dtype(dtypes[1]), BLOCK=tc.PAIR_BLOCK, num_warps=4,
         )
 
 
 def pair_blocks(n: int) -> int:
     """Blocks of pairs of :func:`pair_scores_triton` (the width of its ``partial``)."""
-    return max(1, _cdiv(n, tc._PAIR_BLOCK))
+    return max(1, cdiv(n, tc.PAIR_BLOCK))

@@ -95,7 +95,7 @@ import torch
 from megatron_lrmoe.cuda_graphs import GraphCache, capture as capture_graph
 from megatron_lrmoe.options import active_kernels
 from megatron_lrmoe.select import contract
-from megatron_lrmoe.triton_common import _cdiv, _device_ctx, jit_kernels
+from megatron_lrmoe.triton_common import cdiv, device_ctx, jit_kernels
 
 # select_triton is the entry point; the rest is the capture interface graphs/front.py builds on
 # (its front graph replays these launches with the router gradient's and the packing's around
@@ -828,9 +828,9 @@ def launch_selection(
     step 3 sorts (:func:`merge_tile` of the segments)."""
     device = scores.device
     n, g = scores.numel(), table.shape[1]
-    rows = (_cdiv(n, block),)
+    rows = (cdiv(n, block),)
     segments = (g,)
-    with _device_ctx(scores):
+    with device_ctx(scores):
         key = _sort_keys(kernels, scores, table, block)
         sorted_key, order = _sort_order(kernels, key, table, sort)
         units = torch.empty(n, dtype=torch.int64, device=device) if sample else key
@@ -913,7 +913,7 @@ def _sort_keys(
     n, g = scores.numel(), table.shape[1]
     key = torch.empty(n, dtype=torch.int64, device=scores.device)
     steps = max(1, math.ceil(math.log2(g + 1)))
-    kernels.sort_key[(_cdiv(n, block),)](
+    kernels.sort_key[(cdiv(n, block),)](
         key, scores, table[_END], n, g, STEPS=steps, BLOCK=block, num_warps=_NUM_WARPS
     )
     return key
@@ -929,10 +929,10 @@ def _sort_order(
     n = key.numel()
     order = torch.empty(n, dtype=torch.int64, device=key.device)
     sorted_key = torch.empty_like(key)
-    num_tiles = _cdiv(n, tile.tile)
+    num_tiles = cdiv(n, tile.tile)
     tiles = torch.empty(num_tiles * tile.tile, dtype=torch.int64, device=key.device)
     kernels.tile_sort[(num_tiles,)](tiles, key, n, TILE=tile.tile, num_warps=tile.warps)
-    kernels.merge_rank[(_cdiv(n, tile.block_i),)](
+    kernels.merge_rank[(cdiv(n, tile.block_i),)](
         order, sorted_key, key, tiles, table, n, table.shape[1],
         BLOCK_I=tile.block_i, TILE=tile.tile, LOG_TILE=tile.tile.bit_length() - 1,
         UNROLL=tile.unroll, num_warps=tile.warps,
@@ -1045,7 +1045,7 @@ class _GraphCache(GraphCache[CapturedSelection]):
                 kernels, scores, counts_h, quota_h, host_uniforms, None, sample, block, sort
             )
         host = _host_table(counts_h, quota_h, host_uniforms, pin=True)
-        with _device_ctx(scores):
+        with device_ctx(scores):
             if entry is None:
                 entry = CapturedSelection(kernels, scores, host, sample, block, sort)
                 self.add(key, entry)
