@@ -152,8 +152,24 @@ class LRMoELayer(MoELayer):
         self._backwards_in_step += 1
         return key
 
+    @property
+    def global_layer_number(self) -> Optional[int]:
+        """This layer's number in the model, multi-token-prediction layers after the decoder's.
+
+        Megatron numbers the layers inside an MTP block from 1 again (``layer_number`` 1, 2, ..
+        per depth); its router logs their auxiliary losses as ``num_layers + layer_number``, and
+        so does this: the key of the layer's sampling streams, statistics (``LRMoEMetrics``'
+        per-layer vectors hold ``num_layers + mtp_num_layers`` entries) and routing traces.
+        ``None`` for a layer built without a number.
+        """
+        if self.layer_number is None:
+            return None
+        number = int(self.layer_number)
+        return number + self.config.num_layers if self.is_mtp_layer else number
+
     def add_stats_listener(self, fn: Callable[[int, CallStats], None]) -> "_ListenerHandle":
-        """Call ``fn(layer_number, stats)`` for every call made with gradients enabled.
+        """Call ``fn(layer_number, stats)`` for every call made with gradients enabled
+        (``layer_number``: :attr:`global_layer_number`, 1 for a layer built without one).
 
         The stats are filled by the call's backward later (``stats.backward_done``). This sees
         calls that module forward hooks miss: the recomputed forward of Megatron's MoE-layer
@@ -248,7 +264,7 @@ class LRMoELayer(MoELayer):
         self.last_call_stats = stats
         if stats is not None and torch.is_grad_enabled():
             for fn in list(self._stats_listeners.values()):
-                fn(int(self.layer_number or 1), stats)
+                fn(self.global_layer_number or 1, stats)
         return output, None
 
     def _gemms_take_device_offsets(
@@ -289,7 +305,7 @@ class LRMoELayer(MoELayer):
 
     def _plan(self, control: Optional[ControlPlan], lrmoe: LRMoEConfig) -> CallPlan:
         dispatcher = self.token_dispatcher
-        layer_number = int(self.layer_number or 0)
+        layer_number = self.global_layer_number or 0
         if control is not None:
             return CallPlan.from_control(control, layer_number, ())
         return CallPlan.build(

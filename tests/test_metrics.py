@@ -392,3 +392,43 @@ def test_span_timer_cancel_forgets_a_span() -> None:
     assert set(spans) == {"selection"} and spans["selection"] >= 0.0
     with pytest.raises(KeyError):
         timer.cancel("front")
+
+
+def _mtp_layer_numbers(rank: int, world_size: int) -> dict[str, Any]:
+    """A decoder layer 1 and an MTP layer 1 (Megatron numbers the MTP block's layers from 1
+    again) of a 2-layer model, one call each: the numbers their statistics carry."""
+    import selection_reference as ref
+
+    from megatron_lrmoe import LRMoEConfig, get_lrmoe_moe_spec
+    from megatron_lrmoe.testing import init_megatron_parallel, moe_transformer_config
+
+    pg = init_megatron_parallel(ep=world_size)
+    cfg = moe_transformer_config(num_layers=2, mtp_num_layers=1, moe_aux_loss_coeff=0.0)
+    spec = get_lrmoe_moe_spec(LRMoEConfig(keep_ratio=0.5))
+    decoder = spec(config=cfg, pg_collection=pg, layer_number=1)
+    mtp = spec(config=cfg, pg_collection=pg, layer_number=1, is_mtp_layer=True)
+    metrics = LRMoEMetrics([decoder, mtp], per_layer=True)
+    heard: list[int] = []
+    for layer in (decoder, mtp):
+        layer.add_stats_listener(lambda number, _stats: heard.append(number))
+        x, upstream = ref.layer_inputs(rank, 24, cfg.hidden_size, seed=0)
+        ref.run_once(layer, x, upstream)
+    writer = FakeWriter()
+    metrics.report(1, writer=writer)
+    return {
+        "global": [decoder.global_layer_number, mtp.global_layer_number],
+        "heard": heard,
+        "plans": [decoder.last_call_stats.layer_number, mtp.last_call_stats.layer_number],
+        "num_layers": metrics.num_layers,
+        "per_layer": sorted(k for k in writer.scalars if k.startswith("lrmoe/kept_ratio_layer")),
+    }
+
+
+def test_mtp_layers_are_numbered_after_the_decoders() -> None:
+    """As Megatron's router logs them: MTP depth d is layer num_layers + d, so its statistics,
+    sampling stream and trace do not land on decoder layer d's."""
+    (res,) = run_distributed(_mtp_layer_numbers, 1, timeout=TIMEOUT_S)
+    assert res["global"] == [1, 3] and res["heard"] == [1, 3] and res["plans"] == [1, 3], res
+    assert res["num_layers"] == 3, res
+    # i = layer_number - 1, Megatron's moe/<name>_layer_<i> convention.
+    assert res["per_layer"] == ["lrmoe/kept_ratio_layer_0", "lrmoe/kept_ratio_layer_2"], res

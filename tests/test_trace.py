@@ -97,7 +97,7 @@ class _Layer:
     """Stands in for an LRMoELayer: what the recorder reads of one."""
 
     def __init__(self, number: int, ep_size: int = 2, experts: int = 4) -> None:
-        self.layer_number = number
+        self.layer_number = self.global_layer_number = number
         self.token_dispatcher = SimpleNamespace(ep_size=ep_size, ep_rank=0)
         self.config = SimpleNamespace(
             num_moe_experts=experts,

@@ -110,7 +110,7 @@ class TraceRecorder:
             "gated": cost.gated,
             "activation_bytes": cost.activation_bytes,
             "param_bytes": cost.param_bytes,
-            "layers": sorted(int(layer.layer_number or 1) for layer in layers),
+            "layers": sorted(layer.global_layer_number or 1 for layer in layers),
             "every": int(every),
             "pipeline_rank": int(pipeline_rank),
             "pipeline_size": int(pipeline_size),
@@ -198,7 +198,9 @@ def install_trace_recorder(
         ValueError: A layer with ``record_stats`` off (it makes no statistics to record).
     """
     layers = _layers(model)
-    off = [int(layer.layer_number or 1) for layer in layers if not layer.lrmoe_config.record_stats]
+    off = [
+        layer.global_layer_number or 1 for layer in layers if not layer.lrmoe_config.record_stats
+    ]
     if off:
         raise ValueError(
             f"install_trace_recorder: layers {off} have record_stats=False; the routing trace "
