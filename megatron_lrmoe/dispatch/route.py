@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from megatron_lrmoe.dispatch.compaction import chunk_transpose_index, inverse_pe
 from megatron_lrmoe.dispatch.permutation import PairPermutation
 from megatron_lrmoe.dispatch.replicas import ReplicaLayout
 from megatron_lrmoe.dispatch.rows import gather_rows
+
+if TYPE_CHECKING:  # the plan is control/'s, a floor above: its type only
+    from megatron_lrmoe.control.plan import CallPlan
 
 __all__ = ["RowRoute"]
 
@@ -57,14 +60,13 @@ class RowRoute:
     def build(
         cls,
         perm: PairPermutation,
-        splits_source,
+        plan: Optional["CallPlan"],
         layout: Optional[ReplicaLayout],
         group: Optional[torch.distributed.ProcessGroup],
     ) -> "RowRoute":
-        """The route of a call: ``splits_source`` is its ``CallPlan`` (``None`` where the
-        forward runs ahead of the plan, which only one rank may); with ``layout`` the splits
-        and grid are the layout's."""
-        source = layout if layout is not None else splits_source
+        """The route of a call from its ``plan`` (``None`` where the forward runs ahead of the
+        plan, which only one rank may); with ``layout`` the splits and grid are the layout's."""
+        source = layout if layout is not None else plan
         if source is None:
             if comm.group_size(group) != 1:
                 raise ValueError(

@@ -60,8 +60,8 @@ function's ``backward`` for the backward, so every stage and kernel wrapper belo
 
 Modules, in the order the data flows: ``call.py`` (:class:`ExpertCall`, the frozen per-call
 context; its rows move through ``call.route``, a ``dispatch/route.py`` :class:`RowRoute` built
-from the plan: every exchange and reorder of both routes goes through it), ``exact.py``, ``trimmed.py`` (the trimmed function and its
-backward's orchestration), ``stages.py`` (the named backward stages and their frozen plan),
+from the plan: every exchange and reorder of both routes goes through it), ``exact.py``,
+``trimmed.py`` (the trimmed function and its backward's orchestration), ``stages.py`` (the named backward stages and their frozen plan),
 ``weight_grads.py`` (fused accumulation into ``main_grad``, for both functions), ``record.py``
 (the per-call statistics).
 

@@ -139,7 +139,8 @@ class TrimmedMoEFunction(torch.autograd.Function):
         else:
             # Router gradient, exact for every pair: d probs = <g_token, z_pair>. Walked token
             # by token (each g row read once for its K pairs, not once per pair).
-            d_probs = call.route.to_pair_order(row_dot(g, z, probs.dtype, slots=call.route.slot_send))
+            route = call.route
+            d_probs = route.to_pair_order(row_dot(g, z, probs.dtype, slots=route.slot_send))
             kept = select_kept(call, g, hidden, probs, key, timer)
             if timer:
                 timer.start("packing")
