@@ -331,6 +331,35 @@ def test_memory_accounting_against_fixed_ownership() -> None:
     assert half.summary()["kept_pairs"] == 40 and "planner_time_us" in half.summary()
 
 
+def test_ep1_trimmed_save_plans_no_saved_token_rows() -> None:
+    """At EP 1 the trimmed save path reads x from the layer input: the plan counts h per pair
+    (and z at the source), the exact path x and h; the budget sees the difference."""
+    counts = np.full((1, 4), 50, dtype=np.int64)
+    rows = 200
+    h, f1, a = COST.hidden_size, COST.fc1_width, COST.activation_bytes
+    exact = plan_call(counts, 0, LRMoEConfig(), COST)
+    assert exact.memory.saved_bytes.tolist() == [rows * (h + f1) * a]
+    half = plan_call(counts, 0, LRMoEConfig(keep_ratio=0.5), COST)
+    assert half.memory.saved_bytes.tolist() == [rows * (f1 + h) * a]  # h, and z at the source
+    assert COST.expert_saved_bytes("save", local_tokens=True) == f1 * a
+    # The same call at EP 2 saves x on the expert side too.
+    two = plan_call(np.full((2, 4), 25, dtype=np.int64), 0, LRMoEConfig(keep_ratio=0.5), COST)
+    assert two.memory.saved_bytes.tolist() == [100 * (2 * h + f1) * a] * 2
+    # The start-up minimum and a budget between the two footprints: EP 1 keeps pairs.
+    assert minimum_memory_bytes(LRMoEConfig(keep_ratio=0.5), COST, rows, ep_size=1) == (
+        rows * (f1 + h) * a
+    )
+    assert minimum_memory_bytes(LRMoEConfig(keep_ratio=0.5), COST, rows) == rows * (2 * h + f1) * a
+    budget = rows * (f1 + h) * a + 100 * COST.backward_bytes("save")
+    lrmoe = LRMoEConfig(keep_ratio=0.5, memory_budget_bytes=budget)
+    plan = plan_call(counts, 0, lrmoe, COST, check=True)
+    assert plan.kept_pairs == 100 and not plan.binding_budgets  # counted with x: none kept
+    least = dataclasses.replace(lrmoe, memory_budget_bytes=rows * (f1 + h) * a)
+    check_budgets(least, COST, rows, ep_size=1)
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        check_budgets(least, COST, rows, ep_size=2)
+
+
 def test_cost_model_from_a_transformer_config() -> None:
     from megatron_lrmoe.testing import moe_transformer_config
 

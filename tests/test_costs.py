@@ -74,6 +74,7 @@ def costs_worker(rank: int, world: int) -> dict:
     result["model"] = {
         "stock": cost.stock_saved_bytes,
         "expert_save": cost.expert_saved_bytes("save"),
+        "expert_save_local": cost.expert_saved_bytes("save", local_tokens=True),
         "source_trim": cost.source_saved_bytes("save", keeps_all=False),
         "source_recompute": cost.source_saved_bytes("recompute", keeps_all=False),
         "row": cost.row_bytes,
@@ -85,7 +86,7 @@ def costs_worker(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("ep", [1, 2])
 def test_cost_model_matches_saved_bytes(ep: int) -> None:
     for rank, res in enumerate(run_distributed(costs_worker, ep, timeout=TIMEOUT_S)):
-        model, pairs, row = res["model"], res["pairs"], res["model"]["row"]
+        model, pairs = res["model"], res["pairs"]
         where = f"EP {ep} rank {rank}"
         # Stock: the model's rows per pair, plus the router's per-token tensors (logits, probs,
         # indices; E values per token), which the model leaves out.
@@ -93,9 +94,9 @@ def test_cost_model_matches_saved_bytes(ep: int) -> None:
         saved, computed = res["keep1"]
         assert 1.0 <= saved / (model["expert_save"] * computed) <= 1.05, (where, "keep1", res)
         saved, computed = res["save"]
-        planned = model["expert_save"] * computed + model["source_trim"] * pairs
-        if ep == 1:  # x is read from the layer input: the plan counts one row per pair more
-            planned -= row * computed
+        # At EP 1 the trimmed path reads x from the layer input: the plan's local_tokens term.
+        expert = model["expert_save_local"] if ep == 1 else model["expert_save"]
+        planned = expert * computed + model["source_trim"] * pairs
         assert 1.0 <= saved / planned <= 1.05, (where, "save", res)
         saved, _ = res["recompute"]
         assert 1.0 <= saved / (model["source_recompute"] * pairs) <= 1.05, (where, "recompute", res)

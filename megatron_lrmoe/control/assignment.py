@@ -418,10 +418,12 @@ class Assignment:
         return self.cost.replica_bytes * self.replicas_per_rank + self.saved_memory(keeps_all)
 
     def saved_memory(self, keeps_all: bool) -> np.ndarray:
-        """``[P]`` saved activations: expert side per computed pair, source side per sent pair."""
+        """``[P]`` saved activations: expert side per computed pair, source side per sent pair.
+        At EP 1 a trimmed call reads x from the layer input (``CostModel.expert_saved_bytes``)."""
         cost, mode = self.cost, self.mode
+        local_tokens = self.num_sources == 1 and not keeps_all
         return (
-            cost.expert_saved_bytes(mode) * self.forward_rank_load
+            cost.expert_saved_bytes(mode, local_tokens) * self.forward_rank_load
             + cost.source_saved_bytes(mode, keeps_all) * self.sent
         )
 

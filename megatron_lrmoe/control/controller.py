@@ -84,16 +84,24 @@ def _modes(lrmoe: LRMoEConfig) -> tuple[str, ...]:
     return ("save", "recompute") if lrmoe.activation_mode == "auto" else (lrmoe.activation_mode,)
 
 
-def minimum_memory_bytes(lrmoe: LRMoEConfig, cost: CostModel, pairs_per_rank: int) -> int:
+def minimum_memory_bytes(
+    lrmoe: LRMoEConfig, cost: CostModel, pairs_per_rank: int, ep_size: Optional[int] = None
+) -> int:
     """Least per-GPU memory a call needs at quota 0 without replicas, with every rank computing
     the mean ``pairs_per_rank`` rows (the best any placement can do).
 
-    It is what no quota can remove: saved activations (save mode) and source-side rows (z, and
-    the token rows in recompute mode). With ``activation_mode="auto"`` the cheaper mode counts.
+    It is what no quota can remove: saved activations (save mode; without x at ``ep_size`` 1,
+    where the trimmed path reads it from the layer input) and source-side rows (z, and the token
+    rows in recompute mode). With ``activation_mode="auto"`` the cheaper mode counts. An unknown
+    ``ep_size`` counts as EP > 1 (the larger).
     """
+    local_tokens = ep_size == 1
     return min(
         pairs_per_rank
-        * (cost.expert_saved_bytes(mode) + cost.source_saved_bytes(mode, keeps_all=False))
+        * (
+            cost.expert_saved_bytes(mode, local_tokens)
+            + cost.source_saved_bytes(mode, keeps_all=False)
+        )
         for mode in _modes(lrmoe)
     )
 
@@ -103,6 +111,7 @@ def check_budgets(
     cost: Optional[CostModel],
     pairs_per_rank: Optional[int] = None,
     layer_name: str = "LRMoELayer",
+    ep_size: Optional[int] = None,
 ) -> None:
     """Start-up check of the budgets against the layer's shapes (call at layer construction).
 
@@ -114,6 +123,7 @@ def check_budgets(
             ``seq_length * micro_batch_size / tp`` (sequence parallel) ``* moe_router_topk``), if
             known; without it only what the shapes alone decide is checked.
         layer_name: Named in error messages.
+        ep_size: The expert-parallel size, if known (EP 1 saves less: :func:`minimum_memory_bytes`).
 
     Raises:
         ValueError: A budget no quota can meet, naming the budget, the minimum and the fix.
@@ -124,12 +134,12 @@ def check_budgets(
     memory = lrmoe.memory_budget_bytes
     if memory is None or cost is None or pairs_per_rank is None:
         return
-    need = minimum_memory_bytes(lrmoe, cost, pairs_per_rank)
+    need = minimum_memory_bytes(lrmoe, cost, pairs_per_rank, ep_size)
     if memory < need:
         fix = f"set --lrmoe-memory-budget-bytes to at least {need}"
         if lrmoe.activation_mode == "save":
             cheaper = minimum_memory_bytes(
-                LRMoEConfig(activation_mode="recompute"), cost, pairs_per_rank
+                LRMoEConfig(activation_mode="recompute"), cost, pairs_per_rank, ep_size
             )
             if cheaper < need:
                 fix += f" (or {cheaper} with --lrmoe-activation-mode recompute or auto)"

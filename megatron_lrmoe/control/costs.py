@@ -9,15 +9,16 @@ and sends (megatron_lrmoe/op.py) at the granularity of rows; per-pair scalars (r
 | term | per | save | recompute |
 |---|---|---|---|
 | replica | replica on a rank | fc1 + fc2 weights + their gradient buffer | same |
-| expert-side saved activations | pair computed in forward | x (H) + fc1 output h (F1) | 0 |
+| expert-side saved activations | pair computed in forward | x (H; 0 at EP 1 when trimmed) + fc1 output h (F1) | 0 |
 | source-side saved rows | pair sent by the rank | z (H) unless every pair is kept | same |
 | backward working rows | kept pair at its backward holder | gradient row (H) + gathered x (H; h is read in place) + d act, act (2F) + dh (F1) + dx (H) | gradient + token rows (2H) + recomputed h (F1) + 2F + dh (F1) + dx (H) |
 | ... every pair kept (exact path) | pair | gradient row (H) + 2F + dh (F1) + dx (H): nothing gathered | (not used) |
 | backward exchange | kept pair | gradient row (H) | gradient + token row (2H) |
 | forward token buffers (reported only) | pair computed in forward | x in (H) + z out (H) | same |
 
-At EP 1 the trimmed ``save`` path reads x from the layer input instead of saving it, so the
-plan counts H per pair more than it holds there (on the safe side).
+At EP 1 the trimmed ``save`` path reads x from the layer input (which the router saves anyway)
+instead of saving it: there the expert side holds h alone (``local_tokens``). The exact path
+(every pair kept) saves x at every EP size.
 
 Stock Megatron with fixed ownership (the reference, ``SequentialMLP`` as Megatron-Core builds it
 without Transformer Engine) saves, per pair, x (H), h (F1), the activation's intermediates and
@@ -114,10 +115,17 @@ class CostModel:
         """One token, output or gradient row (H elements)."""
         return self.hidden_size * self.activation_bytes
 
-    def expert_saved_bytes(self, mode: str) -> int:
-        """Bytes the expert side keeps from forward to backward per pair it computed."""
+    def expert_saved_bytes(self, mode: str, local_tokens: bool = False) -> int:
+        """Bytes the expert side keeps from forward to backward per pair it computed.
+
+        Args:
+            mode: ``"save"`` or ``"recompute"``.
+            local_tokens: The trimmed path at EP 1, whose backward reads x from the layer input
+                (held anyway) instead of a saved copy.
+        """
         if mode == "save":
-            return (self.hidden_size + self.fc1_width) * self.activation_bytes
+            x = 0 if local_tokens else self.hidden_size
+            return (x + self.fc1_width) * self.activation_bytes
         return 0
 
     def source_saved_bytes(self, mode: str, keeps_all: bool) -> int:
