@@ -425,7 +425,13 @@ def main() -> None:
         compat.fix_full_validation(args)
         check_args(args)
         # Before Megatron's initialisation allocates anything on the GPU.
+        if args.memory_cap_gib is not None and args.gpu_memory_gib is not None:
+            raise ValueError(
+                f"--memory-cap-gib ({args.memory_cap_gib}) and --gpu-memory-gib "
+                f"({args.gpu_memory_gib}) both limit the GPU's memory; give one"
+            )
         memory_cap.apply_memory_cap(args.memory_cap_gib)
+        memory_cap.apply_gpu_memory(args.gpu_memory_gib)
     except ValueError as e:
         raise SystemExit(f"pretrain_lrmoe.py: error: {e}") from e
     # --lrmoe only: LRMoE statistics at --log-interval, in a line after Megatron's iteration line

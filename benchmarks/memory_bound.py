@@ -1,7 +1,9 @@
 """LRMoE against stock's best configuration that fits, on one GPU whose memory is capped.
 
-    python benchmarks/memory_bound.py search   --out DIR [--cap-gib 78] [--arms ...] [--dry-run]
-    python benchmarks/memory_bound.py converge --out DIR [--cap-gib 78] [--seeds 1234 4321 2024]
+    python benchmarks/memory_bound.py search   --out DIR [--cap-gib 78 | --gpu-gib 79.18] [--arms ...]
+                                               [--dry-run]
+    python benchmarks/memory_bound.py converge --out DIR [--cap-gib 78 | --gpu-gib 79.18]
+                                               [--seeds 1234 4321 2024]
                                                [--iters 400] [--arms ...]  (default: search's picks)
     python benchmarks/memory_bound.py report   --out DIR [--target LOSS]
     python benchmarks/memory_bound.py all      --out DIR ...            (the three in order)
@@ -219,6 +221,7 @@ class Run:
     layers: int
     evaluate: bool
     evaluations: int = 4
+    gpu_gib: Optional[float] = None
 
     def env(self) -> dict[str, str]:
         env = dict(PROXY)
@@ -239,6 +242,8 @@ class Run:
             env.update(EVAL_INTERVAL=str(self.iters + 1), EVAL_ITERS="1")
         if self.cap_gib is not None:
             env["MEMORY_CAP_GIB"] = f"{self.cap_gib:g}"
+        if self.gpu_gib is not None:
+            env["GPU_MEMORY_GIB"] = f"{self.gpu_gib:g}"
         return env
 
     def flags(self) -> list[str]:
@@ -312,6 +317,7 @@ def search_row(arm: Arm, run: train_logs.RunLog) -> dict:
         "oom": run.oom,
         "iterations": run.last_iteration,
         "memory_cap_gib": run.memory_cap_gib,
+        "gpu_memory_gib": run.gpu_memory_gib,
         "max_allocated_gib": None if run.max_allocated_mib is None else run.max_allocated_mib / 1024,
         "alloc_retries": run.alloc_retries,
         "iter_ms": iter_ms,
@@ -348,11 +354,12 @@ def search(args: argparse.Namespace) -> dict:
     done: dict[str, dict] = {}
     if path.exists() and not args.redo:
         previous = json.loads(path.read_text())
-        if (previous["cap_gib"], previous["layers"]) != (args.cap_gib, args.layers):
+        was = (previous["cap_gib"], previous.get("gpu_gib"), previous["layers"])
+        if was != (args.cap_gib, args.gpu_gib, args.layers):
             raise SystemExit(
-                f"memory_bound.py: {path} was searched at cap {previous['cap_gib']} GiB and "
-                f"{previous['layers']} layers, not {args.cap_gib} and {args.layers}; use another "
-                "--out or --redo"
+                f"memory_bound.py: {path} was searched at cap {previous['cap_gib']} GiB, card "
+                f"{previous.get('gpu_gib')} GiB and {previous['layers']} layers, not "
+                f"{args.cap_gib}, {args.gpu_gib} and {args.layers}; use another --out or --redo"
             )
         done = {row["arm"]["name"]: row for row in previous["arms"]}
     for arm in arms_named(args.arms or list(ARMS)):
@@ -360,7 +367,7 @@ def search(args: argparse.Namespace) -> dict:
             print(f"kept {arm.name} (in {path})")
             continue
         run = Run(arm, args.seeds[0], args.search_iters, args.out / "search" / f"{file_stem(arm.name)}.log",
-                  args.cap_gib, args.layers, evaluate=False)
+                  args.cap_gib, args.layers, evaluate=False, gpu_gib=args.gpu_gib)
         parsed = launch(run, args.timeout_s, args.dry_run)
         if parsed is not None:
             done[arm.name] = search_row(arm, parsed)
@@ -371,7 +378,7 @@ def search(args: argparse.Namespace) -> dict:
 
 def _write_search(path: Path, args: argparse.Namespace, done: dict[str, dict]) -> dict:
     rows = list(done.values())
-    result = {"cap_gib": args.cap_gib, "layers": args.layers, "proxy": PROXY,
+    result = {"cap_gib": args.cap_gib, "gpu_gib": args.gpu_gib, "layers": args.layers, "proxy": PROXY,
               "proxy_flags": list(PROXY_FLAGS), "arms": rows, "picks": picks(rows)}
     path.write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -398,7 +405,7 @@ def converge(args: argparse.Namespace) -> None:
                 print(f"kept {log} (finished)")
                 continue
             run = Run(arm, seed, args.iters, log, args.cap_gib, args.layers, evaluate=True,
-                      evaluations=args.evaluations)
+                      evaluations=args.evaluations, gpu_gib=args.gpu_gib)
             parsed = launch(run, args.timeout_s, args.dry_run)
             if parsed is not None:
                 print(json.dumps(train_logs.summary(parsed, None)), flush=True)
@@ -558,8 +565,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("phase", choices=("search", "converge", "report", "all"))
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cap-gib", type=float, default=78.0,
-                   help="memory cap per process, GiB (78: an 80 GB card); 0: none")
+    p.add_argument("--cap-gib", type=float, default=None,
+                   help="PyTorch allocator's cap per process, GiB (default 78 unless --gpu-gib; "
+                   "0: none); what the process holds outside the allocator is not counted")
+    p.add_argument("--gpu-gib", type=float, default=None,
+                   help="emulate a card of this many GiB whole (--gpu-memory-gib; 79.18: an "
+                   "H100 80GB), instead of --cap-gib")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--arms", nargs="*", default=None, help=f"from {list(ARMS)}")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 4321, 2024])
@@ -581,6 +592,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser().parse_args(argv)
+    if args.gpu_gib is not None and args.cap_gib not in (None, 0):
+        raise SystemExit(f"memory_bound.py: --cap-gib {args.cap_gib} and --gpu-gib "
+                         f"{args.gpu_gib} both limit the memory; give one")
+    if args.cap_gib is None and args.gpu_gib is None:
+        args.cap_gib = 78.0
     if args.cap_gib == 0:
         args.cap_gib = None
     args.out.mkdir(parents=True, exist_ok=True)

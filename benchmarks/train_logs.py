@@ -65,6 +65,7 @@ _EVAL = re.compile(r"validation loss at iteration (\d+)( on validation set| on t
 _ARG = re.compile(r"^  (\w+) \.+ (.*\S)\s*$", re.MULTILINE)
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError")
 _CAP = re.compile(r"memory cap: ([\d.]+) GiB")
+_CARD = re.compile(r"gpu memory: ([\d.]+) GiB card emulated")
 
 
 @dataclass
@@ -87,6 +88,7 @@ class RunLog:
         alloc_retries: The caching allocator's retries after failed allocations, as last
             printed (None without).
         memory_cap_gib: The cap the run ran under (None: none printed).
+        gpu_memory_gib: The card the run emulated (``--gpu-memory-gib``; None: none printed).
         oom: An out-of-memory error is in the log.
     """
 
@@ -103,6 +105,7 @@ class RunLog:
     max_allocated_mib: Optional[float] = None
     alloc_retries: Optional[int] = None
     memory_cap_gib: Optional[float] = None
+    gpu_memory_gib: Optional[float] = None
     oom: bool = False
 
     @property
@@ -171,6 +174,8 @@ def parse_log(path: str | Path) -> RunLog:
     run.oom = bool(_OOM.search(text))
     cap = _CAP.search(text)
     run.memory_cap_gib = float(cap.group(1)) if cap else None
+    card = _CARD.search(text)
+    run.gpu_memory_gib = float(card.group(1)) if card else None
     return run
 
 
@@ -266,6 +271,7 @@ def summary(run: RunLog, target: Optional[float]) -> dict:
         "oom": run.oom,
         "iterations": run.last_iteration,
         "memory_cap_gib": run.memory_cap_gib,
+        "gpu_memory_gib": run.gpu_memory_gib,
         "max_allocated_mib": run.max_allocated_mib,
         "alloc_retries": run.alloc_retries,
         "iter_ms_median": run.steady_ms("iter_ms"),

@@ -41,6 +41,10 @@ if [ -n "${MEMORY_CAP_GIB:-}" ]; then
     # Each process's GPU memory capped (PyTorch's allocator), e.g. 78 for an 80 GB card.
     TRAIN_ARGS+=(--memory-cap-gib "$MEMORY_CAP_GIB")
 fi
+if [ -n "${GPU_MEMORY_GIB:-}" ]; then
+    # A smaller card emulated whole, e.g. 79.18 for an H100 80GB (the rest held outside PyTorch).
+    TRAIN_ARGS+=(--gpu-memory-gib "$GPU_MEMORY_GIB")
+fi
 LRMOE_ARGS=()
 if [ "$LRMOE" = 1 ]; then
     LRMOE_ARGS=(--lrmoe --lrmoe-keep-ratio "$KEEP_RATIO" --lrmoe-selection "$SELECTION"

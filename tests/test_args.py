@@ -97,10 +97,12 @@ def test_every_config_field_has_a_flag() -> None:
     assert "--lrmoe-help" in options  # prints the group and exits: stores nothing
     assert "--moe-layer-timing" in options  # not a config field: logging, stock runs too
     assert "--memory-cap-gib" in options  # not a config field: comparison runs, stock too
+    assert "--gpu-memory-gib" in options  # likewise
     assert {a.dest for a in group._group_actions if a.dest != argparse.SUPPRESS} == {
         "lrmoe",
         "moe_layer_timing",
         "memory_cap_gib",
+        "gpu_memory_gib",
         "lrmoe_trace_dir",
     } | {f"lrmoe_{f.name}" for f in dataclasses.fields(LRMoEConfig) if f.name != "kernels"}
 

@@ -23,7 +23,15 @@ import memory_bound  # noqa: E402
 import train_logs  # noqa: E402
 
 from megatron_lrmoe.training import compat
-from megatron_lrmoe.training.memory_cap import GIB, apply_memory_cap, describe, plan_memory_cap
+from megatron_lrmoe.training.memory_cap import (
+    GIB,
+    apply_gpu_memory,
+    apply_memory_cap,
+    describe,
+    describe_gpu_memory,
+    plan_gpu_memory,
+    plan_memory_cap,
+)
 from megatron_lrmoe.training.validation_spread import ValidationSpread
 
 
@@ -318,6 +326,62 @@ def test_memory_cap_is_a_fraction_of_the_device() -> None:
 def test_memory_cap_needs_cuda() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
         apply_memory_cap(78)
+
+
+def test_gpu_memory_emulation_holds_the_rest_of_the_device(tmp_path: Path) -> None:
+    card = plan_gpu_memory(79.18, int(139.8 * GIB), device=2)
+    assert card.held_bytes == int(139.8 * GIB) - int(79.18 * GIB) and card.device == 2
+    line = describe_gpu_memory(card)
+    assert "79.18 GiB card emulated on cuda:2" in line and "60.62 GiB held outside" in line
+    assert plan_gpu_memory(int(139.8 * GIB) / GIB, int(139.8 * GIB)).held_bytes == 0
+    with pytest.raises(ValueError, match=r"--gpu-memory-gib \(140\) exceeds the memory"):
+        plan_gpu_memory(140, int(139.8 * GIB))
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive number of GiB"):
+            plan_gpu_memory(bad, int(139.8 * GIB))
+    assert apply_gpu_memory(None) is None
+    # The training log's line, as the logger prints it, is what the reports read.
+    log = tmp_path / "run.log"
+    log.write_text(f"INFO:megatron_lrmoe.training.memory_cap:{line}\n" + fake_log(cap=None))
+    parsed = train_logs.parse_log(log)
+    assert parsed.gpu_memory_gib == 79.18 and parsed.memory_cap_gib is None
+    assert train_logs.summary(parsed, None)["gpu_memory_gib"] == 79.18
+    # memory_bound.py passes it to the launch, instead of the allocator's cap.
+    arm = memory_bound.ARMS["stock"]
+    env = memory_bound.Run(arm, 1, 10, Path("x.log"), None, 24, evaluate=False, gpu_gib=79.18).env()
+    assert env["GPU_MEMORY_GIB"] == "79.18" and "MEMORY_CAP_GIB" not in env
+    with pytest.raises(SystemExit, match="both limit the memory"):
+        memory_bound.main(["search", "--out", str(tmp_path), "--cap-gib", "78", "--gpu-gib", "79"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
+def test_gpu_memory_emulation_needs_cuda() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        apply_gpu_memory(79.18)
+
+
+_HOLD_ONE_GIB = """
+import torch
+from megatron_lrmoe.training.memory_cap import GIB, apply_gpu_memory
+total = torch.cuda.get_device_properties(0).total_memory
+free_before, _ = torch.cuda.mem_get_info(0)
+card = apply_gpu_memory((total - GIB) / GIB, device=0)
+free_after, _ = torch.cuda.mem_get_info(0)
+assert abs((free_before - free_after) - card.held_bytes) < 64 * 2**20, (free_before, free_after)
+assert torch.cuda.memory_allocated(0) == 0  # outside PyTorch's allocator and its statistics
+print("held", card.held_bytes)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_memory_emulation_on_cuda() -> None:
+    """On a GPU the driver allocation takes the memory held back out of what is free."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _HOLD_ONE_GIB], cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("held ")
 
 
 def test_validation_spread_matches_a_direct_computation() -> None:

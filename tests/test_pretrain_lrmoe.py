@@ -471,6 +471,20 @@ def test_scripts_set_max_connections(tmp_path: Path, tp: str, want: str) -> None
 # -- LRMoE statistics in the training log -------------------------------------------------------
 
 
+def test_main_refuses_two_memory_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--memory-cap-gib and --gpu-memory-gib both limit the GPU's memory: one is asked for."""
+    import pretrain_lrmoe as entry
+
+    args = argparse.Namespace(lrmoe=False, memory_cap_gib=78.0, gpu_memory_gib=79.18)
+    monkeypatch.setattr(compat, "use_prebuilt_dataset_helpers", lambda: True)
+    monkeypatch.setattr(compat, "fix_full_validation", lambda a: None)
+    monkeypatch.setattr(entry, "parse_args", lambda provider: args)
+    monkeypatch.setattr(entry, "parse_and_validate_args", lambda **kwargs: args)
+    monkeypatch.setattr(entry, "check_args", lambda a: None)
+    with pytest.raises(SystemExit, match=r"--memory-cap-gib \(78.0\) and --gpu-memory-gib"):
+        entry.main()
+
+
 @pytest.mark.parametrize("lrmoe", [True, False], ids=["lrmoe", "stock"])
 def test_main_installs_training_log_only_with_lrmoe(
     monkeypatch: pytest.MonkeyPatch, lrmoe: bool
@@ -484,7 +498,7 @@ def test_main_installs_training_log_only_with_lrmoe(
     monkeypatch.setattr(training, "train", training.train)
     monkeypatch.setattr(training, "training_log", training.training_log)
     original = training.training_log
-    args = argparse.Namespace(lrmoe=lrmoe, memory_cap_gib=None)
+    args = argparse.Namespace(lrmoe=lrmoe, memory_cap_gib=None, gpu_memory_gib=None)
     monkeypatch.setattr(compat, "use_prebuilt_dataset_helpers", lambda: True)
     monkeypatch.setattr(entry, "parse_args", lambda provider: args)  # the early check's parse
     monkeypatch.setattr(entry, "parse_and_validate_args", lambda **kwargs: args)

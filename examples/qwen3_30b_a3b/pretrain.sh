@@ -28,8 +28,10 @@
 #   NUM_LAYERS (48) TP (1) PP (1) EP (8) SEQ_LENGTH (4096) MBS (1) GBS (512)
 #   TRAIN_ITERS (20000) LR (3e-4) MIN_LR (3e-5) WARMUP_ITERS (500) SEED (1234)
 #   EVAL_INTERVAL (1000) EVAL_ITERS (10) LOG_INTERVAL (1) CKPT_DIR () DATA_CACHE (/tmp/lrmoe_data_cache)
-#   MEMORY_CAP_GIB ()    cap each process's GPU memory at this many GiB (--memory-cap-gib;
-#                        78 stands for an 80 GB card, 38 for a 40 GB one)
+#   MEMORY_CAP_GIB ()    cap each process's PyTorch allocator at this many GiB (--memory-cap-gib;
+#                        what the process holds outside the allocator is not counted)
+#   GPU_MEMORY_GIB ()    emulate a card of this many GiB whole (--gpu-memory-gib; 79.18 for an
+#                        H100 80GB): the rest of the GPU is held outside PyTorch
 #   PYTHON (python3)     DRY_RUN (0): 1 prints the pretrain_lrmoe.py arguments, one per line
 #   CUDA_DEVICE_MAX_CONNECTIONS (1 when TP > 1, as Megatron requires before Blackwell)
 #   ENTRY (pretrain_lrmoe.py)   the script torchrun runs; megatron_lrmoe/testing/cpu_pretrain.py

@@ -289,7 +289,22 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "Cap each process's GPU memory (PyTorch's caching allocator) at GIB GiB, so that a "
             "large GPU behaves as a smaller one in comparison runs (78 for an 80 GB card, 38 "
             "for a 40 GB one; megatron_lrmoe/training/memory_cap.py). Logged at start. Stock "
-            "runs too; does not need --lrmoe. Default: no cap."
+            "runs too; does not need --lrmoe. Default: no cap. The allocator's cap leaves out "
+            "what the process holds outside it (3.5 GiB in a 24-layer run on an H100): to "
+            "stand for a card whole, use --gpu-memory-gib."
+        ),
+    )
+    group.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help=(
+            "Emulate a card with GIB GiB of memory in all (as torch reports it: 79.18 for an "
+            "H100 80GB): hold the rest of this process's GPU outside PyTorch's allocator, so "
+            "that the CUDA context, NCCL and cuBLAS count against GIB as on that card "
+            "(megatron_lrmoe/training/memory_cap.py; one process per GPU). Logged at start. "
+            "Not with --memory-cap-gib. Default: the GPU's own memory."
         ),
     )
     group.add_argument(
