@@ -637,7 +637,34 @@ def section_time_to_target(root: Path) -> str:
             f"the MoE-layer time and {loose['wall_s_to_target']:.2f}x the wall time.",
         ]
     out += ["", "One seed per arm: whether the gap holds over seeds is the next measurement."]
+    out += ["", _real_card_check(root)]
     return "\n".join(out)
+
+
+_REAL_CARD = _RUN34 / "call10" / "summary.json"
+
+
+def _real_card_check(root: Path) -> str:
+    """The keep-0.5 `recompute` arm on a real 80 GB card (gpu_run34 call 10)."""
+    run = json.loads((root / _REAL_CARD).read_text())
+    oom = run["oom_memory"]
+    device = run["device"].split(",")[0]
+    return (
+        f"**On a real 80 GB card it does not fit.** The same arm and protocol (seed "
+        f"{run['seed']}, the same {run['memory_cap_gib']:g} GiB cap) on an {device} ran out of "
+        f"memory in iteration {run['iterations'] + 1}: {oom['allocated_gib']:.1f} GiB allocated "
+        f"and {oom['reserved_unallocated_gib']:.1f} GiB reserved by PyTorch's allocator, and "
+        f"{oom['outside_gib']:.1f} GiB held outside it (CUDA context, NCCL, cuBLAS, loaded "
+        f"kernels), of the card's {oom['total_gib']:.2f} GiB. The cap on the H200 limits the "
+        "allocator alone and never charged that memory: the H200 figures above hold for a card "
+        f"of about {run['memory_cap_gib'] + oom['outside_gib']:.0f} GiB, not for an 80 GB one. "
+        "`--gpu-memory-gib 79.18` emulates the H100 whole (the rest of the device held outside "
+        "PyTorch); the runs that decide what fits an 80 GB card are to be repeated with it. "
+        + _source("gpu_run34 call 10", "40ca965",
+                  "ARM=k0.5-recompute SEED=4321 bash benchmarks/results/gpu_run34/call8.sh; "
+                  "python benchmarks/train_logs.py LOG --one --device \"$(sed -n 2p run.log)\"",
+                  [_REAL_CARD])
+    )
 
 
 SECTIONS: list[Callable[[Path], str]] = [

@@ -66,6 +66,51 @@ _ARG = re.compile(r"^  (\w+) \.+ (.*\S)\s*$", re.MULTILINE)
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError")
 _CAP = re.compile(r"memory cap: ([\d.]+) GiB")
 _CARD = re.compile(r"gpu memory: ([\d.]+) GiB card emulated")
+_SIZE = r"([\d.]+) (GiB|MiB|KiB|bytes)"
+# PyTorch's out-of-memory message: the device, this process and the caching allocator.
+_OOM_DETAIL = re.compile(
+    rf"total capacity of {_SIZE} of which {_SIZE} is free\. Including non-PyTorch memory, this "
+    rf"process has {_SIZE} memory in use\..*?Of the allocated memory {_SIZE} is allocated by "
+    rf"PyTorch, (?:with {_SIZE} allocated in private pools \(e\.g\., CUDA Graphs\), )?and "
+    rf"{_SIZE} is reserved by PyTorch but unallocated"
+)
+_UNIT_GIB = {"GiB": 1.0, "MiB": 1 / 1024, "KiB": 1 / 1024**2, "bytes": 1 / 1024**3}
+
+
+@dataclass(frozen=True)
+class OomMemory:
+    """What PyTorch's first out-of-memory message in a log says about the device, GiB.
+
+    Attributes:
+        total_gib: The device's memory.
+        free_gib: Free on the device when the allocation failed.
+        in_use_gib: This process's use, what it holds outside PyTorch's allocator included.
+        allocated_gib: Allocated by PyTorch's caching allocator (private pools included).
+        reserved_unallocated_gib: Reserved by the allocator but not allocated.
+        outside_gib: ``in_use - allocated - reserved_unallocated``: the CUDA context, NCCL,
+            cuBLAS workspaces, loaded kernels (and ``--gpu-memory-gib``'s hold).
+    """
+
+    total_gib: float
+    free_gib: float
+    in_use_gib: float
+    allocated_gib: float
+    reserved_unallocated_gib: float
+    outside_gib: float
+
+
+def oom_memory(text: str) -> Optional[OomMemory]:
+    """The first out-of-memory message's figures in ``text`` (None without one)."""
+    match = _OOM_DETAIL.search(text)
+    if match is None:
+        return None
+    values = match.groups()
+    gib = [
+        float(values[i]) * _UNIT_GIB[values[i + 1]] if values[i] is not None else 0.0
+        for i in range(0, len(values), 2)
+    ]
+    total, free, in_use, allocated, _private, unallocated = gib
+    return OomMemory(total, free, in_use, allocated, unallocated, in_use - allocated - unallocated)
 
 
 @dataclass
@@ -90,6 +135,7 @@ class RunLog:
         memory_cap_gib: The cap the run ran under (None: none printed).
         gpu_memory_gib: The card the run emulated (``--gpu-memory-gib``; None: none printed).
         oom: An out-of-memory error is in the log.
+        oom_memory: The first out-of-memory message's figures (None without one).
     """
 
     path: str
@@ -107,6 +153,7 @@ class RunLog:
     memory_cap_gib: Optional[float] = None
     gpu_memory_gib: Optional[float] = None
     oom: bool = False
+    oom_memory: Optional[OomMemory] = None
 
     @property
     def last_iteration(self) -> int:
@@ -172,6 +219,7 @@ def parse_log(path: str | Path) -> RunLog:
             gap = (stamps[i + 1] - stamps[i]).total_seconds() - run.iter_ms[i + 1] / 1e3
             run.eval_s[i] = max(0.0, gap)
     run.oom = bool(_OOM.search(text))
+    run.oom_memory = oom_memory(text)
     cap = _CAP.search(text)
     run.memory_cap_gib = float(cap.group(1)) if cap else None
     card = _CARD.search(text)
@@ -269,6 +317,7 @@ def summary(run: RunLog, target: Optional[float]) -> dict:
         "seed": run.seed(),
         "finished": run.finished,
         "oom": run.oom,
+        "oom_memory": asdict(run.oom_memory) if run.oom_memory is not None else None,
         "iterations": run.last_iteration,
         "memory_cap_gib": run.memory_cap_gib,
         "gpu_memory_gib": run.gpu_memory_gib,
@@ -289,9 +338,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("logs", nargs="+", type=Path)
     parser.add_argument("--target", type=float, default=None, help="target validation loss")
+    parser.add_argument("--device", default=None,
+                        help="the GPU the logs ran on (e.g. nvidia-smi's name), added to each row")
+    parser.add_argument("--one", action="store_true", help="one log: print its row, not a list")
     args = parser.parse_args(argv)
     rows = [summary(parse_log(p), args.target) for p in args.logs]
-    print(json.dumps(rows, indent=2))
+    if args.device is not None:
+        for row in rows:
+            row["device"] = args.device
+    if args.one and len(rows) != 1:
+        parser.error(f"--one takes one log, not {len(rows)}")
+    print(json.dumps(rows[0] if args.one else rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -354,6 +354,26 @@ def test_gpu_memory_emulation_holds_the_rest_of_the_device(tmp_path: Path) -> No
         memory_bound.main(["search", "--out", str(tmp_path), "--cap-gib", "78", "--gpu-gib", "79"])
 
 
+def test_out_of_memory_message_is_parsed() -> None:
+    """PyTorch's out-of-memory message (gpu_run34 call 10's, an H100 80GB): what the process held
+    outside the allocator is the use less the allocator's reserve."""
+    text = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 274.00 MiB. GPU 0 has a "
+        "total capacity of 79.18 GiB of which 62.12 MiB is free. Including non-PyTorch memory, "
+        "this process has 79.11 GiB memory in use. 78.00 GiB allowed; Of the allocated memory "
+        "69.58 GiB is allocated by PyTorch, with 15.00 MiB allocated in private pools (e.g., CUDA "
+        "Graphs), and 5.97 GiB is reserved by PyTorch but unallocated. If reserved but ..."
+    )
+    oom = train_logs.oom_memory(text)
+    assert oom is not None and oom.total_gib == 79.18 and oom.allocated_gib == 69.58
+    assert oom.free_gib == pytest.approx(62.12 / 1024)
+    assert oom.outside_gib == pytest.approx(79.11 - 69.58 - 5.97)
+    # Older messages have no private pools clause.
+    plain = text.replace("with 15.00 MiB allocated in private pools (e.g., CUDA Graphs), ", "")
+    assert train_logs.oom_memory(plain) == oom
+    assert train_logs.oom_memory("no error here") is None
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
 def test_gpu_memory_emulation_needs_cuda() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):

@@ -290,7 +290,7 @@ def add_lrmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "large GPU behaves as a smaller one in comparison runs (78 for an 80 GB card, 38 "
             "for a 40 GB one; megatron_lrmoe/training/memory_cap.py). Logged at start. Stock "
             "runs too; does not need --lrmoe. Default: no cap. The allocator's cap leaves out "
-            "what the process holds outside it (3.5 GiB in a 24-layer run on an H100): to "
+            "what the process holds outside it (3.6 GiB in a 24-layer run on an H100): to "
             "stand for a card whole, use --gpu-memory-gib."
         ),
     )

@@ -9,7 +9,7 @@ of a real card, so a cap of 78 GiB stands for an 80 GB card (79.1 GiB in all, ab
 taken before the allocator's first byte) and 38 GiB for a 40 GB one.
 
 That last assumption does not hold for a large model: on a real H100 80GB (gpu_run34 call 10)
-the memory_bound proxy's process held 3.5 GiB outside the allocator (CUDA context, NCCL, cuBLAS
+the memory_bound proxy's process held 3.6 GiB outside the allocator (CUDA context, NCCL, cuBLAS
 and Triton modules) when LRMoE's keep-0.5 ``recompute`` arm ran out of memory with 69.6 GiB
 allocated and 6.0 GiB reserved: a run that fits an H200 under a 78 GiB cap (75.3 GiB peak) does
 not fit the card it stands for. ``--gpu-memory-gib X`` (``GPU_MEMORY_GIB``) emulates the card

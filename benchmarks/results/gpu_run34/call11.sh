@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_run34 call 11: what fits a real 80 GB card. Call 10 (an H100 80GB, k0.5-recompute seed 4321,
 # 78 GiB cap) ran out of memory in iteration 2 with 69.6 GiB allocated and 6.0 GiB reserved: the
-# card's 79.2 GiB less 3.5 GiB outside PyTorch's allocator (CUDA context, NCCL, cuBLAS, Triton),
+# card's 79.2 GiB less 3.6 GiB outside PyTorch's allocator (CUDA context, NCCL, cuBLAS, Triton),
 # which an H200 under a 78 GiB allocator cap never charges. Here the time-to-target comparison's
 # arms and LRMoE's leaner ones, 10 iterations each, on an H100 80GB as it is (no cap), or on a
 # larger card emulating one whole (--gpu-memory-gib 79.18: the rest held outside PyTorch); all
