@@ -315,6 +315,7 @@ def search_row(arm: Arm, run: train_logs.RunLog) -> dict:
         "log": os.path.relpath(run.path, ROOT),
         "fits": run.finished,
         "oom": run.oom,
+        "oom_memory": asdict(run.oom_memory) if run.oom_memory is not None else None,
         "iterations": run.last_iteration,
         "memory_cap_gib": run.memory_cap_gib,
         "gpu_memory_gib": run.gpu_memory_gib,
