@@ -47,6 +47,30 @@ __all__ = [
 GIB = 1 << 30
 
 
+def _check_size(flag: str, gib: float, total_bytes: int, device: int, hint: str) -> None:
+    """A positive finite size in GiB that the device can hold, or a ValueError naming ``flag``."""
+    if not isinstance(gib, (int, float)) or not gib > 0 or gib == float("inf"):
+        raise ValueError(f"{flag} ({gib!r}) must be a positive number of GiB, {hint}")
+    if gib * GIB > total_bytes:
+        raise ValueError(
+            f"{flag} ({gib}) exceeds the memory of cuda:{device} ({total_bytes / GIB:.2f} GiB); "
+            "give a smaller size or leave it out"
+        )
+
+
+def _local_device(flag: str, gib: float, device: Optional[int]) -> tuple[int, int]:
+    """``device`` (default: ``LOCAL_RANK``, as torchrun sets it) and its memory in bytes."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"{flag} ({gib}) needs a CUDA device; leave it out on the CPU")
+    if device is None:
+        device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return device, torch.cuda.get_device_properties(device).total_memory
+
+
 @dataclass(frozen=True)
 class MemoryCap:
     """A cap as applied to one device.
@@ -70,17 +94,8 @@ def plan_memory_cap(cap_gib: float, total_bytes: int, device: int = 0) -> Memory
     Raises:
         ValueError: The cap is not a positive finite number or exceeds the device's memory.
     """
-    if not isinstance(cap_gib, (int, float)) or not cap_gib > 0 or cap_gib == float("inf"):
-        raise ValueError(
-            f"--memory-cap-gib ({cap_gib!r}) must be a positive number of GiB, e.g. 78 for an "
-            "80 GB card"
-        )
+    _check_size("--memory-cap-gib", cap_gib, total_bytes, device, "e.g. 78 for an 80 GB card")
     total_gib = total_bytes / GIB
-    if cap_gib > total_gib:
-        raise ValueError(
-            f"--memory-cap-gib ({cap_gib}) exceeds the memory of cuda:{device} "
-            f"({total_gib:.1f} GiB); give a smaller cap or leave it out"
-        )
     return MemoryCap(
         cap_gib=float(cap_gib), device=device, total_gib=total_gib, fraction=cap_gib / total_gib
     )
@@ -106,17 +121,9 @@ def apply_memory_cap(cap_gib: Optional[float], device: Optional[int] = None) -> 
     """
     if cap_gib is None:
         return None
-    import os
-
     import torch
 
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"--memory-cap-gib ({cap_gib}) needs a CUDA device; leave it out on the CPU"
-        )
-    if device is None:
-        device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    total = torch.cuda.get_device_properties(device).total_memory
+    device, total = _local_device("--memory-cap-gib", cap_gib, device)
     cap = plan_memory_cap(cap_gib, total, device)
     torch.cuda.set_per_process_memory_fraction(cap.fraction, device)
     logger.info("%s", describe(cap))
@@ -153,16 +160,10 @@ def plan_gpu_memory(card_gib: float, total_bytes: int, device: int = 0) -> GpuMe
     Raises:
         ValueError: The size is not a positive finite number or exceeds the device's memory.
     """
-    if not isinstance(card_gib, (int, float)) or not card_gib > 0 or card_gib == float("inf"):
-        raise ValueError(
-            f"--gpu-memory-gib ({card_gib!r}) must be a positive number of GiB, the emulated "
-            "card's memory as torch reports it (79.18 for an H100 80GB)"
-        )
-    if card_gib * GIB > total_bytes:
-        raise ValueError(
-            f"--gpu-memory-gib ({card_gib}) exceeds the memory of cuda:{device} "
-            f"({total_bytes / GIB:.2f} GiB); give a smaller card or leave it out"
-        )
+    _check_size(
+        "--gpu-memory-gib", card_gib, total_bytes, device,
+        "the emulated card's memory as torch reports it (79.18 for an H100 80GB)",
+    )  # fmt: skip
     return GpuMemory(
         card_gib=float(card_gib),
         device=device,
@@ -215,15 +216,7 @@ def apply_gpu_memory(card_gib: Optional[float], device: Optional[int] = None) ->
     """
     if card_gib is None:
         return None
-    import os
-
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError(f"--gpu-memory-gib ({card_gib}) needs a CUDA device; leave it out on the CPU")
-    if device is None:
-        device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    total = torch.cuda.get_device_properties(device).total_memory
+    device, total = _local_device("--gpu-memory-gib", card_gib, device)
     card = plan_gpu_memory(card_gib, total, device)
     if device in _HELD:
         raise ValueError(f"--gpu-memory-gib: cuda:{device} already emulates a card in this process")
