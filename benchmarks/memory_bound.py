@@ -201,6 +201,8 @@ ARMS: dict[str, Arm] = {
         Arm("k0.5-recompute", keep=0.5, activation_mode="recompute"),
         Arm("k0.5+moe", keep=0.5, recompute="moe"),
         Arm("k0.25-recompute", keep=0.25, activation_mode="recompute"),
+        Arm("k0.5-lean", keep=0.5, activation_mode="lean"),
+        Arm("k0.25-lean", keep=0.25, activation_mode="lean"),
         Arm("k0.25+moe", keep=0.25, recompute="moe"),
         Arm("auto0.1-recompute", keep="auto", variance_target=0.1, activation_mode="recompute"),
         Arm("auto0.1-recompute-mem0.5", keep="auto", variance_target=0.1,

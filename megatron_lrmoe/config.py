@@ -16,14 +16,14 @@ from megatron_lrmoe.options import KernelOptions
 
 Selection = Literal["sample", "topk"]
 Scope = Literal["local", "global"]
-ActivationMode = Literal["save", "recompute", "auto"]
+ActivationMode = Literal["save", "recompute", "lean", "auto"]
 GradAccumulationFusion = Literal["auto", "on", "off"]
 ActivationKind = Literal["silu", "gelu"]
 KeepRatio = Union[float, Literal["auto"]]
 
 SELECTIONS: tuple[str, ...] = ("sample", "topk")
 SCOPES: tuple[str, ...] = ("local", "global")
-ACTIVATION_MODES: tuple[str, ...] = ("save", "recompute", "auto")
+ACTIVATION_MODES: tuple[str, ...] = ("save", "recompute", "lean", "auto")
 GRAD_ACCUMULATION_FUSIONS: tuple[str, ...] = ("auto", "on", "off")
 
 
@@ -54,9 +54,14 @@ class LRMoEConfig:
         activation_mode: What the expert side keeps for backward. ``"save"`` (stock-like): the
             received token rows and the fc1 output of every pair. ``"recompute"``: nothing on the
             expert side; the source re-sends the kept pairs' token rows with their gradient rows
-            and the expert recomputes fc1 for kept rows only. ``"auto"``: the controller chooses
-            per call: ``"save"`` unless the memory budget would trim more pairs than
-            ``"recompute"`` does (megatron_lrmoe/control/controller.py).
+            and the expert recomputes fc1 for kept rows only; the source keeps every pair's
+            expert output z (H per pair) for the exact router gradient. ``"lean"`` (EP 1
+            only): as ``"recompute"``, but the expert side keeps every pair's activation a
+            (F per pair, F < H in Qwen3 and GLM shapes) instead of z, and the backward takes
+            the exact router gradient as ``<W2^T g, a>`` (one extra fc2 input-gradient GEMM
+            over the pairs the quota drops). ``"auto"``: the controller chooses per call:
+            ``"save"`` unless the memory budget would trim more pairs than ``"recompute"``
+            does (megatron_lrmoe/control/controller.py).
         seed: Seed of the sampling stream; the stream is also keyed by layer number and call
             index, so every rank and every rerun draws the same sample.
         record_stats: Keep per-call statistics on ``layer.last_call_stats`` (counts, bytes, and
@@ -200,6 +205,13 @@ class LRMoEConfig:
             layer_name: Named in error messages so a user can find the layer.
         """
         validate_transformer_config(config, layer_name)
+        ep = getattr(config, "expert_model_parallel_size", 1) or 1
+        if self.activation_mode == "lean" and ep > 1:
+            raise ValueError(
+                f"{layer_name}: activation_mode='lean' runs at EP 1 only (at EP {ep} its "
+                "backward would send every pair's gradient row to the experts); use "
+                "--lrmoe-activation-mode recompute"
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "LRMoEConfig":

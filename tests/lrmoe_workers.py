@@ -557,6 +557,44 @@ def cuda_expert_graph_matches_eager(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
+def cuda_lean_matches_recompute(rank: int, world: int) -> dict[str, Any]:
+    """EP 1, bf16 on the GPU, keep 0.5, weight gradients fused into ``main_grad``: the same
+    layer (same weights, layer number and sampling stream) on four inputs in ``recompute`` and
+    in ``lean`` mode. Returns whether the kept pairs were the same, the largest relative
+    differences (outputs, input, router and weight gradients) and the memory each mode held
+    between its forward and its backward, over the allocations before the forward."""
+    pg = init_megatron_parallel(ep=1)
+    cfg = _config(  # F < H, as in fine-grained MoE models (lean keeps F per pair, z is H)
+        1, moe_aux_loss_coeff=0.0, bf16=True, params_dtype=torch.bfloat16, hidden_size=128,
+        moe_ffn_hidden_size=64, num_attention_heads=4,
+    )  # fmt: skip
+    device = torch.device("cuda")
+    inputs = [
+        tuple(t.to(device, torch.bfloat16) for t in _inputs(0, cfg.hidden_size, 7 + call))
+        for call in range(4)
+    ]
+    runs: dict[str, list[dict[str, torch.Tensor]]] = {}
+    held: dict[str, int] = {}
+    for mode in ("recompute", "lean"):
+        torch.manual_seed(5)
+        lrmoe = LRMoEConfig(
+            keep_ratio=0.5, activation_mode=mode, grad_accumulation_fusion="on",
+            debug_record_selection=True,
+        )  # fmt: skip
+        layer = get_lrmoe_moe_spec(lrmoe)(config=cfg, pg_collection=pg, layer_number=1).to(device)
+        for p in layer.experts.weights():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+        runs[mode] = _run_calls(layer, inputs, main_grad=True)
+        x = inputs[0][0].clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out, _ = layer(x)
+        held[mode] = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+        out.float().sum().backward()
+    same = _same_kept_and_diffs(runs["lean"], runs["recompute"])
+    return {"device": str(device), "held": held, **same}
+
+
 def _run_calls(lr, inputs, main_grad: bool) -> list[dict[str, torch.Tensor]]:
     """Forward and backward of ``lr`` on each ``(x, upstream)`` of ``inputs``: outputs, input
     and router gradients, the expert weight gradients (``main_grad`` after the call, or

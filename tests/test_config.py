@@ -118,6 +118,14 @@ def test_valid_config_passes() -> None:
     LRMoEConfig(keep_ratio=0.5).validate_against(moe_transformer_config())
 
 
+def test_lean_mode_runs_at_ep1_only() -> None:
+    lean = LRMoEConfig(keep_ratio=0.5, activation_mode="lean")
+    lean.validate_against(moe_transformer_config())
+    with pytest.raises(ValueError, match=r"decoder.layers.3.mlp: activation_mode='lean' runs at "
+                       r"EP 1 only \(at EP 2 .*--lrmoe-activation-mode recompute"):
+        lean.validate_against(_bad(expert_model_parallel_size=2), "decoder.layers.3.mlp")
+
+
 @pytest.mark.parametrize(
     "fields",
     [

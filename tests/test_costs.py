@@ -61,7 +61,10 @@ def costs_worker(rank: int, world: int) -> dict:
         "keep1": LRMoEConfig(),
         "save": LRMoEConfig(keep_ratio=0.5),
         "recompute": LRMoEConfig(keep_ratio=0.5, activation_mode="recompute"),
+        "recompute_keep1": LRMoEConfig(activation_mode="recompute"),  # the exact path
     }
+    if world == 1:  # lean runs at EP 1 only
+        variants["lean"] = LRMoEConfig(keep_ratio=0.5, activation_mode="lean")
     for name, config in variants.items():
         lrmoe.lrmoe_config = config
         stats = []
@@ -77,6 +80,8 @@ def costs_worker(rank: int, world: int) -> dict:
         "expert_save_local": cost.expert_saved_bytes("save", local_tokens=True),
         "source_trim": cost.source_saved_bytes("save", keeps_all=False),
         "source_recompute": cost.source_saved_bytes("recompute", keeps_all=False),
+        "expert_lean": cost.expert_saved_bytes("lean"),
+        "source_lean": cost.source_saved_bytes("lean", keeps_all=False),
         "row": cost.row_bytes,
     }
     result["pairs"] = pairs
@@ -100,5 +105,14 @@ def test_cost_model_matches_saved_bytes(ep: int) -> None:
         assert 1.0 <= saved / planned <= 1.05, (where, "save", res)
         saved, _ = res["recompute"]
         assert 1.0 <= saved / (model["source_recompute"] * pairs) <= 1.05, (where, "recompute", res)
+        # Keep 1.0 runs the exact path in every mode: x and h, as the plan counts it.
+        saved, computed = res["recompute_keep1"]
+        assert 1.0 <= saved / (model["expert_save"] * computed) <= 1.05, (where, "keep1 rc", res)
+        if ep == 1:  # lean: the activation (F per pair) instead of recompute's z per pair
+            saved, computed = res["lean"]
+            assert model["source_lean"] == 0
+            # The router's per-token tensors (what recompute saves beyond z) are the same.
+            extra = res["recompute"][0] - model["source_recompute"] * pairs
+            assert saved == model["expert_lean"] * computed + extra, (where, "lean", res)
         # The reference the memory goal is measured against is stock's larger footprint.
         assert res["stock"] > res["keep1"][0] / pairs

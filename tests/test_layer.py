@@ -131,6 +131,20 @@ def test_keep_below_one_matches_dense_reference(ep: int) -> None:
     _check_counts(results)
 
 
+LEAN_CASES = [
+    (dict(keep_ratio=kr, selection=sel, activation_mode="lean"), dict(moe_aux_loss_coeff=0.0), None)
+    for kr, sel in [(0.5, "sample"), (0.25, "topk"), (0.0, "sample"), (1.0, "sample")]
+]
+
+
+def test_lean_mode_matches_dense_reference_at_ep1() -> None:
+    """``lean`` keeps the activation instead of z and takes the router gradient through fc2:
+    the same math as the dense reference (the router's gradient exact for every pair)."""
+    results = run_distributed(w.lrmoe_vs_dense_reference_cases, 1, 1, LEAN_CASES, timeout=300)
+    _assert_matches_reference(results)
+    _check_counts(results)
+
+
 def test_keep_below_one_ep4_and_shared_sigmoid() -> None:
     cases = [
         (dict(keep_ratio=0.5), dict(moe_aux_loss_coeff=0.0, moe_router_topk=4), None),
@@ -261,6 +275,21 @@ def test_cuda_scoring_graph_matches_eager_layer() -> None:
         "eager": {"front": 0, "scored": 0},
     }, d
     assert d["diff"] == {"front": 0.0, "scored": 0.0}, d
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_lean_matches_recompute() -> None:
+    """On the GPU (bf16, fused ``main_grad``), ``lean`` keeps the same pairs as ``recompute``
+    and gives the same outputs and expert weight gradients bit for bit; its router gradient,
+    taken through fc2, agrees to bf16 rounding, and so does the input gradient (the router's
+    part of it); it holds less between forward and backward (the activation, F wide, instead
+    of z, H wide)."""
+    d = run_distributed(w.cuda_lean_matches_recompute, 1, device="cuda")[0]
+    assert d["device"].startswith("cuda"), d
+    assert d["same_kept"], d
+    assert [d["diff"][k] for k in ("out", "fc1", "fc2")] == [0.0, 0.0, 0.0], d
+    assert d["diff"]["router"] < 2e-2 and d["diff"]["dx"] < 2e-2, d
+    assert d["held"]["lean"] < d["held"]["recompute"], d
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")

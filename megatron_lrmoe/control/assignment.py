@@ -419,9 +419,12 @@ class Assignment:
 
     def saved_memory(self, keeps_all: bool) -> np.ndarray:
         """``[P]`` saved activations: expert side per computed pair, source side per sent pair.
-        At EP 1 a trimmed call reads x from the layer input (``CostModel.expert_saved_bytes``)."""
+        A call that keeps every pair runs the exact path, which saves x and h in every mode; at
+        EP 1 a trimmed call reads x from the layer input (``CostModel.expert_saved_bytes``)."""
         cost, mode = self.cost, self.mode
-        local_tokens = self.num_sources == 1 and not keeps_all
+        if keeps_all:
+            return cost.expert_saved_bytes("save") * self.forward_rank_load
+        local_tokens = self.num_sources == 1
         return (
             cost.expert_saved_bytes(mode, local_tokens) * self.forward_rank_load
             + cost.source_saved_bytes(mode, keeps_all) * self.sent

@@ -6,11 +6,11 @@ The controller plans memory and traffic with these constants. They model what th
 and sends (megatron_lrmoe/op.py) at the granularity of rows; per-pair scalars (routing weights,
 ``||x||^2``, positions; 4-8 bytes against kilobytes per row) are left out. Terms:
 
-| term | per | save | recompute |
+| term | per | save | recompute (lean: EP 1) |
 |---|---|---|---|
 | replica | replica on a rank | fc1 + fc2 weights + their gradient buffer | same |
-| expert-side saved activations | pair computed in forward | x (H; 0 at EP 1 when trimmed) + fc1 output h (F1) | 0 |
-| source-side saved rows | pair sent by the rank | z (H) unless every pair is kept | same |
+| expert-side saved activations | pair computed in forward | x (H; 0 at EP 1 when trimmed) + fc1 output h (F1) | 0 (lean: activation a, F) |
+| source-side saved rows | pair sent by the rank | z (H) unless every pair is kept | same (lean: 0) |
 | backward working rows | kept pair at its backward holder | gradient row (H) + gathered x (H; h is read in place) + d act, act (2F) + dh (F1) + dx (H) | gradient + token rows (2H) + recomputed h (F1) + 2F + dh (F1) + dx (H) |
 | ... every pair kept (exact path) | pair | gradient row (H) + 2F + dh (F1) + dx (H): nothing gathered | (not used) |
 | backward exchange | kept pair | gradient row (H) | gradient + token row (2H) |
@@ -119,22 +119,24 @@ class CostModel:
         """Bytes the expert side keeps from forward to backward per pair it computed.
 
         Args:
-            mode: ``"save"`` or ``"recompute"``.
+            mode: ``"save"``, ``"recompute"`` or ``"lean"``.
             local_tokens: The trimmed path at EP 1, whose backward reads x from the layer input
                 (held anyway) instead of a saved copy.
         """
         if mode == "save":
             x = 0 if local_tokens else self.hidden_size
             return (x + self.fc1_width) * self.activation_bytes
+        if mode == "lean":  # the activation a, for the router gradient <W2^T g, a>
+            return self.ffn_hidden_size * self.activation_bytes
         return 0
 
     def source_saved_bytes(self, mode: str, keeps_all: bool) -> int:
         """Bytes the source keeps from forward to backward per pair it sent: ``z`` (for the
         exact router gradient of dropped pairs) unless every pair is kept. In recompute mode the
         token row re-sent with a kept pair's gradient is the layer input (held anyway); its copy
-        is a backward working row (:meth:`backward_bytes`)."""
-        del mode  # the same in both modes
-        return 0 if keeps_all else self.row_bytes
+        is a backward working row (:meth:`backward_bytes`). ``"lean"`` keeps no z (the expert
+        side's activation stands in for it)."""
+        return 0 if keeps_all or mode == "lean" else self.row_bytes
 
     def backward_bytes(self, mode: str, keeps_all: bool = False) -> int:
         """Working bytes per kept pair at the rank that runs its expert backward.

@@ -149,7 +149,8 @@ class ExpertCall:
 
     @property
     def activation_mode(self) -> str:
-        """``"save"`` or ``"recompute"`` for this call (the controller resolves ``"auto"``)."""
+        """``"save"``, ``"recompute"`` or ``"lean"`` for this call (the controller resolves
+        ``"auto"``)."""
         control = self.control
         return control.activation_mode if control is not None else self.lrmoe.activation_mode
 

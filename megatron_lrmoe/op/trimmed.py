@@ -3,10 +3,12 @@ quota-limited backward.
 
 The source applies the routing weight while summing each token's pairs and keeps the expert
 output ``z`` so that the router gradient stays exact for every pair without any expert
-backward. The backward orchestrates the named stages of ``stages.py`` (select -> pack ->
-exchange -> expert backward on the survivors -> return), or replays them as CUDA graphs where
-it can: the front (``stages.replayed_front``) or, at EP 1, the whole backward as one graph per
-layer (:func:`_graphed_backward`); ``megatron_lrmoe/op/__init__.py`` says when each runs.
+backward; in ``lean`` mode (EP 1) the expert side keeps the activation ``a`` instead (F wide
+against z's H) and the router gradient is ``<W2^T g, a>`` (:func:`_lean_router_grad`). The
+backward orchestrates the named stages of ``stages.py`` (select -> pack -> exchange -> expert
+backward on the survivors -> return), or replays them as CUDA graphs where it can: the front
+(``stages.replayed_front``) or, at EP 1, the whole backward as one graph per layer
+(:func:`_graphed_backward`); ``megatron_lrmoe/op/__init__.py`` says when each runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Optional
 import torch
 
 from megatron_lrmoe.dispatch.rows import gather_rows, gather_sum, row_dot
-from megatron_lrmoe.experts.grouped_gemm import GroupSizes
+from megatron_lrmoe.experts.activation import act_forward
+from megatron_lrmoe.experts.grouped_gemm import GroupSizes, grouped_mm_nn
 from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
 from megatron_lrmoe.experts.wgrad_triton import MainGrads
 from megatron_lrmoe.graphs.backward import (
@@ -63,6 +66,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
     |         |            | router gradient ``<g, z>`` is taken, then freed               |
     | h       | [R, F1]    | ``save`` mode: fc1 output on the expert side                  |
     | x       | [R, H]     | ``save`` mode at EP > 1: received rows (remote tokens)        |
+    | a       | [R, F]     | ``lean`` mode (EP 1): the activation, in place of z           |
     | out     | [T, H]     | ``sum_k p * z`` per token (fp32 sum, one rounding)             |
 
     With replicas, ``z`` is in send order (``call.route.slot_send`` sums it back), ``h`` and ``x``
@@ -78,7 +82,12 @@ class TrimmedMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
-        save = call.activation_mode == "save"
+        mode = call.activation_mode
+        if mode == "lean" and (call.ep_size > 1 or call.layout is not None):
+            raise ValueError(
+                f"activation_mode='lean' runs at EP 1 without replicas only (EP {call.ep_size}); "
+                "use --lrmoe-activation-mode recompute"
+            )
         x = call.route.to_experts(gather_rows(hidden, call.route.token_of_send))
         z, h = expert_forward_parts(
             x, call.weight_stacks(w1, w2), call.stack_counts(call.forward_groups), call.spec
@@ -87,15 +96,18 @@ class TrimmedMoEFunction(torch.autograd.Function):
         out = gather_sum(z, call.route.slot_send, scale=call.route.to_send_order(probs))
         ctx.call = call
         ctx.params = (w1, w2)  # the parameter objects themselves (see _main_grad_targets)
-        h = h if save else None
+        # lean: the activation stands in for z (EP 1: expert order is send order).
+        a = act_forward(h, call.spec) if mode == "lean" else None
+        z = None if mode == "lean" else z
+        h = h if mode == "save" else None
         # At EP 1 every received row is a local token: read it from ``hidden`` instead.
-        x = x if save and call.ep_size > 1 else None
+        x = x if mode == "save" and call.ep_size > 1 else None
         ctx.stashed = not _saved_tensor_hooks_active()
         if ctx.stashed:
             ctx.save_for_backward(hidden, probs, w1, w2)
-            ctx.z, ctx.h, ctx.x = z, h, x
+            ctx.z, ctx.h, ctx.x, ctx.a = z, h, x, a
         else:
-            ctx.save_for_backward(hidden, probs, w1, w2, z, h, x)
+            ctx.save_for_backward(hidden, probs, w1, w2, z, h, x, a)
         return out
 
     @staticmethod
@@ -109,9 +121,9 @@ class TrimmedMoEFunction(torch.autograd.Function):
         call: ExpertCall = ctx.call
         if ctx.stashed:
             hidden, probs, w1, w2 = ctx.saved_tensors
-            z, ctx.z = ctx.z, None
+            z, ctx.z, a, ctx.a = ctx.z, None, ctx.a, None
         else:
-            hidden, probs, w1, w2, z, ctx.h, ctx.x = ctx.saved_tensors
+            hidden, probs, w1, w2, z, ctx.h, ctx.x, a = ctx.saved_tensors
         stats = call.stats
         timer = SpanTimer(grad_out.device) if stats is not None else None
         g = grad_out.contiguous()
@@ -120,9 +132,11 @@ class TrimmedMoEFunction(torch.autograd.Function):
 
         key = call.sample_stream() if call.sample_stream is not None else ()
         into = _main_grad_targets(call, *ctx.params)
-        # EP 1: the whole backward can be one replayed graph per layer.
+        # EP 1: the whole backward can be one replayed graph per layer (not in lean mode, whose
+        # router gradient the graphs do not take).
         if (
-            call.plan.ep_size == 1
+            a is None
+            and call.plan.ep_size == 1
             and call.layout is None
             and expert_graph_wanted(g, (w1, w2), into, ctx.h)
         ):
@@ -133,14 +147,18 @@ class TrimmedMoEFunction(torch.autograd.Function):
                 del z
                 d_probs, kept, d_hidden = graphed
                 return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer)
-        front = replayed_front(call, g, hidden, probs, z, key, timer)
+        front = replayed_front(call, g, hidden, probs, z, key, timer) if a is None else None
         if front is not None:
             d_probs, kept, g_kept, x_kept, row_of_pair = front
         else:
             # Router gradient, exact for every pair: d probs = <g_token, z_pair>. Walked token
             # by token (each g row read once for its K pairs, not once per pair).
             route = call.route
-            d_probs = route.to_pair_order(row_dot(g, z, probs.dtype, slots=route.slot_send))
+            if a is not None:
+                d_probs = route.to_pair_order(_lean_router_grad(call, g, a, w2, probs.dtype))
+            else:
+                d_probs = route.to_pair_order(row_dot(g, z, probs.dtype, slots=route.slot_send))
+            del a
             kept = select_kept(call, g, hidden, probs, key, timer)
             if timer:
                 timer.start("packing")
@@ -164,6 +182,22 @@ class TrimmedMoEFunction(torch.autograd.Function):
         dw1, dw2 = call.fold_grads(dw1, dw2, into)
         d_hidden = return_dx(call, kept, dx_k, row_of_pair) if dx_k is not None else None
         return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer, (dw1, dw2))
+
+
+def _lean_router_grad(
+    call: ExpertCall, g: torch.Tensor, a: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[S]`` router gradient in send order from the saved activation (``lean``, EP 1):
+    ``<g_t, z_pair> = <W2_e^T g_t, a_pair>``, one fc2 input-gradient GEMM over every pair.
+
+    Holds ``[S, H]`` gathered gradient rows and ``[S, F]`` products for the call (transient).
+    Checked against the dense reference (``tests/test_layer.py -k lean``, the router gradient
+    ``<g_t, z_pair>`` of every pair).
+    """
+    g_rows = gather_rows(g, call.route.token_of_send)  # send order = expert order at EP 1
+    u = grouped_mm_nn(g_rows, w2, call.groups)  # one weight stack: no replicas at EP 1
+    del g_rows
+    return row_dot(u, a, dtype)
 
 
 def _graphed_backward(

@@ -96,8 +96,11 @@ _HELP: dict[str, str] = {
     "activation_mode": (
         "What the expert side keeps for backward. 'save': received token rows and fc1 outputs "
         "(stock-like). 'recompute': nothing; kept rows are re-sent with their gradients and "
-        "fc1 is recomputed for them only. 'auto': the controller picks per layer call, 'save' "
-        "unless the memory budget trims more pairs there than in 'recompute'. Default: %(def)s."
+        "fc1 is recomputed for them only; the source keeps each pair's expert output (H wide) "
+        "for the exact router gradient. 'lean' (EP 1 only): as 'recompute', keeping each "
+        "pair's activation (F wide) instead and taking the router gradient through fc2. "
+        "'auto': the controller picks per layer call, 'save' unless the memory budget trims "
+        "more pairs there than in 'recompute'. Default: %(def)s."
     ),
     "seed": (
         "Seed of the pair-sampling stream (keyed further by layer and call, identical on every "
