@@ -49,6 +49,7 @@ def test_lrmoe_help_lists_exactly_the_lrmoe_flags() -> None:
         LRMOE_HELP_FLAG,
         "--moe-layer-timing",
         "--memory-cap-gib",
+        "--gpu-memory-gib",
         "--lrmoe-trace-dir",
         *LRMOE_FLAGS.values(),
         *LRMOE_KERNEL_FLAGS.values(),
