@@ -150,7 +150,10 @@ def _build(
         moe_ffn_hidden_size=args.ffn,
         **recompute,
     )
-    lrmoe = LRMoEConfig(keep_ratio=keep, selection=args.selection, grad_accumulation_fusion="on")
+    lrmoe = LRMoEConfig(
+        keep_ratio=keep, selection=args.selection, grad_accumulation_fusion="on",
+        activation_mode=args.activation_mode,
+    )  # fmt: skip
     torch.manual_seed(1234)  # the same weights at every keep ratio
     layers = []
     for number in range(1, args.layers + 1):
@@ -319,6 +322,10 @@ def main() -> None:
         "--recompute", choices=("none", "moe"), default="none",
         help="moe: Megatron's MoE-layer recompute (recompute_modules=['moe']): each layer keeps "
         "only its input and runs its forward again inside the backward",
+    )  # fmt: skip
+    parser.add_argument(
+        "--activation-mode", choices=("save", "recompute", "lean"), default="save",
+        help="LRMoE's activation mode at keep < 1 (lean: EP 1 only); default save",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -393,6 +393,24 @@ def test_model_bench_recompute_moe_runs_on_the_cpu(tmp_path: Path) -> None:
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
 )
+def test_model_bench_lean_runs_on_the_cpu(tmp_path: Path) -> None:
+    """``model_bench.py --activation-mode lean``, tiny, EP 1: both keep ratios run, the mode is
+    in the result's arguments."""
+    out = tmp_path / "model.json"
+    _torchrun(
+        1, "benchmarks/model_bench.py", "--layers", "2", "--experts", "8", "--hidden", "64",
+        "--ffn", "32", "--tokens", "16", "--keep", "1.0", "0.5", "--rounds", "1", "--warmup", "2",
+        "--activation-mode", "lean", "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["args"]["activation_mode"] == "lean" and result["ep"] == 1
+    assert [row["keep"] for row in result["rows"]] == [1.0, 0.5]
+    assert all(row["fwd_ms"] > 0 and row["bwd_ms"] > 0 for row in result["rows"])
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU smoke run (the CPU shim refuses a CUDA machine)"
+)
 def test_model_bench_skew_makes_the_groups_uneven(tmp_path: Path) -> None:
     """benchmarks/model_bench.py --skew, tiny (hidden 64), on the CPU shim at EP 2: the random
     router's groups are nearly even, a per-expert logit bias of CV 1 makes them clearly uneven,
