@@ -17,6 +17,10 @@ LIMIT=$(python3 -c 'import torch; t = torch.cuda.get_device_properties(0).total_
 echo "memory: $LIMIT" | tee -a $OUT/run.log
 timeout 400 python3 benchmarks/memory_bound.py search --out /tmp/mb $LIMIT --layers 24 --search-iters 10 --timeout-s 100 --arms stock+moe k0.5-lean k0.5-recompute k0.25-lean k0.5+moe >> $OUT/run.log 2>&1; echo "search rc=$?" | tee -a $OUT/run.log
 cp /tmp/mb/search.json $OUT/ ; tar czf $OUT/search_logs.tgz -C /tmp/mb search
+# If time is left: the layers alone (8 stacked, 16 experts, 16384 tokens), recompute against lean.
+for mode in recompute lean; do
+  timeout 60 torchrun --nproc_per_node=1 benchmarks/model_bench.py --layers 8 --experts 16 --tokens 16384 --keep 1.0 0.5 0.25 --activation-mode $mode --out $OUT/model_$mode.json > $OUT/model_$mode.log 2>&1; echo "model_bench $mode rc=$?" | tee -a $OUT/run.log
+done
 python3 -c "
 import json; r=json.load(open('/tmp/mb/search.json'))
 for a in r['arms']: print(a['arm']['name'], a['fits'], a['oom'], a['iterations'], a['max_allocated_gib'], a['iter_ms'], a['moe_ms'], a['first_iteration_s'], a.get('oom_memory'))
