@@ -12,14 +12,14 @@ P=$PWD; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-d
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 cat COMMIT | tee $OUT/run.log; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a $OUT/run.log
-LRMOE_TEST_CUDA=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_memory_bound.py tests/test_layer.py -k "gpu_memory or cuda_lean" > $OUT/cuda_tests.log 2>&1; echo "cuda tests rc=$?" | tee -a $OUT/run.log; tail -3 $OUT/cuda_tests.log | tee -a $OUT/run.log
+LRMOE_TEST_CUDA=1 timeout 80 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_memory_bound.py tests/test_layer.py -k "gpu_memory or cuda_lean" > $OUT/cuda_tests.log 2>&1; echo "cuda tests rc=$?" | tee -a $OUT/run.log; tail -3 $OUT/cuda_tests.log | tee -a $OUT/run.log
 LIMIT=$(python3 -c 'import torch; t = torch.cuda.get_device_properties(0).total_memory / 2**30; print("--cap-gib 0" if t < 80 else "--gpu-gib 79.18")')
 echo "memory: $LIMIT" | tee -a $OUT/run.log
-timeout 400 python3 benchmarks/memory_bound.py search --out /tmp/mb $LIMIT --layers 24 --search-iters 10 --timeout-s 100 --arms stock+moe k0.5-lean k0.5-recompute k0.25-lean k0.5+moe >> $OUT/run.log 2>&1; echo "search rc=$?" | tee -a $OUT/run.log
+timeout 360 python3 benchmarks/memory_bound.py search --out /tmp/mb $LIMIT --layers 24 --search-iters 10 --timeout-s 100 --arms stock+moe k0.5-lean k0.5-recompute k0.25-lean k0.5+moe >> $OUT/run.log 2>&1; echo "search rc=$?" | tee -a $OUT/run.log
 cp /tmp/mb/search.json $OUT/ ; tar czf $OUT/search_logs.tgz -C /tmp/mb search
 # If time is left: the layers alone (8 stacked, 16 experts, 16384 tokens), recompute against lean.
 for mode in recompute lean; do
-  timeout 60 torchrun --nproc_per_node=1 benchmarks/model_bench.py --layers 8 --experts 16 --tokens 16384 --keep 1.0 0.5 0.25 --activation-mode $mode --out $OUT/model_$mode.json > $OUT/model_$mode.log 2>&1; echo "model_bench $mode rc=$?" | tee -a $OUT/run.log
+  timeout 55 torchrun --nproc_per_node=1 benchmarks/model_bench.py --layers 8 --experts 16 --tokens 16384 --keep 1.0 0.5 0.25 --activation-mode $mode --out $OUT/model_$mode.json > $OUT/model_$mode.log 2>&1; echo "model_bench $mode rc=$?" | tee -a $OUT/run.log
 done
 python3 -c "
 import json; r=json.load(open('/tmp/mb/search.json'))
