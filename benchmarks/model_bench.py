@@ -325,7 +325,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--activation-mode", choices=("save", "recompute", "lean"), default="save",
-        help="LRMoE's activation mode at keep < 1 (lean: EP 1 only); default save",
+        help="LRMoE's activation mode at keep < 1; default save",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -55,11 +55,13 @@ class LRMoEConfig:
             received token rows and the fc1 output of every pair. ``"recompute"``: nothing on the
             expert side; the source re-sends the kept pairs' token rows with their gradient rows
             and the expert recomputes fc1 for kept rows only; the source keeps every pair's
-            expert output z (H per pair) for the exact router gradient. ``"lean"`` (EP 1
-            only): as ``"recompute"``, but the expert side keeps every pair's activation a
-            (F per pair, F < H in Qwen3 and GLM shapes) instead of z, and the backward takes
-            the exact router gradient as ``<W2^T g, a>`` (one extra fc2 input-gradient GEMM
-            over the pairs the quota drops). ``"auto"``: the controller chooses per call:
+            expert output z (H per pair) for the exact router gradient. ``"lean"``: as
+            ``"recompute"``, but the expert side keeps every pair's activation a (F per pair,
+            F < H in Qwen3 and GLM shapes) instead of z, and the backward takes the exact router
+            gradient as ``<W2^T g, a>`` (one extra fc2 input-gradient GEMM over the pairs the
+            quota drops; at EP > 1 every pair's gradient row goes to its expert first, as in
+            stock's backward, and one scalar per pair comes back); no replicas, no exchange
+            budget. ``"auto"``: the controller chooses per call:
             ``"save"`` unless the memory budget would trim more pairs than ``"recompute"``
             does (megatron_lrmoe/control/controller.py).
         seed: Seed of the sampling stream; the stream is also keyed by layer number and call
@@ -137,6 +139,18 @@ class LRMoEConfig:
                 f"LRMoEConfig.max_replicas_per_rank ({self.max_replicas_per_rank!r}) must be an "
                 "int >= 0 (0: fixed ownership)"
             )
+        if self.activation_mode == "lean" and self.max_replicas_per_rank > 0:
+            raise ValueError(
+                f"LRMoEConfig.activation_mode ('lean') runs without replicas (got "
+                f"max_replicas_per_rank={self.max_replicas_per_rank}); use "
+                "--lrmoe-activation-mode recompute or --lrmoe-max-replicas-per-rank 0"
+            )
+        if self.activation_mode == "lean" and self.exchange_budget_bytes is not None:
+            raise ValueError(
+                f"LRMoEConfig.activation_mode ('lean') sends every pair's gradient row, which an "
+                f"exchange budget ({self.exchange_budget_bytes}) cannot trim; use "
+                "--lrmoe-activation-mode recompute or drop --lrmoe-exchange-budget-bytes"
+            )
         if not isinstance(self.kernels, KernelOptions):
             raise ValueError(
                 f"LRMoEConfig.kernels ({self.kernels!r}) must be a "
@@ -205,13 +219,6 @@ class LRMoEConfig:
             layer_name: Named in error messages so a user can find the layer.
         """
         validate_transformer_config(config, layer_name)
-        ep = getattr(config, "expert_model_parallel_size", 1) or 1
-        if self.activation_mode == "lean" and ep > 1:
-            raise ValueError(
-                f"{layer_name}: activation_mode='lean' runs at EP 1 only (at EP {ep} its "
-                "backward would send every pair's gradient row to the experts); use "
-                "--lrmoe-activation-mode recompute"
-            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "LRMoEConfig":

@@ -303,6 +303,7 @@ def lrmoe_vs_dense_reference(
         "kept_per_local_expert": stats.kept_per_local_expert,
         "grad_rows": stats.exchanges["grad"].rows,
         "dgrad_rows": stats.exchanges["dgrad"].rows,
+        "exchange_rows": {name: (e.rows, e.bytes) for name, e in stats.exchanges.items()},
         "tokens_per_expert": stats.tokens_per_expert,
         "control": stats.control_summary,
         "replicas": _replica_facts(stats),

@@ -118,12 +118,15 @@ def test_valid_config_passes() -> None:
     LRMoEConfig(keep_ratio=0.5).validate_against(moe_transformer_config())
 
 
-def test_lean_mode_runs_at_ep1_only() -> None:
-    lean = LRMoEConfig(keep_ratio=0.5, activation_mode="lean")
-    lean.validate_against(moe_transformer_config())
-    with pytest.raises(ValueError, match=r"decoder.layers.3.mlp: activation_mode='lean' runs at "
-                       r"EP 1 only \(at EP 2 .*--lrmoe-activation-mode recompute"):
-        lean.validate_against(_bad(expert_model_parallel_size=2), "decoder.layers.3.mlp")
+def test_lean_mode_refuses_replicas_and_exchange_budgets() -> None:
+    LRMoEConfig(keep_ratio=0.5, activation_mode="lean").validate_against(
+        _bad(expert_model_parallel_size=2)
+    )
+    replicas = r"'lean'\) runs without replicas .*max_replicas_per_rank=2"
+    with pytest.raises(ValueError, match=replicas):
+        LRMoEConfig(keep_ratio=0.5, activation_mode="lean", max_replicas_per_rank=2)
+    with pytest.raises(ValueError, match=r"exchange budget \(4096\) cannot trim"):
+        LRMoEConfig(keep_ratio=0.5, activation_mode="lean", exchange_budget_bytes=4096)
 
 
 @pytest.mark.parametrize(

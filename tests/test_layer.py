@@ -137,12 +137,32 @@ LEAN_CASES = [
 ]
 
 
-def test_lean_mode_matches_dense_reference_at_ep1() -> None:
-    """``lean`` keeps the activation instead of z and takes the router gradient through fc2:
-    the same math as the dense reference (the router's gradient exact for every pair)."""
-    results = run_distributed(w.lrmoe_vs_dense_reference_cases, 1, 1, LEAN_CASES, timeout=300)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_lean_mode_matches_dense_reference(ep: int) -> None:
+    """``lean`` keeps the activation at the expert instead of z at the source and takes the
+    router gradient through fc2 (at EP 2 every pair's gradient row goes to the experts and one
+    scalar per pair comes back): the same math as the dense reference, the router's gradient
+    exact for every pair, both scopes."""
+    cases = LEAN_CASES + [
+        (
+            dict(keep_ratio=0.5, scope="global", activation_mode="lean"),
+            dict(moe_aux_loss_coeff=0.0),
+            None,
+        )
+    ]
+    results = run_distributed(w.lrmoe_vs_dense_reference_cases, ep, ep, cases, timeout=300)
     _assert_matches_reference(results)
     _check_counts(results)
+    if ep == 1:
+        return
+    for per_rank in results:  # every pair's gradient row out, one fp32 scalar per pair back
+        for d in per_rank:
+            if d["case"][0]["keep_ratio"] == 1.0:  # the exact path: stock's exchanges
+                continue
+            rows = d["exchange_rows"]
+            assert rows["lean_grad"][0] == d["pairs"], d["case"]
+            assert rows["probs_grad"][1] == 4 * rows["probs_grad"][0] > 0, d["case"]
+            assert rows["grad"][0] == d["grad_rows"] == d["kept"], d["case"]
 
 
 def test_keep_below_one_ep4_and_shared_sigmoid() -> None:

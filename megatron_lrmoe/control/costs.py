@@ -6,7 +6,7 @@ The controller plans memory and traffic with these constants. They model what th
 and sends (megatron_lrmoe/op.py) at the granularity of rows; per-pair scalars (routing weights,
 ``||x||^2``, positions; 4-8 bytes against kilobytes per row) are left out. Terms:
 
-| term | per | save | recompute (lean: EP 1) |
+| term | per | save | recompute (lean) |
 |---|---|---|---|
 | replica | replica on a rank | fc1 + fc2 weights + their gradient buffer | same |
 | expert-side saved activations | pair computed in forward | x (H; 0 at EP 1 when trimmed) + fc1 output h (F1) | 0 (lean: activation a, F) |
@@ -15,6 +15,7 @@ and sends (megatron_lrmoe/op.py) at the granularity of rows; per-pair scalars (r
 | ... every pair kept (exact path) | pair | gradient row (H) + 2F + dh (F1) + dx (H): nothing gathered | (not used) |
 | backward exchange | kept pair | gradient row (H) | gradient + token row (2H) |
 | forward token buffers (reported only) | pair computed in forward | x in (H) + z out (H) | same |
+| lean's router gradient (not budgeted) | pair computed in forward | - | lean: gradient row + fc2 input-gradient row (H + F), before the kept rows' backward (below its working bytes at keep >= 0.3 in Qwen3's shape) |
 
 At EP 1 the trimmed ``save`` path reads x from the layer input (which the router saves anyway)
 instead of saving it: there the expert side holds h alone (``local_tokens``). The exact path
@@ -158,7 +159,7 @@ class CostModel:
 
     def exchange_bytes(self, mode: str) -> int:
         """Bytes per kept pair in the backward's gradient exchange (the largest one)."""
-        return self.row_bytes * (2 if mode == "recompute" else 1)
+        return self.row_bytes * (2 if mode in ("recompute", "lean") else 1)
 
     @property
     def forward_buffer_bytes(self) -> int:

@@ -265,7 +265,7 @@ class ControlPlan:
         holds: ``[E, P]`` bool, rank g holds expert e this call (owner always, replicas).
         forward_load: ``[E, P]`` A, pairs of e computed on g in forward.
         backward_load: ``[E, P]`` B, kept pairs of e whose backward runs on g.
-        activation_mode: ``"save"`` or ``"recompute"``, resolved for this call.
+        activation_mode: ``"save"``, ``"recompute"`` or ``"lean"``, resolved for this call.
         scope: ``"local"`` or ``"global"``.
         forward_rank_load: ``[P]`` pairs computed per rank in forward.
         backward_rank_load: ``[P]`` kept pairs per rank in backward.

@@ -58,7 +58,7 @@ def _record_trimmed(
 ) -> None:
     stats, plan, lrmoe = call.stats, call.plan, call.lrmoe
     hidden = g.shape[-1]
-    recompute_rows = call.activation_mode == "recompute" and plan.ep_size > 1
+    recompute_rows = call.activation_mode in ("recompute", "lean") and plan.ep_size > 1
     send_per_rank = _fill_exchanges(
         call, g, kept.send_kept, kept.recv_kept, hidden * (2 if recompute_rows else 1)
     )
@@ -66,8 +66,13 @@ def _record_trimmed(
     stats.kept_pairs_sent = kept.kept_index.numel()
     recv_rows = call.stock_rows[1]
     # Stock returns one routing-weight gradient per pair; the trimmed path computes them at
-    # the source from z.
-    stats.exchanges["probs_grad"] = ExchangeStats(0, 0, 0, 0, recv_rows, recv_rows * 4)
+    # the source from z, lean at the experts from every pair's gradient row (sent first).
+    if call.activation_mode == "lean" and plan.ep_size > 1:
+        rank, row = plan.ep_rank, hidden * g.element_size()
+        stats.exchanges["lean_grad"] = _exchange_stats(call.send_counts, rank, row, 0, 0)
+        stats.exchanges["probs_grad"] = _exchange_stats(call.recv_counts, rank, 4, recv_rows, 4)
+    else:
+        stats.exchanges["probs_grad"] = ExchangeStats(0, 0, 0, 0, recv_rows, recv_rows * 4)
     if plan.ep_size > 1:
         rank = plan.ep_rank
         if lrmoe.scope == "global":

@@ -454,8 +454,9 @@ def pack_kept(
 
 def _packs_inputs(call: ExpertCall) -> bool:
     """Whether the kept rows' inputs go with their gradient rows (the expert side does not
-    hold them: EP 1, where it reads them from the tokens, and ``recompute`` mode)."""
-    return call.plan.ep_size == 1 or call.activation_mode == "recompute"
+    hold them: EP 1, where it reads them from the tokens, and ``recompute`` and ``lean``
+    modes)."""
+    return call.plan.ep_size == 1 or call.activation_mode in ("recompute", "lean")
 
 
 def exchange_kept(

@@ -3,8 +3,8 @@ quota-limited backward.
 
 The source applies the routing weight while summing each token's pairs and keeps the expert
 output ``z`` so that the router gradient stays exact for every pair without any expert
-backward; in ``lean`` mode (EP 1) the expert side keeps the activation ``a`` instead (F wide
-against z's H) and the router gradient is ``<W2^T g, a>`` (:func:`_lean_router_grad`). The
+backward; in ``lean`` mode the expert side keeps the activation ``a`` instead (F wide against
+z's H) and the router gradient is ``<W2^T g, a>`` (:func:`_lean_router_grad`). The
 backward orchestrates the named stages of ``stages.py`` (select -> pack -> exchange -> expert
 backward on the survivors -> return), or replays them as CUDA graphs where it can: the front
 (``stages.replayed_front``) or, at EP 1, the whole backward as one graph per layer
@@ -83,10 +83,10 @@ class TrimmedMoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, probs, call: ExpertCall, w1, w2):
         mode = call.activation_mode
-        if mode == "lean" and (call.ep_size > 1 or call.layout is not None):
+        if mode == "lean" and call.layout is not None:
             raise ValueError(
-                f"activation_mode='lean' runs at EP 1 without replicas only (EP {call.ep_size}); "
-                "use --lrmoe-activation-mode recompute"
+                "activation_mode='lean' runs without replicas; use --lrmoe-activation-mode "
+                "recompute or --lrmoe-max-replicas-per-rank 0"
             )
         x = call.route.to_experts(gather_rows(hidden, call.route.token_of_send))
         z, h = expert_forward_parts(
@@ -96,7 +96,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
         out = gather_sum(z, call.route.slot_send, scale=call.route.to_send_order(probs))
         ctx.call = call
         ctx.params = (w1, w2)  # the parameter objects themselves (see _main_grad_targets)
-        # lean: the activation stands in for z (EP 1: expert order is send order).
+        # lean: the expert side's activation stands in for the source's z.
         a = act_forward(h, call.spec) if mode == "lean" else None
         z = None if mode == "lean" else z
         h = h if mode == "save" else None
@@ -187,17 +187,23 @@ class TrimmedMoEFunction(torch.autograd.Function):
 def _lean_router_grad(
     call: ExpertCall, g: torch.Tensor, a: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``[S]`` router gradient in send order from the saved activation (``lean``, EP 1):
-    ``<g_t, z_pair> = <W2_e^T g_t, a_pair>``, one fc2 input-gradient GEMM over every pair.
+    """``[S]`` router gradient in send order from the expert side's saved activation
+    (``lean``): ``<g_t, z_pair> = <W2_e^T g_t, a_pair>``, one fc2 input-gradient GEMM over every
+    pair. At EP > 1 every pair's gradient row goes to its expert (the exchange stock's backward
+    makes) and one scalar per pair comes back.
 
-    Holds ``[S, H]`` gathered gradient rows and ``[S, F]`` products for the call (transient).
+    Holds ``[R, H]`` gradient rows and ``[R, F]`` products for the call (transient).
     Checked against the dense reference (``tests/test_layer.py -k lean``, the router gradient
     ``<g_t, z_pair>`` of every pair).
     """
-    g_rows = gather_rows(g, call.route.token_of_send)  # send order = expert order at EP 1
-    u = grouped_mm_nn(g_rows, w2, call.groups)  # one weight stack: no replicas at EP 1
+    route = call.route
+    g_rows = route.to_experts(gather_rows(g, route.token_of_send))
+    u = grouped_mm_nn(g_rows, w2, call.groups)  # one weight stack: lean has no replicas
     del g_rows
-    return row_dot(u, a, dtype)
+    d = row_dot(u, a, torch.float32)
+    if call.ep_size > 1:
+        d = route.to_sources(d.unsqueeze(1)).squeeze(1)
+    return d.to(dtype)
 
 
 def _graphed_backward(

@@ -97,8 +97,9 @@ _HELP: dict[str, str] = {
         "What the expert side keeps for backward. 'save': received token rows and fc1 outputs "
         "(stock-like). 'recompute': nothing; kept rows are re-sent with their gradients and "
         "fc1 is recomputed for them only; the source keeps each pair's expert output (H wide) "
-        "for the exact router gradient. 'lean' (EP 1 only): as 'recompute', keeping each "
-        "pair's activation (F wide) instead and taking the router gradient through fc2. "
+        "for the exact router gradient. 'lean': as 'recompute', keeping each pair's "
+        "activation (F wide) at the expert instead and taking the router gradient through fc2 "
+        "(at EP > 1 every pair's gradient row is sent, as in stock; no replicas). "
         "'auto': the controller picks per layer call, 'save' unless the memory budget trims "
         "more pairs there than in 'recompute'. Default: %(def)s."
     ),
