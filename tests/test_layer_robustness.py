@@ -212,10 +212,12 @@ CHECKPOINT_CASES = {
     1: [
         dict(keep_ratio=0.5, selection="sample"),
         dict(keep_ratio=0.5, selection="topk", activation_mode="recompute"),
+        dict(keep_ratio=0.5, selection="sample", activation_mode="lean"),
     ],
     2: [
         dict(keep_ratio=0.5, selection="sample", scope="local"),
         dict(keep_ratio=0.4, selection="sample", scope="global", activation_mode="recompute"),
+        dict(keep_ratio=0.5, selection="sample", scope="local", activation_mode="lean"),
     ],
 }
 
