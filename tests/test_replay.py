@@ -147,6 +147,15 @@ def test_one_call_priced_by_hand() -> None:
     assert price.phase_ms["gemm_bwd"] == pytest.approx(2 * (2 + 2) + 2)
     grad = price.exchange_bytes["grad"]
     assert grad.sum() == 4 * 2 * row and (grad.T == price.exchange_bytes["dgrad"] * 2).all()
+    held_recompute = price.held_bytes
+    # lean: the same kept rows, plus every pair's gradient row out and fc2's input gradient
+    # over the 4 computed rows per rank; F per computed pair held instead of z per sent pair.
+    lean = plan_call(counts, 0, LRMoEConfig(keep_ratio=0.5, activation_mode="lean"), SMALL)
+    price = price_call(lean, SMALL, LINEAR, net)
+    assert price.phase_ms["gemm_bwd"] == pytest.approx(2 * (2 + 2) + 2 + 4)
+    assert price.exchange_bytes["grad"].sum() == 4 * 2 * row + 8 * row
+    lean_held = 4 * SMALL.ffn_hidden_size * SMALL.activation_bytes
+    assert price.held_bytes.tolist() == [lean_held] * 2 and held_recompute.tolist() == [4 * row] * 2
 
 
 # A layer cost of round numbers: 1e6 bytes per ms of memory (2e6 of main_grad), router 0.5 ms per
@@ -441,6 +450,9 @@ def test_parse_arm() -> None:
         parse_arm("keep0.5+rpl2")
     with pytest.raises(ValueError, match="keep_ratio"):
         parse_arm("keep1.5")
+    assert parse_arm("keep0.5+lean").activation_mode == "lean"
+    with pytest.raises(ValueError, match="runs without replicas"):
+        parse_arm("keep0.5+rep2+lean")
 
 
 def test_console_entry_on_a_trace(tmp_path, capsys) -> None:
@@ -556,6 +568,7 @@ CASES = [
     dict(keep_ratio=0.5),
     dict(keep_ratio=0.5, max_replicas_per_rank=1, activation_mode="recompute"),
     dict(keep_ratio=1.0, max_replicas_per_rank=1),
+    dict(keep_ratio=0.5, activation_mode="lean"),
 ]
 
 
@@ -635,7 +648,9 @@ def test_replay_at_p2_matches_the_layers_statistics(layer_runs) -> None:
                 got = calls[r]
                 assert price.forward_rows[r] == got["forward_rows"], (case, k, r)
                 assert price.backward_rows[r] == got["kept_rows"], (case, k, r)
-                assert price.exchange_bytes["grad"][r].sum() == got["grad_bytes"], (case, k, r)
+                # lean's two gradient exchanges (every pair's row, the kept rows) price as one
+                grad = got["grad_bytes"] + got.get("lean_grad_bytes", 0)
+                assert price.exchange_bytes["grad"][r].sum() == grad, (case, k, r)
                 assert price.exchange_bytes["dgrad"][r].sum() == got["dgrad_bytes"], (case, k, r)
                 replica = price.exchange_bytes["replica_grads"][r].sum()
                 assert replica == got.get("replica_grads_bytes", 0), (case, k, r)

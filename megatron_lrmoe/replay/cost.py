@@ -37,7 +37,9 @@ physical meaning (their values: fitted to committed GPU measurements by
   gradient rows (read and write H; also the token rows at EP 1 and in ``recompute`` mode), the
   activation backward on the kept rows (plus its forward again in ``recompute`` mode), the
   gather-sum over the kept rows (kept + T rows of H), and a fixed ``trimmed_fixed_ms`` (the
-  selection's passes over the quota table, the small kernels of the front);
+  selection's passes over the quota table, the small kernels of the front); in ``lean`` mode
+  the scoring reads no z row, and every computed row's gradient row is gathered (read and write
+  H) and its fc2 input gradient dotted with the saved activation (read 2F);
 * the fp32 ``main_grad`` accumulation fused into the weight-gradient GEMMs
   (``main_grad="fused"``, Megatron's default with ``gradient_accumulation_fusion``): every
   owned expert's ``[F1, H]`` and ``[H, F]`` fp32 buffers read and written once by the atomic
@@ -300,7 +302,10 @@ class LayerWork:
         experts: Experts each rank owns (their ``main_grad`` lives there).
         num_experts: E, the router's width.
         trimmed: The call's backward is the trimmed path (not every pair kept).
-        recompute: The trimmed backward runs in ``recompute`` mode.
+        recompute: The trimmed backward runs in ``recompute`` mode (or ``lean``).
+        lean: The trimmed backward runs in ``lean`` mode: no z to read in the scoring; every
+            computed row's gradient row gathered and its fc2 input gradient dotted with the
+            saved activation (the router gradient).
     """
 
     tokens: np.ndarray
@@ -312,6 +317,7 @@ class LayerWork:
     num_experts: int
     trimmed: bool = False
     recompute: bool = False
+    lean: bool = False
 
     @property
     def ranks(self) -> int:
@@ -333,7 +339,8 @@ def elementwise_bytes(work: LayerWork, cost: CostModel) -> tuple[np.ndarray, np.
         return forward, 2 * a * h * (t + n) + activation_bwd
     packs_x = work.ranks == 1 or work.recompute
     backward = (
-        a * h * (t + n)  # scoring: the token's gradient row, each pair's output row
+        a * h * (t + (0.0 if work.lean else n))  # scoring: the token's gradient row, each z row
+        + (a * rows_a * (2 * h + 2 * f) if work.lean else 0.0)  # lean: gather g, dot u . a
         + 2 * a * h * kept * (2 if packs_x else 1)  # packing: read and write the kept rows
         + activation_bwd
         + (a * rows_b * (f1 + f) if work.recompute else 0.0)  # the activation again

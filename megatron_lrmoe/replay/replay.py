@@ -13,8 +13,8 @@ per-rank work and prices each phase with :mod:`megatron_lrmoe.replay.cost`:
 | ``dispatch``, ``combine`` | token rows (H) per pair, source -> holder and back |
 | ``replica_fetch`` | each replica's fc1 + fc2 weights, owner -> holder |
 | ``gemm_fwd`` | fc1 + fc2 over ``A[:, g]`` |
-| ``grad`` | the kept pairs' gradient rows, source -> holder (H; 2H with recompute at P > 1) |
-| ``gemm_bwd`` | dgrad + wgrad of fc1 and fc2 over ``B[:, g]`` (+ fc1 again with recompute) |
+| ``grad`` | the kept pairs' gradient rows, source -> holder (H; 2H with recompute or lean at P > 1; lean: plus every pair's gradient row, H, priced as one all-to-all with them) |
+| ``gemm_bwd`` | dgrad + wgrad of fc1 and fc2 over ``B[:, g]`` (+ fc1 again with recompute or lean; lean: + fc2's input gradient over ``A[:, g]``, the router gradient) |
 | ``dgrad`` | the kept pairs' input-gradient rows (H), holder -> source |
 | ``replica_grads`` | each replica's weight gradient (in the weights' dtype), holder -> owner |
 
@@ -109,7 +109,7 @@ class Arm:
     Attributes:
         name: As given (``stock``, or tokens joined by ``+``: ``keep0.5``, ``rep2``,
             ``mem0.6x`` / ``mem2e9``, ``xch0.5x`` / ``xch1e8``, ``save`` / ``recompute`` /
-            ``auto``). A budget ending in ``x`` is a fraction of what the stock arm holds per
+            ``lean`` / ``auto``). A budget ending in ``x`` is a fraction of what the stock arm holds per
             rank at the same P when balanced (:func:`stock_references`: budgeted bytes for
             ``mem``, gradient-exchange bytes for ``xch``); else bytes.
         stock: Fixed ownership, keep 1.0, memory as stock Megatron's.
@@ -160,7 +160,7 @@ def parse_arm(text: str) -> Arm:
         return Arm(name=text, stock=True)
     arm = Arm(name=text)
     for token in text.split("+"):
-        if token in ("save", "recompute", "auto"):
+        if token in ("save", "recompute", "lean", "auto"):
             arm = replace(arm, activation_mode=token)
             continue
         m = _TOKEN.match(token)
@@ -169,7 +169,7 @@ def parse_arm(text: str) -> Arm:
         except (AttributeError, ValueError):
             raise ValueError(
                 f"arm {text!r}: token {token!r} is not one of keepR, repN, memB, memFx, xchB, "
-                "xchFx, save, recompute, auto (e.g. keep0.5+rep2+mem0.6x), nor 'stock'"
+                "xchFx, save, recompute, lean, auto (e.g. keep0.5+rep2+mem0.6x), nor 'stock'"
             ) from None
         if key in ("keep", "rep") and relative:
             raise ValueError(f"arm {text!r}: {token!r} takes no 'x' (only mem and xch do)")
@@ -322,7 +322,8 @@ def price_call(
     row = cost.row_bytes
     forward_pairs = rank_pair_rows(counts, a, owner, holds_many)
     backward_pairs = forward_pairs if plan.keeps_all else _backward_pairs(plan, owner, holds_many)
-    recompute = plan.activation_mode == "recompute" and not plan.keeps_all
+    lean = plan.activation_mode == "lean" and not plan.keeps_all
+    recompute = plan.activation_mode == "recompute" and not plan.keeps_all or lean
     grad_row = row * (2 if recompute and multi else 1)
     weights = cost.replica_bytes // (cost.param_bytes + cost.grad_bytes) * cost.param_bytes
     replicas = _replica_matrix(plan, owner)
@@ -330,7 +331,7 @@ def price_call(
         "dispatch": forward_pairs * row,
         "replica_fetch": replicas * weights,
         "combine": forward_pairs.T * row,
-        "grad": backward_pairs * grad_row,
+        "grad": backward_pairs * grad_row + (forward_pairs * row if lean else 0),
         "dgrad": backward_pairs.T * row,
         "replica_grads": replicas.T * weights,
     }
@@ -338,6 +339,8 @@ def price_call(
     bwd = 2.0 * (gemm.rank_ms("fc1", b) + gemm.rank_ms("fc2", b))
     if recompute:
         bwd = bwd + gemm.rank_ms("fc1", b)
+    if lean:  # the router gradient: fc2's input gradient over every computed row
+        bwd = bwd + gemm.rank_ms("fc2", a)
     work = None
     if topk is not None:
         if topk <= 0:
@@ -353,6 +356,7 @@ def price_call(
             num_experts=int(counts.shape[1]),
             trimmed=not plan.keeps_all,
             recompute=recompute,
+            lean=lean,
         )
     elif layer is not None:
         raise ValueError("price_call: layer costs need the router's topk (tokens = pairs / topk)")
@@ -368,6 +372,9 @@ def price_call(
         transient = np.maximum(
             memory.backward_bytes.numpy(), memory.forward_buffer_bytes.numpy()
         )
+        if lean:  # the router gradient's gradient and product rows of every computed pair
+            lean_rows = (cost.hidden_size + cost.ffn_hidden_size) * cost.activation_bytes
+            transient = np.maximum(transient, lean_rows * a.sum(axis=0))
     price = CallPrice(
         phase_ms={},
         forward_rows=a.sum(axis=0),
