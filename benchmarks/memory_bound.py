@@ -38,7 +38,8 @@ experts are ``SequentialMLP``, a loop over the experts, listed as "megatron-sequ
 reference. Each arm sets Megatron's recompute (``none``: attention scores only; ``moe``:
 Megatron's selective recompute of the whole MoE layer; ``full``: every transformer layer), the
 micro-batch (tokens per iteration fixed) and, for LRMoE, the keep ratio (``auto0.1``: keep ratio
-"auto" at a variance target of 0.1, issue 38) and ``--lrmoe-activation-mode``. There is no ``moe_act`` arm: LRMoE's experts never keep the
+"auto" at a variance target of 0.1, issue 38) and ``--lrmoe-activation-mode`` (``-lean``: the
+activation kept instead of the expert output, F = 768 against H = 2048 per pair). There is no ``moe_act`` arm: LRMoE's experts never keep the
 activation's output (they recompute it in the backward, as Megatron's ``moe_act`` recompute does;
 ``tests/test_layer_robustness.py::test_experts_never_save_the_activation_output``), and Megatron
 allows ``moe_act`` only with ``--moe-grouped-gemm``, which needs Transformer Engine here.

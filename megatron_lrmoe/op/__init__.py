@@ -37,7 +37,8 @@ to run per backward:
   the backward runs the named stages of ``stages.py`` as separate launches:
   ``select_kept`` -> ``pack_kept`` -> ``exchange_kept`` -> expert backward on the survivors ->
   ``return_dx``, each consuming a small frozen plan (``KeptPlan``). Always so with replicas
-  placed, and with scope ``global`` at EP > 1.
+  placed, with scope ``global`` at EP > 1, and in ``lean`` mode (the expert side keeps the
+  activation instead of z; the router gradient goes through fc2 first, outside the graphs).
 * graphed (a trimmed backward on CUDA where this source selects among its own pairs: no
   replicas placed, and scope ``local`` or EP 1): the same kernels replayed as CUDA graphs, so
   the same bits. Tried in this order, each falling through to the next where it does not run
