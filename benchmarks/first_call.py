@@ -77,7 +77,7 @@ def _worker(args: argparse.Namespace) -> None:
     up = torch.randn(x.shape, device=device, generator=gen).to(torch.bfloat16)
     bench = argparse.Namespace(
         layers=args.layers, experts=args.experts, selection=args.selection, hidden=hidden,
-        ffn=shape.moe_ffn_hidden_size, recompute="none",
+        ffn=shape.moe_ffn_hidden_size, recompute="none", activation_mode="save",
     )
     layers = _build(bench, 1, args.keep[0], pg, device)
     rounds = []
