@@ -60,8 +60,8 @@ class LRMoEConfig:
             F < H in Qwen3 and GLM shapes) instead of z, and the backward takes the exact router
             gradient as ``<W2^T g, a>`` (one extra fc2 input-gradient GEMM over the pairs the
             quota drops; at EP > 1 every pair's gradient row goes to its expert first, as in
-            stock's backward, and one scalar per pair comes back); no replicas, no exchange
-            budget. ``"auto"``: the controller chooses per call:
+            stock's backward, one scalar per pair comes back, and the kept pairs send only their
+            token rows, positions and scales); no replicas, no exchange budget. ``"auto"``: the controller chooses per call:
             ``"save"`` unless the memory budget would trim more pairs than ``"recompute"``
             does (megatron_lrmoe/control/controller.py).
         seed: Seed of the sampling stream; the stream is also keyed by layer number and call

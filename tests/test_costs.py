@@ -108,10 +108,12 @@ def test_cost_model_matches_saved_bytes(ep: int) -> None:
         saved, computed = res["recompute_keep1"]
         assert 1.0 <= saved / (model["expert_save"] * computed) <= 1.05, (where, "keep1 rc", res)
         # lean: the activation (F per computed pair) instead of recompute's z per sent pair;
-        # the router's per-token tensors (what recompute saves beyond z) are the same.
+        # beyond the rows, what recompute saves beyond z (the router's per-token tensors) give
+        # or take one int64 index per pair (which of the layer's cached plans a mode saves).
         saved, computed = res["lean"]
         assert model["source_lean"] == 0
         extra = res["recompute"][0] - model["source_recompute"] * pairs
-        assert saved == model["expert_lean"] * computed + extra, (where, "lean", res)
+        rows = model["expert_lean"] * computed
+        assert rows <= saved <= rows + extra + 8 * pairs, (where, "lean", res)
         # The reference the memory goal is measured against is stock's larger footprint.
         assert res["stock"] > res["keep1"][0] / pairs

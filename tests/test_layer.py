@@ -163,6 +163,11 @@ def test_lean_mode_matches_dense_reference(ep: int) -> None:
             assert rows["lean_grad"][0] == d["pairs"], d["case"]
             assert rows["probs_grad"][1] == 4 * rows["probs_grad"][0] > 0, d["case"]
             assert rows["grad"][0] == d["grad_rows"] == d["kept"], d["case"]
+            # the kept rows' token rows (H) only, with a position and a scale each
+            assert rows["grad"][1] * d["pairs"] == rows["lean_grad"][1] * d["kept"]
+            assert rows["scales"][1] == 4 * d["kept"], d["case"]
+            if d["case"][0].get("scope", "local") == "local":  # the owner knows them (global)
+                assert rows["positions"][1] == 8 * d["kept"], d["case"]
 
 
 def test_keep_below_one_ep4_and_shared_sigmoid() -> None:

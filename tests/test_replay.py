@@ -153,7 +153,7 @@ def test_one_call_priced_by_hand() -> None:
     lean = plan_call(counts, 0, LRMoEConfig(keep_ratio=0.5, activation_mode="lean"), SMALL)
     price = price_call(lean, SMALL, LINEAR, net)
     assert price.phase_ms["gemm_bwd"] == pytest.approx(2 * (2 + 2) + 2 + 4)
-    assert price.exchange_bytes["grad"].sum() == 4 * 2 * row + 8 * row
+    assert price.exchange_bytes["grad"].sum() == 4 * row + 8 * row  # kept token rows, all g
     lean_held = 4 * SMALL.ffn_hidden_size * SMALL.activation_bytes
     assert price.held_bytes.tolist() == [lean_held] * 2 and held_recompute.tolist() == [4 * row] * 2
 

@@ -159,7 +159,7 @@ class CostModel:
 
     def exchange_bytes(self, mode: str) -> int:
         """Bytes per kept pair in the backward's gradient exchange (the largest one)."""
-        return self.row_bytes * (2 if mode in ("recompute", "lean") else 1)
+        return self.row_bytes * (2 if mode == "recompute" else 1)
 
     @property
     def forward_buffer_bytes(self) -> int:

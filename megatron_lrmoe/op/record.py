@@ -58,7 +58,9 @@ def _record_trimmed(
 ) -> None:
     stats, plan, lrmoe = call.stats, call.plan, call.lrmoe
     hidden = g.shape[-1]
-    recompute_rows = call.activation_mode in ("recompute", "lean") and plan.ep_size > 1
+    # Kept rows' exchange: gradient rows (H), with their token rows in recompute mode (2H); in
+    # lean mode the token rows alone (the experts hold the gradient rows).
+    recompute_rows = call.activation_mode == "recompute" and plan.ep_size > 1
     send_per_rank = _fill_exchanges(
         call, g, kept.send_kept, kept.recv_kept, hidden * (2 if recompute_rows else 1)
     )
@@ -78,8 +80,10 @@ def _record_trimmed(
         if lrmoe.scope == "global":
             stats.exchanges["scores"] = _exchange_stats(plan.send_counts, rank, 4, 0, 0)
             stats.exchanges["weights"] = _exchange_stats(plan.recv_counts, rank, 4, 0, 0)
-        elif call.activation_mode == "save":
+        elif call.activation_mode in ("save", "lean"):
             stats.exchanges["positions"] = _rank_exchange(send_per_rank, rank, 8, 0, 0)
+        if call.activation_mode == "lean":  # the kept rows' gradient scale, fp32
+            stats.exchanges["scales"] = _rank_exchange(send_per_rank, rank, 4, 0, 0)
     stats.timer = timer
     stats.backward_done = True
 

@@ -26,7 +26,7 @@ from megatron_lrmoe.dispatch.compaction import (
     row_chunk_ids,
 )
 from megatron_lrmoe.dispatch.replicas import KeptLayout
-from megatron_lrmoe.dispatch.rows import gather_rows, gather_sum, pack_pairs
+from megatron_lrmoe.dispatch.rows import gather_rows, gather_sum, pack_pairs, scale_rows
 from megatron_lrmoe.graphs.front import (
     FrontBuffers,
     front_graphs_wanted,
@@ -39,7 +39,15 @@ from megatron_lrmoe.select.contract import PairScores, Selection
 from megatron_lrmoe.select.scoring import draw_uniforms, pair_scores, select, token_norms
 from megatron_lrmoe.triton_common import use_triton
 
-__all__ = ["KeptPlan", "exchange_kept", "pack_kept", "replayed_front", "return_dx", "select_kept"]
+__all__ = [
+    "KeptPlan",
+    "exchange_kept",
+    "exchange_lean_kept",
+    "pack_kept",
+    "replayed_front",
+    "return_dx",
+    "select_kept",
+]
 
 
 @dataclass(frozen=True)
@@ -274,14 +282,14 @@ def _local_plan(
     kept_positions = None
     if p == 1:
         recv_kept = plan.quota_by_source[:, plan.local_experts].contiguous()
-        if call.activation_mode == "save":
+        if _expert_holds_rows(call):
             # Send order is expert order: the kept pairs are the kept expert-side rows.
             kept_positions = sel.kept_index
         return KeptPlan(sel.kept_index, sel.weight, send_kept, recv_kept, kept_positions, poison)
     # Host integers in numpy (a torch CPU op costs ~5 us; this runs in every backward).
     recv_np = np.ascontiguousarray(plan.quota_by_source.numpy()[:, plan.local_experts])
     recv_kept = torch.from_numpy(recv_np)
-    if call.activation_mode == "save":
+    if _expert_holds_rows(call):
         # The expert side holds every received row; the source tells it which ones survived,
         # as their rows there: each kept send position plus its expert's shift (one host
         # table, one copy, one expansion; the owner only reorders what arrives).
@@ -407,7 +415,7 @@ def _select_global(
     recv_kept = counts[1].reshape(p, nle)
     # The kept count is a host integer now: no second sync for the compaction.
     kept_index = torch.nonzero_static(kept_src, size=int(send_kept.sum())).squeeze(1)
-    kept_positions = owner_sel.kept_index if call.activation_mode == "save" else None
+    kept_positions = owner_sel.kept_index if _expert_holds_rows(call) else None
     return KeptPlan(
         kept_index, weight_src[kept_index].float(), send_kept, recv_kept, kept_positions, poison
     )
@@ -452,6 +460,16 @@ def pack_kept(
     )
 
 
+def _expert_holds_rows(call: ExpertCall) -> bool:
+    """Whether the expert side holds a row of every pair it computed when the kept ones are
+    chosen, so that the source sends their positions (``KeptPlan.kept_positions``): the saved
+    inputs in ``save`` mode; in ``lean`` mode every pair's gradient row, received for the
+    router gradient (``lean_gradient_rows``)."""
+    return call.activation_mode == "save" or (
+        call.activation_mode == "lean" and call.plan.ep_size > 1
+    )
+
+
 def _packs_inputs(call: ExpertCall) -> bool:
     """Whether the kept rows' inputs go with their gradient rows (the expert side does not
     hold them: EP 1, where it reads them from the tokens, and ``recompute`` and ``lean``
@@ -467,6 +485,31 @@ def exchange_kept(
     dz = route.exchange(g_kept, send, recv, kept.recv_kept)
     x_in = None if x_kept is None else route.exchange(x_kept, send, recv, kept.recv_kept)
     return dz, x_in
+
+
+def exchange_lean_kept(
+    call: ExpertCall,
+    kept: KeptPlan,
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    g_rows: torch.Tensor,
+    row_of_pair: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stages 2 and 3 in ``lean`` mode at EP > 1, where the experts already hold every pair's
+    gradient row (``g_rows``, expert order, from the router gradient): the source packs and
+    sends the kept pairs' token rows and their gradient scale ``p * w`` (+ poison) only, and
+    the expert side gathers and scales its own gradient rows at the kept positions (the rows
+    :func:`pack_kept` would have sent, to the bit). Returns ``(dz, x_in)`` in expert order;
+    fills ``row_of_pair`` as :func:`pack_kept` does."""
+    pairs = kept.exchange_pairs
+    x_kept = gather_rows(hidden, call.perm.token_of_pair.index_select(0, pairs))
+    scale = probs.float().index_select(0, pairs) * kept.exchange_weight + kept.poison
+    if row_of_pair is not None:
+        row_of_pair[pairs] = torch.arange(pairs.numel(), device=pairs.device)
+    route, send, recv = call.route, kept.send_splits, kept.recv_splits
+    x_in = route.exchange(x_kept, send, recv, kept.recv_kept)
+    scale_in = route.exchange(scale.unsqueeze(1), send, recv, kept.recv_kept).squeeze(1)
+    return scale_rows(g_rows, scale_in, kept.kept_positions), x_in
 
 
 def _kept_inputs(ctx, kept: KeptPlan, x_in: Optional[torch.Tensor]) -> torch.Tensor:

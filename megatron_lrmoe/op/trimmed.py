@@ -40,6 +40,7 @@ from megatron_lrmoe.op.stages import (
     _packs_inputs,
     _record_selection,
     exchange_kept,
+    exchange_lean_kept,
     new_row_of_pair,
     pack_kept,
     replayed_front,
@@ -148,6 +149,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
                 d_probs, kept, d_hidden = graphed
                 return _trimmed_grads(call, ctx, g, kept, d_probs, d_hidden, into, timer)
         front = replayed_front(call, g, hidden, probs, z, key, timer) if a is None else None
+        lean_rows = None  # lean at EP > 1: every pair's gradient row, at the experts
         if front is not None:
             d_probs, kept, g_kept, x_kept, row_of_pair = front
         else:
@@ -155,7 +157,8 @@ class TrimmedMoEFunction(torch.autograd.Function):
             # by token (each g row read once for its K pairs, not once per pair).
             route = call.route
             if a is not None:
-                d_probs = route.to_pair_order(_lean_router_grad(call, g, a, w2, probs.dtype))
+                d_send, lean_rows = _lean_router_grad(call, g, a, w2, probs.dtype)
+                d_probs = route.to_pair_order(d_send)
             else:
                 d_probs = route.to_pair_order(row_dot(g, z, probs.dtype, slots=route.slot_send))
             del a
@@ -164,11 +167,16 @@ class TrimmedMoEFunction(torch.autograd.Function):
                 timer.start("packing")
             # Packed row of each kept pair, written by the packing kernel, read by return_dx.
             row_of_pair = new_row_of_pair(call, g.device) if ctx.needs_input_grad[0] else None
-            g_kept, x_kept = pack_kept(call, g, hidden, probs, kept, row_of_pair)
+            if lean_rows is None:
+                g_kept, x_kept = pack_kept(call, g, hidden, probs, kept, row_of_pair)
             if timer:
                 timer.stop("packing")
         del z, front  # z is no longer needed (the router gradient is taken)
-        dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
+        if lean_rows is not None:  # the experts gather their own kept gradient rows
+            dz, x_in = exchange_lean_kept(call, kept, hidden, probs, lean_rows, row_of_pair)
+            del lean_rows
+        else:
+            dz, x_in = exchange_kept(call, kept, g_kept, x_kept)
         x_k = _kept_inputs(ctx, kept, x_in)
         # Save mode: the activation backward reads the kept rows of the saved h in place.
         h, h_rows = ctx.h, (kept.kept_positions if ctx.h is not None else None)
@@ -186,24 +194,23 @@ class TrimmedMoEFunction(torch.autograd.Function):
 
 def _lean_router_grad(
     call: ExpertCall, g: torch.Tensor, a: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """``[S]`` router gradient in send order from the expert side's saved activation
-    (``lean``): ``<g_t, z_pair> = <W2_e^T g_t, a_pair>``, one fc2 input-gradient GEMM over every
-    pair. At EP > 1 every pair's gradient row goes to its expert (the exchange stock's backward
-    makes) and one scalar per pair comes back.
-
-    Holds ``[R, H]`` gradient rows and ``[R, F]`` products for the call (transient).
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``([S] router gradient in send order, [R, H] gradient rows or None)`` from the expert
+    side's saved activation (``lean``): ``<g_t, z_pair> = <W2_e^T g_t, a_pair>``, one fc2
+    input-gradient GEMM over every pair. At EP > 1 every pair's gradient row goes to its expert
+    (the exchange stock's backward makes) and one scalar per pair comes back; the experts keep
+    the rows for the kept pairs' backward (``stages.exchange_lean_kept``).
     Checked against the dense reference (``tests/test_layer.py -k lean``, the router gradient
     ``<g_t, z_pair>`` of every pair).
     """
     route = call.route
     g_rows = route.to_experts(gather_rows(g, route.token_of_send))
     u = grouped_mm_nn(g_rows, w2, call.groups)  # one weight stack: lean has no replicas
-    del g_rows
     d = row_dot(u, a, torch.float32)
-    if call.ep_size > 1:
-        d = route.to_sources(d.unsqueeze(1)).squeeze(1)
-    return d.to(dtype)
+    del u
+    if call.ep_size == 1:  # the kept rows are packed from g at the source, as in recompute
+        return d.to(dtype), None
+    return route.to_sources(d.unsqueeze(1)).squeeze(1).to(dtype), g_rows
 
 
 def _graphed_backward(

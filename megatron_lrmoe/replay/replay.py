@@ -13,7 +13,7 @@ per-rank work and prices each phase with :mod:`megatron_lrmoe.replay.cost`:
 | ``dispatch``, ``combine`` | token rows (H) per pair, source -> holder and back |
 | ``replica_fetch`` | each replica's fc1 + fc2 weights, owner -> holder |
 | ``gemm_fwd`` | fc1 + fc2 over ``A[:, g]`` |
-| ``grad`` | the kept pairs' gradient rows, source -> holder (H; 2H with recompute or lean at P > 1; lean: plus every pair's gradient row, H, priced as one all-to-all with them) |
+| ``grad`` | the kept pairs' gradient rows, source -> holder (H; 2H with recompute at P > 1; lean: every pair's gradient row and the kept pairs' token rows, H each, priced as one all-to-all) |
 | ``gemm_bwd`` | dgrad + wgrad of fc1 and fc2 over ``B[:, g]`` (+ fc1 again with recompute or lean; lean: + fc2's input gradient over ``A[:, g]``, the router gradient) |
 | ``dgrad`` | the kept pairs' input-gradient rows (H), holder -> source |
 | ``replica_grads`` | each replica's weight gradient (in the weights' dtype), holder -> owner |
@@ -324,7 +324,7 @@ def price_call(
     backward_pairs = forward_pairs if plan.keeps_all else _backward_pairs(plan, owner, holds_many)
     lean = plan.activation_mode == "lean" and not plan.keeps_all
     recompute = plan.activation_mode == "recompute" and not plan.keeps_all or lean
-    grad_row = row * (2 if recompute and multi else 1)
+    grad_row = row * (2 if recompute and multi and not lean else 1)  # lean: token rows alone
     weights = cost.replica_bytes // (cost.param_bytes + cost.grad_bytes) * cost.param_bytes
     replicas = _replica_matrix(plan, owner)
     exchanges = {
