@@ -61,9 +61,11 @@ class LRMoEConfig:
             gradient as ``<W2^T g, a>`` (one extra fc2 input-gradient GEMM over the pairs the
             quota drops; at EP > 1 every pair's gradient row goes to its expert first, as in
             stock's backward, one scalar per pair comes back, and the kept pairs send only their
-            token rows, positions and scales); no replicas, no exchange budget. ``"auto"``: the controller chooses per call:
-            ``"save"`` unless the memory budget would trim more pairs than ``"recompute"``
-            does (megatron_lrmoe/control/controller.py).
+            token rows, positions and scales); no replicas, no exchange budget. ``"auto"``: the
+            controller chooses per call: ``"save"`` unless the memory budget trims it, then
+            ``"recompute"``, then ``"lean"`` (without replicas and exchange budget): the first
+            the budget does not trim, else the one that keeps the most pairs
+            (megatron_lrmoe/control/controller.py).
         seed: Seed of the sampling stream; the stream is also keyed by layer number and call
             index, so every rank and every rerun draws the same sample.
         record_stats: Keep per-call statistics on ``layer.last_call_stats`` (counts, bytes, and

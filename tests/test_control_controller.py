@@ -238,21 +238,36 @@ def test_exchange_budget_limits_sent_and_received_rows() -> None:
         assert plan_call(counts, 0, both, COST, check=True).binding_budgets == ("exchange",)
 
 
-def test_auto_mode_picks_recompute_when_saving_does_not_fit() -> None:
+def test_auto_mode_picks_the_first_mode_the_budget_does_not_trim() -> None:
+    """auto: save, then recompute, then lean (not with replicas): the first mode whose plan the
+    memory budget leaves untrimmed, else the one that keeps the most pairs."""
     counts = np.full((4, 8), 25, dtype=np.int64)  # 200 pairs per rank, balanced
-    saving = minimum_memory_bytes(LRMoEConfig(activation_mode="save"), COST, 200)
-    recompute = minimum_memory_bytes(LRMoEConfig(activation_mode="recompute"), COST, 200)
-    assert recompute < saving
-    budget = (saving + recompute) // 2
-    auto = plan_call(
-        counts, 0, LRMoEConfig(activation_mode="auto", memory_budget_bytes=budget), COST, check=True
+
+    def full(mode: str) -> int:  # what a mode's untrimmed plan holds per rank
+        lrmoe = LRMoEConfig(keep_ratio=0.5, activation_mode=mode, memory_budget_bytes=1 << 62)
+        return int(plan_call(counts, 0, lrmoe, COST).memory.budgeted_bytes.max())
+
+    assert full("lean") < full("recompute") < full("save")
+    for budget, want in ((full("save"), "save"), (full("recompute"), "recompute"),
+                         (full("lean"), "lean")):  # fmt: skip
+        lrmoe = LRMoEConfig(keep_ratio=0.5, activation_mode="auto", memory_budget_bytes=budget)
+        auto = plan_call(counts, 0, lrmoe, COST, check=True)
+        assert auto.activation_mode == want and not auto.binding_budgets, (budget, want)
+        assert auto.kept_pairs == 400
+    # Under lean's full plan every mode is trimmed; lean keeps the most pairs.
+    tight = LRMoEConfig(
+        keep_ratio=0.5, activation_mode="auto", memory_budget_bytes=full("lean") - 1
     )
-    assert auto.activation_mode == "recompute" and not auto.unmet_budgets and auto.kept_pairs > 0
+    auto = plan_call(counts, 0, tight, COST, check=True)
+    assert auto.activation_mode == "lean" and auto.binding_budgets == ("memory",)
+    # With replicas lean is not a candidate: recompute, trimmed.
+    replicas = dataclasses.replace(tight, max_replicas_per_rank=1)
+    assert plan_call(counts, 0, replicas, COST, check=True).activation_mode == "recompute"
     forced = plan_call(
-        counts, 0, LRMoEConfig(activation_mode="save", memory_budget_bytes=budget), COST, check=True
+        counts, 0, dataclasses.replace(tight, activation_mode="save"), COST, check=True
     )
-    assert forced.unmet_budgets == ("memory",) and forced.kept_pairs == 0
-    # Without a binding budget auto keeps the faster save mode.
+    assert forced.kept_pairs < auto.kept_pairs
+    # Without a budget auto keeps the faster save mode.
     plan = plan_call(counts, 0, LRMoEConfig(activation_mode="auto"), COST, check=True)
     assert plan.activation_mode == "save"
 
@@ -267,7 +282,7 @@ def test_start_up_check_names_the_budget_and_its_minimum() -> None:
         )
     text = str(info.value)
     assert "decoder.3.mlp" in text and "memory_budget_bytes" in text and str(need) in text
-    assert "--lrmoe-memory-budget-bytes" in text and "recompute" in text
+    assert "--lrmoe-memory-budget-bytes" in text and "--lrmoe-activation-mode lean" in text
     # A budget at the minimum is met at run time by a balanced call (quota 0 at worst).
     counts = np.full((4, 8), 1024 // 8, dtype=np.int64)
     plan = plan_call(counts, 0, LRMoEConfig(keep_ratio=0.5, memory_budget_bytes=need), COST)

@@ -22,7 +22,9 @@ Pipeline of :func:`plan_call` (host integers only, before any expert compute):
    assignment (augmenting paths, cuts of ranks that prove they do not); under the memory budget
    alone the answer is monotone in ``c``, and a cut-guided search finds the same ``c`` in a few
    trials (``BudgetSearch.solve``, control/budgets.py).
-5. ``activation_mode="auto"``: save unless recompute keeps more pairs under the memory budget.
+5. ``activation_mode="auto"``: save unless the memory budget trims it; then recompute, then lean
+   (without replicas and exchange budget), the first the budget does not trim, else the one
+   that keeps the most pairs.
 
 Per-source splits (what the op exchanges) follow one rule everywhere: an expert's pairs are laid
 on a line in source-rank order and its holders take consecutive ranges, the owner first, then the
@@ -81,7 +83,17 @@ logger = logging.getLogger(__name__)
 
 
 def _modes(lrmoe: LRMoEConfig) -> tuple[str, ...]:
-    return ("save", "recompute") if lrmoe.activation_mode == "auto" else (lrmoe.activation_mode,)
+    """The modes a call may take, in order of preference: ``auto`` tries ``save``, then
+    ``recompute``, then ``lean`` where lean may run (no replicas, no exchange budget)."""
+    if lrmoe.activation_mode != "auto":
+        return (lrmoe.activation_mode,)
+    if _lean_allowed(lrmoe):
+        return ("save", "recompute", "lean")
+    return ("save", "recompute")
+
+
+def _lean_allowed(lrmoe: LRMoEConfig) -> bool:
+    return lrmoe.max_replicas_per_rank == 0 and lrmoe.exchange_budget_bytes is None
 
 
 def minimum_memory_bytes(
@@ -137,12 +149,13 @@ def check_budgets(
     need = minimum_memory_bytes(lrmoe, cost, pairs_per_rank, ep_size)
     if memory < need:
         fix = f"set --lrmoe-memory-budget-bytes to at least {need}"
-        if lrmoe.activation_mode == "save":
+        if lrmoe.activation_mode != "lean":
+            mode = "lean" if _lean_allowed(lrmoe) else "recompute"
             cheaper = minimum_memory_bytes(
-                LRMoEConfig(activation_mode="recompute"), cost, pairs_per_rank, ep_size
+                LRMoEConfig(activation_mode=mode), cost, pairs_per_rank, ep_size
             )
             if cheaper < need:
-                fix += f" (or {cheaper} with --lrmoe-activation-mode recompute or auto)"
+                fix += f" (or {cheaper} with --lrmoe-activation-mode {mode})"
         raise ValueError(
             f"{layer_name}: memory_budget_bytes ({memory}) cannot be met at any quota: a call "
             f"with {pairs_per_rank} pairs per rank holds at least {need} bytes per GPU at quota 0 "
@@ -267,7 +280,7 @@ def plan_call(
     if budgets and cost is None:
         raise ValueError("LRMoE budgets need a CostModel (CostModel.from_config(config))")
     w, q0 = _totals(n, float(lrmoe.keep_ratio), lib)
-    # Modes in order of preference (auto: save, then recompute); the first that no budget trims
+    # Modes in order of preference (auto: save, recompute, lean); the first that no budget trims
     # wins at once, else the one that keeps the most pairs (then the lower forward peak).
     best: Optional[tuple[tuple, BudgetSearch, Backward, Optional[int], tuple, tuple]] = None
     modes = _modes(lrmoe)

@@ -100,8 +100,9 @@ _HELP: dict[str, str] = {
         "for the exact router gradient. 'lean': as 'recompute', keeping each pair's "
         "activation (F wide) at the expert instead and taking the router gradient through fc2 "
         "(at EP > 1 every pair's gradient row is sent, as in stock; no replicas). "
-        "'auto': the controller picks per layer call, 'save' unless the memory budget trims "
-        "more pairs there than in 'recompute'. Default: %(def)s."
+        "'auto': the controller picks per layer call: 'save' unless the memory budget trims "
+        "it, then 'recompute', then 'lean' (no replicas, no exchange budget), the first the "
+        "budget does not trim, else the one keeping the most pairs. Default: %(def)s."
     ),
     "seed": (
         "Seed of the pair-sampling stream (keyed further by layer and call, identical on every "
