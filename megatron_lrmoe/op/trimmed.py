@@ -67,7 +67,7 @@ class TrimmedMoEFunction(torch.autograd.Function):
     |         |            | router gradient ``<g, z>`` is taken, then freed               |
     | h       | [R, F1]    | ``save`` mode: fc1 output on the expert side                  |
     | x       | [R, H]     | ``save`` mode at EP > 1: received rows (remote tokens)        |
-    | a       | [R, F]     | ``lean`` mode (EP 1): the activation, in place of z           |
+    | a       | [R, F]     | ``lean`` mode: the activation on the expert side, for z       |
     | out     | [T, H]     | ``sum_k p * z`` per token (fp32 sum, one rounding)             |
 
     With replicas, ``z`` is in send order (``call.route.slot_send`` sums it back), ``h`` and ``x``
