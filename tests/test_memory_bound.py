@@ -334,6 +334,8 @@ def test_gpu_memory_emulation_holds_the_rest_of_the_device(tmp_path: Path) -> No
     line = describe_gpu_memory(card)
     assert "79.18 GiB card emulated on cuda:2" in line and "60.62 GiB held outside" in line
     assert plan_gpu_memory(int(139.8 * GIB) / GIB, int(139.8 * GIB)).held_bytes == 0
+    # 79.18 on a card of 79.176 GiB (rounded up from the card's own figure): the card itself.
+    assert plan_gpu_memory(79.18, int(79.176 * GIB)).held_bytes == 0
     with pytest.raises(ValueError, match=r"--gpu-memory-gib \(140\) exceeds the memory"):
         plan_gpu_memory(140, int(139.8 * GIB))
     for bad in (0, -1, float("nan"), float("inf")):

@@ -160,6 +160,10 @@ def plan_gpu_memory(card_gib: float, total_bytes: int, device: int = 0) -> GpuMe
     Raises:
         ValueError: The size is not a positive finite number or exceeds the device's memory.
     """
+    # A card given to two decimals may round above the very card it names (79.18 on an H100):
+    # within 0.01 GiB of the device it is the device itself.
+    if isinstance(card_gib, (int, float)) and 0 < card_gib * GIB - total_bytes <= 0.01 * GIB:
+        card_gib = total_bytes / GIB
     _check_size(
         "--gpu-memory-gib", card_gib, total_bytes, device,
         "the emulated card's memory as torch reports it (79.18 for an H100 80GB)",
