@@ -182,6 +182,16 @@ def test_keep_below_one_ep4_and_shared_sigmoid() -> None:
             ),
             None,
         ),
+        (
+            dict(keep_ratio=0.3, activation_mode="lean"),
+            dict(
+                moe_aux_loss_coeff=0.0,
+                moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True,
+                moe_router_topk=4,
+            ),
+            None,
+        ),
     ]
     results = run_distributed(w.lrmoe_vs_dense_reference_cases, 4, 4, cases, timeout=300)
     _assert_matches_reference(results)
