@@ -642,6 +642,35 @@ def section_time_to_target(root: Path) -> str:
 
 
 _REAL_CARD = _RUN34 / "call10" / "summary.json"
+_REAL_SEARCH = _RUN34 / "call13" / "search.json"
+
+
+def _real_card_search(root: Path) -> str:
+    """What fits a real H100 80GB with no cap (gpu_run34 call 13), ``lean`` among them."""
+    search = json.loads((root / _REAL_SEARCH).read_text())
+    rows = {r["arm"]["name"]: r for r in search["arms"]}
+    base = rows[search["picks"]["baseline"]]
+    out = [
+        "",
+        "What fits the real card (no cap; 10 iterations each, medians of iterations 4-10, "
+        "expandable segments in every arm):",
+        "",
+        _source("gpu_run34 call 13", "f76cf1a",
+                "bash benchmarks/results/gpu_run34/call13.sh (memory_bound.py search --cap-gib 0 "
+                "on an H100 80GB)", [_REAL_SEARCH]),
+        "",
+        f"| arm | setting | fits | peak GiB | ms/iter | MoE ms/iter | iteration / MoE vs "
+        f"{base['arm']['name']} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        fits = "yes" if row["fits"] else ("out of memory" if row["oom"] else "did not finish")
+        cost = "- | - | -" if row["iter_ms"] is None else (
+            f"{row['iter_ms']:.0f} | {row['moe_ms']:.0f} | "
+            f"{_ratio(row['iter_ms'], base['iter_ms'])} / {_ratio(row['moe_ms'], base['moe_ms'])}")
+        peak = "-" if not row["fits"] else f"{row['max_allocated_gib']:.1f}"
+        out.append(f"| {name} | {_arm_setting(row['arm'])} | {fits} | {peak} | {cost} |")
+    return "\n".join(out)
 
 
 def _real_card_check(root: Path) -> str:
@@ -659,11 +688,12 @@ def _real_card_check(root: Path) -> str:
         "allocator alone and never charged that memory: the H200 figures above hold for a card "
         f"of about {run['memory_cap_gib'] + oom['outside_gib']:.0f} GiB, not for an 80 GB one. "
         "`--gpu-memory-gib 79.18` emulates the H100 whole (the rest of the device held outside "
-        "PyTorch); the runs that decide what fits an 80 GB card are to be repeated with it. "
+        "PyTorch); the time-to-target runs are to be repeated on the real card or with it. "
         + _source("gpu_run34 call 10", "40ca965",
                   "ARM=k0.5-recompute SEED=4321 bash benchmarks/results/gpu_run34/call8.sh; "
                   "python benchmarks/train_logs.py LOG --one --device \"$(sed -n 2p run.log)\"",
                   [_REAL_CARD])
+        + "\n" + _real_card_search(root)
     )
 
 
