@@ -89,6 +89,7 @@ def expert_forward(
     counts: Counts,
     spec: GluSpec,
     probs: torch.Tensor | None = None,
+    keep_act: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs fc1, the activation (times ``probs``) and fc2 for every expert.
 
@@ -99,16 +100,18 @@ def expert_forward(
         counts: Rows per expert (``G`` entries summing to ``N``), ideally a ``GroupSizes``.
         spec: Activation description.
         probs: Optional ``[N]`` routing weight of each row, applied before fc2.
+        keep_act: Return the activation (fc2's input) instead of fc1's output.
 
     Returns:
         ``(z [N, H], h [N, F1])``: the output and fc1's output (the caller decides whether to
-        keep ``h`` for backward).
+        keep ``h`` for backward); with ``keep_act``, ``(z, a [N, F])``.
     """
     _check_shapes(x, w1, w2, spec, "expert_forward")
     groups = GroupSizes(counts)  # one offsets build shared by both products
     h = grouped_mm_nt(x, w1, groups)
-    z = grouped_mm_nt(act_forward(h, spec, probs), w2, groups)
-    return z, h
+    a = act_forward(h, spec, probs)
+    z = grouped_mm_nt(a, w2, groups)
+    return z, (a if keep_act else h)
 
 
 def expert_backward(
@@ -230,6 +233,7 @@ def expert_forward_parts(
     counts: Sequence[Counts],
     spec: GluSpec,
     probs: torch.Tensor | None = None,
+    keep_act: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`expert_forward` over rows whose groups use several weight stacks.
 
@@ -239,12 +243,15 @@ def expert_forward_parts(
         counts: Rows per group of each stack.
         spec: Activation description.
         probs: Optional ``[N]`` routing weight of each row.
+        keep_act: As in :func:`expert_forward`.
 
     Returns:
-        ``(z [N, H], h [N, F1])``; one stack is exactly :func:`expert_forward`.
+        ``(z [N, H], h [N, F1])`` (``a [N, F]`` with ``keep_act``); one stack is exactly
+        :func:`expert_forward`.
     """
     if len(weights) == 1:
-        return expert_forward(x, weights[0][0], weights[0][1], counts[0], spec, probs)
+        w1, w2 = weights[0]
+        return expert_forward(x, w1, w2, counts[0], spec, probs, keep_act)
     for w1, w2 in weights:
         _check_shapes(x, w1, w2, spec, "expert_forward_parts")
     groups = [GroupSizes(c) for c in counts]
@@ -253,7 +260,7 @@ def expert_forward_parts(
     h = _parts_mm(grouped_mm_nt, x, w1s, groups, spans, w1s[0].shape[1])
     a = act_forward(h, spec, probs)
     z = _parts_mm(grouped_mm_nt, a, w2s, groups, spans, x.shape[1])
-    return z, h
+    return z, (a if keep_act else h)
 
 
 def expert_backward_parts(

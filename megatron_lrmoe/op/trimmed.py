@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 
 from megatron_lrmoe.dispatch.rows import gather_rows, gather_sum, row_dot
-from megatron_lrmoe.experts.activation import act_forward
 from megatron_lrmoe.experts.grouped_gemm import GroupSizes, grouped_mm_nn
 from megatron_lrmoe.experts.mlp import expert_backward_parts, expert_forward_parts
 from megatron_lrmoe.experts.wgrad_triton import MainGrads
@@ -90,15 +89,17 @@ class TrimmedMoEFunction(torch.autograd.Function):
                 "recompute or --lrmoe-max-replicas-per-rank 0"
             )
         x = call.route.to_experts(gather_rows(hidden, call.route.token_of_send))
+        # lean keeps the activation (fc2's input) in place of fc1's output.
         z, h = expert_forward_parts(
-            x, call.weight_stacks(w1, w2), call.stack_counts(call.forward_groups), call.spec
-        )
+            x, call.weight_stacks(w1, w2), call.stack_counts(call.forward_groups), call.spec,
+            keep_act=mode == "lean",
+        )  # fmt: skip
         z = call.route.to_sources(z)  # send order
         out = gather_sum(z, call.route.slot_send, scale=call.route.to_send_order(probs))
         ctx.call = call
         ctx.params = (w1, w2)  # the parameter objects themselves (see _main_grad_targets)
         # lean: the expert side's activation stands in for the source's z.
-        a = act_forward(h, call.spec) if mode == "lean" else None
+        a = h if mode == "lean" else None
         z = None if mode == "lean" else z
         h = h if mode == "save" else None
         # At EP 1 every received row is a local token: read it from ``hidden`` instead.
