@@ -141,23 +141,35 @@ class LRMoEConfig:
                 f"LRMoEConfig.max_replicas_per_rank ({self.max_replicas_per_rank!r}) must be an "
                 "int >= 0 (0: fixed ownership)"
             )
-        if self.activation_mode == "lean" and self.max_replicas_per_rank > 0:
-            raise ValueError(
-                f"LRMoEConfig.activation_mode ('lean') runs without replicas (got "
-                f"max_replicas_per_rank={self.max_replicas_per_rank}); use "
-                "--lrmoe-activation-mode recompute or --lrmoe-max-replicas-per-rank 0"
-            )
-        if self.activation_mode == "lean" and self.exchange_budget_bytes is not None:
-            raise ValueError(
-                f"LRMoEConfig.activation_mode ('lean') sends every pair's gradient row, which an "
-                f"exchange budget ({self.exchange_budget_bytes}) cannot trim; use "
-                "--lrmoe-activation-mode recompute or drop --lrmoe-exchange-budget-bytes"
-            )
+        conflicts = self.lean_conflicts()
+        if self.activation_mode == "lean" and conflicts:
+            raise ValueError(f"LRMoEConfig.activation_mode ('lean') {conflicts[0]}")
         if not isinstance(self.kernels, KernelOptions):
             raise ValueError(
                 f"LRMoEConfig.kernels ({self.kernels!r}) must be a "
                 "megatron_lrmoe.KernelOptions (e.g. KernelOptions(triton=False))"
             )
+
+    def lean_conflicts(self) -> list[str]:
+        """Why ``activation_mode="lean"`` cannot run with these settings (empty: it can).
+
+        Lean sends every pair's gradient row to the expert that owns it, so it takes neither
+        replicas nor an exchange budget. The refusal of ``"lean"`` and ``"auto"``'s choice of
+        candidates both read this.
+        """
+        out = []
+        if self.max_replicas_per_rank > 0:
+            out.append(
+                f"runs without replicas (got max_replicas_per_rank={self.max_replicas_per_rank}); "
+                "use --lrmoe-activation-mode recompute or --lrmoe-max-replicas-per-rank 0"
+            )
+        if self.exchange_budget_bytes is not None:
+            out.append(
+                "sends every pair's gradient row, which an exchange budget "
+                f"({self.exchange_budget_bytes}) cannot trim; use --lrmoe-activation-mode "
+                "recompute or drop --lrmoe-exchange-budget-bytes"
+            )
+        return out
 
     def _check_keep_ratio(self) -> None:
         if self.keep_ratio == "auto":

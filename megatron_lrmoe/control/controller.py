@@ -87,13 +87,9 @@ def _modes(lrmoe: LRMoEConfig) -> tuple[str, ...]:
     ``recompute``, then ``lean`` where lean may run (no replicas, no exchange budget)."""
     if lrmoe.activation_mode != "auto":
         return (lrmoe.activation_mode,)
-    if _lean_allowed(lrmoe):
+    if not lrmoe.lean_conflicts():
         return ("save", "recompute", "lean")
     return ("save", "recompute")
-
-
-def _lean_allowed(lrmoe: LRMoEConfig) -> bool:
-    return lrmoe.max_replicas_per_rank == 0 and lrmoe.exchange_budget_bytes is None
 
 
 def minimum_memory_bytes(
@@ -150,7 +146,7 @@ def check_budgets(
     if memory < need:
         fix = f"set --lrmoe-memory-budget-bytes to at least {need}"
         if lrmoe.activation_mode != "lean":
-            mode = "lean" if _lean_allowed(lrmoe) else "recompute"
+            mode = "recompute" if lrmoe.lean_conflicts() else "lean"
             cheaper = minimum_memory_bytes(
                 LRMoEConfig(activation_mode=mode), cost, pairs_per_rank, ep_size
             )
