@@ -198,7 +198,9 @@ def to_target(
     out: dict[str, dict[str, dict]] = {}
     for ep, arms in replay["results"].items():
         if "stock" not in arms:
-            raise ValueError(f"the replay at EP {ep} has no 'stock' arm; replay with --arms stock ...")
+            raise ValueError(
+                f"the replay at EP {ep} has no 'stock' arm; replay with --arms stock ..."
+            )
         stock_ms = arms["stock"]["moe_ms"]
         rows: dict[str, dict] = {}
         for name, res in arms.items():
@@ -208,6 +210,8 @@ def to_target(
             row = {
                 "moe_ms": res["moe_ms"],
                 "moe_ms_vs_stock": res["moe_ms"] / stock_ms,
+                "memory_bytes_vs_stock": res["memory_bytes"] / arms["stock"]["memory_bytes"],
+                "network_bytes_vs_stock": res["network_bytes"] / arms["stock"]["network_bytes"],
                 "keep_ratio": keep,
                 "kept_fraction": kept,
                 "iterations_vs_keep1": None,
@@ -223,7 +227,9 @@ def to_target(
                 row["iterations_vs_keep1"] = ratios[curve].ratio
                 row["lower_bound"] = ratios[curve].lower_bound
             elif abs(kept - keep) > keep_tolerance:
-                row["why_none"] = f"kept {kept:.3f} of the pairs, below every keep ratio with a curve"
+                row["why_none"] = (
+                    f"kept {kept:.3f} of the pairs, below every keep ratio with a curve"
+                )
             else:
                 row["why_none"] = f"no loss curve of keep {keep} (pass --curve {keep} LOG ...)"
             if row["iterations_vs_keep1"] is not None:
@@ -298,7 +304,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         action="append",
         required=True,
         metavar="KEEP LOG",
-        help="a keep ratio and its runs' logs, one per seed (repeat for each keep ratio; 1.0 needed)",
+        help="a keep ratio and its runs' logs, one per seed (repeat per keep ratio; 1.0 needed)",
     )
     p.add_argument("--replicas-arm", default=None, help="the replicas-only baseline arm")
     p.add_argument("--keep-tolerance", type=float, default=0.02)
@@ -313,7 +319,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         try:
             keep = float(item[0])
         except ValueError:
-            p.error(f"--curve {item[0]!r}: the first value is the keep ratio (e.g. --curve 0.5 LOG)")
+            p.error(f"--curve {item[0]!r}: the first value is the keep ratio (--curve 0.5 LOG)")
         if keep in curves:
             p.error(f"--curve {keep} given twice; list all its logs after one --curve")
         curves[keep] = by_seed([run_iterations(log, args.target) for log in item[1:]], keep)

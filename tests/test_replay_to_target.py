@@ -17,7 +17,9 @@ def _log(path: Path, seed: int, val: dict[int, float]) -> Path:
     """The lines of a ``pretrain_lrmoe.py`` log that the script reads: the seed in Megatron's
     argument dump and the validation losses."""
     lines = [f"  seed ............................................ {seed}"]
-    lines += [f" validation loss at iteration {i} | lm loss value: {v:.6E} |" for i, v in val.items()]
+    lines += [
+        f" validation loss at iteration {i} | lm loss value: {v:.6E} |" for i, v in val.items()
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -77,7 +79,7 @@ def _replay(results: dict) -> dict:
 
 
 def _arm(moe_ms: float, kept: float) -> dict:
-    return {"moe_ms": moe_ms, "kept_fraction": kept}
+    return {"moe_ms": moe_ms, "kept_fraction": kept, "memory_bytes": 4.0, "network_bytes": 2.0}
 
 
 def test_to_target_by_hand() -> None:
@@ -111,7 +113,8 @@ def test_to_target_by_hand() -> None:
         "settings": {"target": 1.5, "replay": "r.json", "replay_settings": replay["settings"]},
         "runs": {}, "iteration_ratios": {}, "results": {"8": rows},
     })
-    assert "| 8 | keep0.5+rep2+mem0.8x | 0.30 | 70.0 | 0.35x | >1.300x (keep 0.25's) | >0.45x | >0.91x |" in text
+    row = "| 8 | keep0.5+rep2+mem0.8x | 0.30 | 70.0 | 0.35x | >1.300x (keep 0.25's) | >0.45x |"
+    assert row + " >0.91x |" in text
     with pytest.raises(ValueError, match="no 'stock' arm"):
         rt.to_target(_replay({"8": {"rep2": _arm(1.0, 1.0)}}), ratios, None, 0.02)
     with pytest.raises(ValueError, match="--replicas-arm 'rep4' is not an arm"):
@@ -141,7 +144,8 @@ def test_main_on_a_replay_the_cli_wrote(tmp_path: Path) -> None:
         "--curve", "0.5", str(logs[0.5, 1]), str(logs[0.5, 2]),
         "--out", str(out), "--markdown", str(md),
     ])
-    assert json.loads(out.read_text())["iteration_ratios"]["0.5"]["ratio"] == pytest.approx(300 / 250)
+    ratios = json.loads(out.read_text())["iteration_ratios"]
+    assert ratios["0.5"]["ratio"] == pytest.approx(300 / 250)
     rows = result["results"]["4"]
     measured = json.loads(replay.read_text())["results"]["4"]
     assert rows["keep0.5+rep2"]["moe_to_target_vs_stock"] == pytest.approx(
