@@ -14,7 +14,7 @@ cd .snap || exit
 P=$PWD; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site ../.whl/*.whl && export PYTHONPATH=$P/.site:$P || exit
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 cat COMMIT | tee $OUT/run.log; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a $OUT/run.log
-W=/tmp/run35; mkdir -p $W/logs
+W=/tmp/run35; rm -rf $W; mkdir -p $W/logs  # a warm machine keeps /tmp (call 5)
 LRMOE_TEST_CUDA=1 timeout 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_layer.py -k "cuda_lean" > $W/logs/cuda_tests.log 2>&1; echo "cuda tests rc=$?" | tee -a $OUT/run.log; tail -2 $W/logs/cuda_tests.log | tee -a $OUT/run.log
 timeout 120 python3 benchmarks/gemm_table.py --out $OUT/gemm_table_qwen3.json > $W/logs/gemm_qwen3.log 2>&1; echo "gemm qwen3 rc=$?" | tee -a $OUT/run.log
 BIG=$(python3 -c 'import torch; print(1 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 0)')
