@@ -212,6 +212,7 @@ def to_target(
                 "moe_ms_vs_stock": res["moe_ms"] / stock_ms,
                 "memory_bytes_vs_stock": res["memory_bytes"] / arms["stock"]["memory_bytes"],
                 "network_bytes_vs_stock": res["network_bytes"] / arms["stock"]["network_bytes"],
+                "forward_imbalance": res["forward_imbalance"],
                 "keep_ratio": keep,
                 "kept_fraction": kept,
                 "iterations_vs_keep1": None,

@@ -772,6 +772,12 @@ _SCALE_FILES = {
     "proxy4": _SCALE / "to_target_proxy4.json",
     "memory24": _SCALE / "to_target_memory24.json",
 }
+_SKEWS = {
+    "balanced": _SCALE / "skew_balanced" / "to_target_proxy4.json",
+    "mild": _SCALE / "skew_mild" / "to_target_proxy4.json",
+    "medium": _SCALE / "skew_medium" / "to_target_proxy4.json",
+    "heavy (the table above)": _SCALE_FILES["proxy4"],
+}
 
 
 def _to_target_cell(row: Optional[dict]) -> str:
@@ -846,6 +852,41 @@ def section_replay_at_scale(root: Path) -> str:
                 f"{_to_target_cell(deep.get(name))} | "
                 + (f"{sign}{vs_rep:.2f}x" if vs_rep is not None else "-")
                 + " |"
+            )
+    return "\n".join(out + ["", _skew_table(root)])
+
+
+def _skew_table(root: Path) -> str:
+    """The replay's figures over routings of growing skew (synthetic passes, 4-layer curves)."""
+    out = [
+        "How the routing's skew changes it: the same replay of synthetic passes from balanced to "
+        "the heavy one above (expert popularity `rank^-zipf` over a random order, times a Gamma "
+        "draw of coefficient of variation `gamma_cv`; each source rank perturbs it by "
+        "`source_cv`), MoE time to the target with the 4-layer proxy's curves. A real trace "
+        "places a run on this scale (stock's forward imbalance: the busiest rank's pairs over "
+        "the mean).",
+        "",
+        _source("replay_target/skew_*", "(the files' commit)",
+                "python -m megatron_lrmoe.replay --synthetic --zipf Z --gamma-cv G --ep 8 16 32 "
+                "64 --arms stock rep2 keep0.5 keep0.25 keep0.5+rep2 keep0.25+rep2 --out "
+                "replay.json; python benchmarks/replay_to_target.py ... (README there)",
+                list(_SKEWS.values())),
+        "",
+        "| routing | EP | stock's forward imbalance | replicas only vs stock | keep 0.5 vs stock | "
+        "keep 0.5 + replicas vs replicas only | keep 0.25 + replicas vs replicas only |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, path in _SKEWS.items():
+        data = json.loads((root / path).read_text())
+        trace = data["settings"]["replay_settings"]["trace"]
+        name = (f"{label}: zipf {trace['zipf']:g}, gamma_cv {trace['gamma_cv']:g}, "
+                f"source_cv {trace['source_cv']:g}")
+        for ep, rows in data["results"].items():
+            out.append(
+                f"| {name} | {ep} | {rows['stock']['forward_imbalance']:.2f} | "
+                f"{_to_target_cell(rows['rep2'])} | {_to_target_cell(rows['keep0.5'])} | "
+                f"{rows['keep0.5+rep2']['moe_to_target_vs_replicas']:.2f}x | "
+                f"{rows['keep0.25+rep2']['moe_to_target_vs_replicas']:.2f}x |"
             )
     return "\n".join(out)
 

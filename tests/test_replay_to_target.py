@@ -79,7 +79,10 @@ def _replay(results: dict) -> dict:
 
 
 def _arm(moe_ms: float, kept: float) -> dict:
-    return {"moe_ms": moe_ms, "kept_fraction": kept, "memory_bytes": 4.0, "network_bytes": 2.0}
+    return {
+        "moe_ms": moe_ms, "kept_fraction": kept, "memory_bytes": 4.0, "network_bytes": 2.0,
+        "forward_imbalance": 1.5,
+    }
 
 
 def test_to_target_by_hand() -> None:
