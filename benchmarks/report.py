@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import train_logs  # noqa: E402  (benchmarks/train_logs.py: the log parser and time to target)
+from megatron_lrmoe.replay.replay import FORWARD_PHASES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -853,7 +855,43 @@ def section_replay_at_scale(root: Path) -> str:
                 + (f"{sign}{vs_rep:.2f}x" if vs_rep is not None else "-")
                 + " |"
             )
-    return "\n".join(out + ["", _skew_table(root)])
+    return "\n".join(out + ["", _why_from_phases(replay), "", _skew_table(root)])
+
+
+def _why_from_phases(replay: dict) -> str:
+    """Why the arms land where they do, from the replay's phases of the slowest rank."""
+    eps = list(replay["results"])
+    lo, hi = replay["results"][eps[0]], replay["results"][eps[-1]]
+
+    def forward(arm: dict) -> float:
+        return sum(arm["phase_ms"][p] for p in FORWARD_PHASES)
+
+    def exchanges(arm: dict) -> float:
+        return sum(arm["phase_ms"][p] for p in ("dispatch", "combine", "grad", "dgrad"))
+
+    share = [forward(r["stock"]) / r["stock"]["moe_ms"] for r in (lo, hi)]
+    floor = [forward(r["keep0.5+rep2"]) / r["rep2"]["moe_ms"] for r in (lo, hi)]
+    xch = [exchanges(r["keep0.5+rep2"]) / r["keep0.5+rep2"]["moe_ms"] for r in (lo, hi)]
+    host = lo["keep0.25+rep2"]["phase_ms"]["host_bwd"]
+    gain = lo["keep0.25+rep2"]["moe_ms"] / lo["keep0.5+rep2"]["moe_ms"]
+    quarter = "" if gain < 0.95 or host <= 0 else (
+        f" At EP {eps[0]} keep 0.25 gains little over keep 0.5 ({gain:.2f}x): its backward's GPU "
+        f"work falls under the host's floor for the trimmed backward ({host:.0f} ms of host "
+        "time in the pass; the floor is fitted to EP 2 runs, docs/replay.md)."
+    )
+    return (
+        f"Why, from the model's phases (the slowest rank's; EP {eps[0]} / {eps[-1]} above): the "
+        f"forward (router, dispatch, expert GEMMs, combine, the host's launches) is "
+        f"{share[0]:.0%} / {share[1]:.0%} of stock's MoE time and the same at every keep ratio; "
+        "the keep ratio shrinks only the backward's exchanges and GEMMs, so with replicas keep "
+        f"0.5 cannot go below {floor[0]:.2f}x / {floor[1]:.2f}x of replicas only whatever it "
+        f"drops. At EP {eps[-1]} the all-to-alls are {xch[1]:.0%} of keep 0.5's time (at EP "
+        f"{eps[0]}, within NVLink, {xch[0]:.0%}). Without replicas the keep ratio leaves stock's "
+        f"forward peak as it is ({lo['keep0.5']['forward_peak_rows']:.0f} pairs on the busiest "
+        f"rank at EP {eps[0]} against {lo['keep0.5+rep2']['forward_peak_rows']:.0f} with "
+        "replicas): that is why keep 0.5 alone falls behind replicas only wherever the routing "
+        "is skewed." + quarter
+    )
 
 
 def _skew_table(root: Path) -> str:
