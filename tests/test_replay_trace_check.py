@@ -41,7 +41,8 @@ def _log(path: Path, iters: int, moe_ms: dict[int, float], **args: str) -> Path:
 
 def _trace(path: Path, passes: int, every: int = 1) -> Path:
     counts = np.concatenate(
-        [synthetic_counts(LAYERS, 1, EXPERTS, TOKENS, TOPK, zipf=0.5, seed=k) for k in range(passes)]
+        [synthetic_counts(LAYERS, 1, EXPERTS, TOKENS, TOPK, zipf=0.5, seed=k)
+         for k in range(passes)]
     )
     write_trace(
         path, counts, layers=list(range(1, LAYERS + 1)) * passes,
