@@ -822,7 +822,10 @@ def section_replay_at_scale(root: Path) -> str:
         "from real runs' logs, paired by seed; they are taken to carry over to the larger job. "
         "Only the MoE layers' time is priced: the rest of the iteration is the same in every arm "
         "and not in these ratios. `rep2`: replicas only (keep 1.0, up to 2 replicas per rank; "
-        "the SYMI / UltraEP-like baseline).",
+        "the SYMI / UltraEP-like baseline). `+recompute`, `+lean`: LRMoE's memory modes "
+        "(docs/config.md; `lean` takes no replicas and sends every pair's gradient row at EP > "
+        "1); their memory is against stock keeping every activation (the replay does not model "
+        "Megatron's own recompute).",
         "",
         "Iterations to the target over keep 1.0, summed over the paired seeds (each seed's own "
         "ratio after it):",
