@@ -101,6 +101,7 @@ MODEL_BENCH = (
     "gpu_run32/call2/model_e16_t4096.json",
     "gpu_run32/call2/model_e16_t16384_topk.json",
     "gpu_run33/call1/model_recompute_none.json",
+    "gpu_run33/call1/model_recompute_moe.json",
     "gpu_run28/call3/model_e16_skew0.5.json",
     "gpu_run29/call4/model_e128_skew1.json",
 )
@@ -112,9 +113,6 @@ LAYER_BENCH = (
 )
 REPLICA_BENCH = ("gpu_run4/replica_bench.json", "gpu_run5/replica_bench.json")
 NOT_COMPARED = {
-    "gpu_run33/call1/model_recompute_moe.json": "Megatron's MoE-layer recompute "
-    "(recompute_modules=['moe']): the forward runs again inside the backward; the replay models "
-    "LRMoE's own activation modes, not this",
     "gpu_run5/train_ep2_keep*.log, gpu_run8/train_ep2_keep*.log": "EP 2 training with "
     "--moe-layer-timing: the routing of real text through a trained router was not recorded "
     "(no trace), so there is nothing to replay",
@@ -585,10 +583,13 @@ def model_bench(
     )  # fmt: skip
     directory = router_trace(spec, ffn, traces, fresh)
     keeps = [float(r["keep"]) for r in data["rows"]]
-    arms = {k: f"keep{k:g}" for k in keeps} | {1.0: "keep1"}
+    # Under Megatron's MoE-layer recompute (--recompute moe) the arms carry "+moe": the forward
+    # runs again inside the backward, which bwd_ms measures.
+    moe = "+moe" if args.get("recompute") == "moe" else ""
+    arms = {k: f"keep{k:g}{moe}" for k in keeps} | {1.0: f"keep1{moe}"}
     # model_bench fuses the weight gradients into fp32 main_grad, as in training
     pred = replay_trace(directory, ep, arms.values(), model, main_grad="fused")
-    p1 = pred["keep1"]
+    p1 = pred[arms[1.0]]
     pairs = read_trace(directory).counts.astype(np.int64).sum()
     x_mib = pairs * hidden * 2 / MIB  # every layer's pairs, one bf16 row (H) each
     out: list[Comparison] = []
@@ -596,8 +597,8 @@ def model_bench(
 
     floor = data.get("floor") or {}
     if "gemm_fwd_ms" in floor:
-        add("keep1", "floor_gemm_fwd_ms", ["floor/gemm_fwd_ms"], p1["phase_ms"]["gemm_fwd"])
-        add("keep1", "floor_gemm_bwd_ms", ["floor/gemm_bwd_ms"], p1["phase_ms"]["gemm_bwd"])
+        add(arms[1.0], "floor_gemm_fwd_ms", ["floor/gemm_fwd_ms"], p1["phase_ms"]["gemm_fwd"])
+        add(arms[1.0], "floor_gemm_bwd_ms", ["floor/gemm_bwd_ms"], p1["phase_ms"]["gemm_bwd"])
     for row in data["rows"]:
         k = float(row["keep"])
         arm, p = arms[k], pred[arms[k]]

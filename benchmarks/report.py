@@ -782,6 +782,16 @@ _SKEWS = {
 }
 
 
+def _validation_counts(root: Path) -> str:
+    """The replay validation's comparisons within its target, per split (validation.json)."""
+    data = json.loads((root / RESULTS / "replay_validation" / "validation.json").read_text())
+    parts = []
+    for split, label in (("training", "training"), ("held-out", "held-out")):
+        rows = [c for c in data["comparisons"] if c["split"] == split]
+        parts.append(f"{sum(c['within_target'] for c in rows)} of {len(rows)} {label}")
+    return f"{' and '.join(parts)} comparisons within {data['target'] * 100:g} %"
+
+
 def _to_target_cell(row: Optional[dict]) -> str:
     if row is None or row["moe_to_target_vs_stock"] is None:
         return "-"
@@ -817,8 +827,8 @@ def section_replay_at_scale(root: Path) -> str:
         f"{replay['settings']['layers']} layers, plans every call with the real controller and "
         "prices each rank's forward, backward and exchanges (H200 GEMM times, NVLink within 8 "
         "GPUs, 400 Gb/s per GPU across nodes); the step waits for the slowest rank. Its "
-        "validation against the measured EP 1 and EP 2 runs: 326 of 433 training and 264 of 477 "
-        "held-out comparisons within 10 % (docs/replay.md). The iterations to the target come "
+        f"validation against the measured EP 1 and EP 2 runs: {_validation_counts(root)} "
+        "(docs/replay.md). The iterations to the target come "
         "from real runs' logs, paired by seed; they are taken to carry over to the larger job. "
         "Only the MoE layers' time is priced: the rest of the iteration is the same in every arm "
         "and not in these ratios. `rep2`: replicas only (keep 1.0, up to 2 replicas per rank; "

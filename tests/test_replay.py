@@ -453,6 +453,47 @@ def test_parse_arm() -> None:
     assert parse_arm("keep0.5+lean").activation_mode == "lean"
     with pytest.raises(ValueError, match="runs without replicas"):
         parse_arm("keep0.5+rep2+lean")
+    moe = parse_arm("stock+moe")
+    assert moe.stock and moe.moe_recompute and not parse_arm("stock").moe_recompute
+    assert parse_arm("keep0.5+rep2+moe") == Arm(
+        name="keep0.5+rep2+moe", keep_ratio=0.5, max_replicas_per_rank=2, moe_recompute=True
+    )
+    with pytest.raises(ValueError, match="stock takes only '\\+moe'"):
+        parse_arm("stock+rep2")
+
+
+@pytest.mark.parametrize("name", ["stock", "keep0.5+rep1"])
+def test_megatron_moe_recompute_holds_the_input_and_runs_the_forward_again(name: str) -> None:
+    """``+moe``: the layer input alone is held from forward to backward, what the call holds
+    otherwise lives during its own backward, every forward phase runs again and the forward's
+    exchanges are sent again; everything else as without it."""
+    topk, cost = 2, CostModel(hidden_size=64, ffn_hidden_size=32)
+    counts = synthetic_counts(3, 4, 8, 128, topk, zipf=1.2, seed=5)
+    arms = [parse_arm(name), parse_arm("stock+moe" if name == "stock" else name + "+moe")]
+    out = replay_pass(
+        counts, arms, cost, LINEAR, Network(), layer=DEFAULT_LAYER_COSTS, topk=topk
+    )
+    plain, moe = out[arms[0].name], out[arms[1].name]
+    forward = ("router", "dispatch", "replica_fetch", "elementwise_fwd", "gemm_fwd", "combine",
+               "host_fwd")  # fmt: skip
+    inputs = counts.sum(axis=2) // topk * cost.hidden_size * cost.activation_bytes  # [L, P]
+    for p_call, m_call, held_input in zip(plain.calls, moe.calls, inputs):
+        again = sum(p_call.phase_ms[k] for k in forward)
+        assert m_call.phase_ms["moe_recompute"] == pytest.approx(again) and again > 0
+        assert m_call.total_ms == pytest.approx(p_call.total_ms + again)
+        assert m_call.held_bytes.tolist() == held_input.tolist()
+        assert (m_call.transient_bytes == p_call.held_bytes + p_call.transient_bytes).all()
+        sent_again = sum(
+            m.sum(axis=1) - np.diag(m) for k, m in p_call.exchange_bytes.items()
+            if k in ("dispatch", "replica_fetch", "combine")
+        )  # fmt: skip
+        assert (m_call.network_bytes == p_call.network_bytes + sent_again).all()
+    summary = moe.summary()
+    held = inputs.sum(axis=0) + np.max([c.transient_bytes for c in moe.calls], axis=0)
+    assert summary["memory_bytes"] == int(held.max())
+    assert summary["memory_bytes"] < plain.summary()["memory_bytes"]
+    with pytest.raises(ValueError, match="give topk"):
+        replay_pass(counts, arms, cost, LINEAR, Network())
 
 
 def test_console_entry_on_a_trace(tmp_path, capsys) -> None:

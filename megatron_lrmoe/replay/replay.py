@@ -17,6 +17,7 @@ per-rank work and prices each phase with :mod:`megatron_lrmoe.replay.cost`:
 | ``gemm_bwd`` | dgrad + wgrad of fc1 and fc2 over ``B[:, g]`` (+ fc1 again with recompute or lean; lean: + fc2's input gradient over ``A[:, g]``, the router gradient) |
 | ``dgrad`` | the kept pairs' input-gradient rows (H), holder -> source |
 | ``replica_grads`` | each replica's weight gradient (in the weights' dtype), holder -> owner |
+| ``moe_recompute`` | arms under Megatron's MoE-layer recompute (``moe``): every forward phase again |
 
 With :class:`~megatron_lrmoe.replay.cost.LayerCosts` (``layer=``; the CLI's default) the rest
 of the call is priced too (see that module):
@@ -87,6 +88,7 @@ BACKWARD_PHASES = (
     "replica_grads",
     "router_bwd",
     "host_bwd",
+    "moe_recompute",
 )
 PHASES = FORWARD_PHASES + BACKWARD_PHASES
 _EXCHANGES = ("dispatch", "replica_fetch", "combine", "grad", "dgrad", "replica_grads")
@@ -109,12 +111,16 @@ class Arm:
     Attributes:
         name: As given (``stock``, or tokens joined by ``+``: ``keep0.5``, ``rep2``,
             ``mem0.6x`` / ``mem2e9``, ``xch0.5x`` / ``xch1e8``, ``save`` / ``recompute`` /
-            ``lean`` / ``auto``). A budget ending in ``x`` is a fraction of what the stock arm holds per
-            rank at the same P when balanced (:func:`stock_references`: budgeted bytes for
-            ``mem``, gradient-exchange bytes for ``xch``); else bytes.
+            ``lean`` / ``auto``, ``moe``; ``stock+moe``). A budget ending in ``x`` is a fraction
+            of what the stock arm holds per rank at the same P when balanced
+            (:func:`stock_references`: budgeted bytes for ``mem``, gradient-exchange bytes for
+            ``xch``); else bytes.
         stock: Fixed ownership, keep 1.0, memory as stock Megatron's.
         keep_ratio, max_replicas_per_rank, activation_mode: As in :class:`LRMoEConfig`.
         memory_budget, exchange_budget: ``(value, relative)`` or None.
+        moe_recompute: Under Megatron's MoE-layer recompute (``--recompute-granularity
+            selective --recompute-modules moe``): the layer holds only its input from forward
+            to backward and runs its whole forward again before its backward.
     """
 
     name: str
@@ -124,6 +130,7 @@ class Arm:
     activation_mode: str = "save"
     memory_budget: Optional[tuple[float, bool]] = None
     exchange_budget: Optional[tuple[float, bool]] = None
+    moe_recompute: bool = False
 
     @property
     def relative_budgets(self) -> bool:
@@ -158,10 +165,19 @@ def parse_arm(text: str) -> Arm:
     """
     if text == "stock":
         return Arm(name=text, stock=True)
+    if text.split("+")[0] == "stock":
+        if text != "stock+moe":
+            raise ValueError(
+                f"arm {text!r}: stock takes only '+moe' (Megatron's MoE-layer recompute)"
+            )
+        return Arm(name=text, stock=True, moe_recompute=True)
     arm = Arm(name=text)
     for token in text.split("+"):
         if token in ("save", "recompute", "lean", "auto"):
             arm = replace(arm, activation_mode=token)
+            continue
+        if token == "moe":
+            arm = replace(arm, moe_recompute=True)
             continue
         m = _TOKEN.match(token)
         try:
@@ -169,7 +185,8 @@ def parse_arm(text: str) -> Arm:
         except (AttributeError, ValueError):
             raise ValueError(
                 f"arm {text!r}: token {token!r} is not one of keepR, repN, memB, memFx, xchB, "
-                "xchFx, save, recompute, lean, auto (e.g. keep0.5+rep2+mem0.6x), nor 'stock'"
+                "xchFx, save, recompute, lean, auto, moe (e.g. keep0.5+rep2+mem0.6x), nor "
+                "'stock' / 'stock+moe'"
             ) from None
         if key in ("keep", "rep") and relative:
             raise ValueError(f"arm {text!r}: {token!r} takes no 'x' (only mem and xch do)")
@@ -227,6 +244,8 @@ class CallPrice:
         gemm_rank_ms: ``[P]`` GEMM milliseconds per rank of ``gemm_fwd`` and ``gemm_bwd``.
         work: The rows :class:`LayerCosts` prices (None: priced without, no top-k given).
         main_grad: Where the weight gradients go (``MAIN_GRAD_MODES``).
+        moe_recompute: Under Megatron's MoE-layer recompute (the forward runs again in the
+            backward: phase ``moe_recompute``).
     """
 
     phase_ms: dict[str, float]
@@ -245,6 +264,7 @@ class CallPrice:
     gemm_rank_ms: dict[str, np.ndarray] = field(default_factory=dict)
     work: Optional[LayerWork] = None
     main_grad: str = "fused"
+    moe_recompute: bool = False
 
     @property
     def total_ms(self) -> float:
@@ -294,6 +314,7 @@ def price_call(
     layer: Optional[LayerCosts] = None,
     topk: Optional[int] = None,
     main_grad: str = "fused",
+    moe_recompute: bool = False,
 ) -> CallPrice:
     """Price one planned call on every rank (see the module docstring).
 
@@ -308,6 +329,10 @@ def price_call(
         topk: The router's top-k (tokens = pairs / top-k); needed with ``layer``.
         main_grad: ``"fused"`` (the weight gradients accumulate into fp32 ``main_grad`` in the
             GEMM) or ``"none"`` (bf16 gradients, no accumulation in the layer).
+        moe_recompute: Megatron's MoE-layer recompute: held from forward to backward is the
+            layer's input alone (tokens x H per rank; needs ``topk``); what the call would hold
+            becomes part of its transient, and the forward's phases run again
+            (``moe_recompute``).
     """
     memory = plan.memory
     if memory is None:
@@ -362,6 +387,11 @@ def price_call(
         raise ValueError("price_call: layer costs need the router's topk (tokens = pairs / topk)")
     off = ~np.eye(plan.ep_size, dtype=bool)
     network_bytes = sum(np.where(off, m, 0).sum(axis=1) for m in exchanges.values())
+    if moe_recompute:  # the recomputed forward exchanges its rows (and fetches replicas) again
+        network_bytes = network_bytes + sum(
+            np.where(off, exchanges[k], 0).sum(axis=1)
+            for k in ("dispatch", "replica_fetch", "combine")
+        )
     if stock:
         held = memory.stock_saved_bytes.numpy()
         transient = np.maximum(
@@ -375,6 +405,14 @@ def price_call(
         if lean:  # the router gradient's gradient and product rows of every computed pair
             lean_rows = (cost.hidden_size + cost.ffn_hidden_size) * cost.activation_bytes
             transient = np.maximum(transient, lean_rows * a.sum(axis=0))
+    if moe_recompute:  # the checkpointed input; the rest lives during this layer's backward
+        if topk is None:
+            raise ValueError(
+                "price_call: Megatron's MoE-layer recompute holds the layer input (tokens = "
+                "pairs / topk): give topk (the CLI: --topk K)"
+            )
+        transient = held + transient
+        held = counts.sum(axis=1) // topk * cost.hidden_size * cost.activation_bytes
     price = CallPrice(
         phase_ms={},
         forward_rows=a.sum(axis=0),
@@ -392,6 +430,7 @@ def price_call(
         gemm_rank_ms={"gemm_fwd": fwd, "gemm_bwd": bwd},
         work=work,
         main_grad=main_grad,
+        moe_recompute=moe_recompute,
     )
     return retime(price, cost, network, layer)
 
@@ -421,6 +460,8 @@ def retime(
         gpu_bwd = sum(phase_ms[p] for p in BACKWARD_PHASES)
         phase_ms["host_fwd"] = max(0.0, host_fwd - gpu_fwd) + sync
         phase_ms["host_bwd"] = max(0.0, host_bwd - gpu_bwd)
+    if price.moe_recompute:  # the whole forward again, before the backward
+        phase_ms["moe_recompute"] = sum(phase_ms[p] for p in FORWARD_PHASES)
     return replace(price, phase_ms=phase_ms)
 
 
@@ -495,7 +536,7 @@ def replay_pass(
         ``arm name -> PassResult``, the stock arm under ``"stock"``.
     """
     arms = list(arms)
-    if not any(a.stock for a in arms):
+    if not any(a.name == "stock" for a in arms):
         arms.insert(0, parse_arm("stock"))
     arms.sort(key=lambda a: not a.stock)
     table = gemm.for_shape(cost)
@@ -509,7 +550,10 @@ def replay_pass(
             plan = plan_call(layer_counts, 0, config, cost, check=check)
             plans.append(plan)
             result.calls.append(
-                price_call(plan, cost, table, network, arm.stock, layer, topk, main_grad)
+                price_call(
+                    plan, cost, table, network, arm.stock, layer, topk, main_grad,
+                    arm.moe_recompute,
+                )
             )
         if arm.stock:
             refs = stock_references(plans)
