@@ -17,7 +17,7 @@ per-rank work and prices each phase with :mod:`megatron_lrmoe.replay.cost`:
 | ``gemm_bwd`` | dgrad + wgrad of fc1 and fc2 over ``B[:, g]`` (+ fc1 again with recompute or lean; lean: + fc2's input gradient over ``A[:, g]``, the router gradient) |
 | ``dgrad`` | the kept pairs' input-gradient rows (H), holder -> source |
 | ``replica_grads`` | each replica's weight gradient (in the weights' dtype), holder -> owner |
-| ``moe_recompute`` | arms under Megatron's MoE-layer recompute (``moe``): every forward phase again |
+| ``moe_recompute`` | ``moe`` arms (Megatron's MoE-layer recompute): the forward's phases again |
 
 With :class:`~megatron_lrmoe.replay.cost.LayerCosts` (``layer=``; the CLI's default) the rest
 of the call is priced too (see that module):
