@@ -868,7 +868,62 @@ def section_replay_at_scale(root: Path) -> str:
                 + (f"{sign}{vs_rep:.2f}x" if vs_rep is not None else "-")
                 + " |"
             )
-    return "\n".join(out + ["", _why_from_phases(replay), "", _skew_table(root)])
+    return "\n".join(
+        out + ["", _why_from_phases(replay), "", _skew_table(root), "", _memory_at_scale(root)]
+    )
+
+
+_MEMORY_SCALE = {
+    "balanced": _SCALE / "memory_balanced",
+    "heavy": _SCALE / "memory_heavy",
+}
+_MEMORY_ARMS = ("stock+moe", "rep2+moe", "keep0.5+moe", "keep0.5+rep2+moe", "keep0.5+lean",
+                "keep0.5+rep2+recompute")
+
+
+def _memory_at_scale(root: Path) -> str:
+    """Where memory binds, at EP 8-64: the replay's arms under Megatron's MoE-layer recompute
+    (``+moe``) and LRMoE's memory modes, against ``stock+moe``, with the 24-layer proxy's
+    iterations to the target."""
+    out = [
+        "Where memory binds, at scale: the MoE layers' memory per rank (48 layers, 16384 tokens "
+        "per rank; the rest of the model not counted) and time, against stock's math under "
+        "Megatron's MoE-layer recompute (`stock+moe`, the baseline that fits in the measured "
+        "proxy). `+moe`: Megatron's MoE-layer recompute on an LRMoE arm (the replay's `moe` "
+        "token, validated against the measured stack: docs/replay.md); `lean` and `recompute`: "
+        "LRMoE's own modes. Time to target with the 24-layer proxy's two seeds (keep 0.5's "
+        "iterations 1.046x keep 1.0's to 1.60).",
+        "",
+        _source("replay_target/memory_*", "(the files' commit)",
+                "python -m megatron_lrmoe.replay --synthetic --zipf Z --ep 8 64 --arms stock "
+                "stock+moe rep2+moe keep0.5+moe keep0.5+rep2+moe keep0.5+lean "
+                "keep0.5+rep2+recompute --out replay.json; python benchmarks/replay_to_target.py "
+                "... --replicas-arm rep2+moe (README there)",
+                [d / "to_target_memory24.json" for d in _MEMORY_SCALE.values()]),
+        "",
+        "| routing | EP | arm | MoE memory per rank GiB | vs stock+moe | MoE ms/iter vs "
+        "stock+moe | MoE time to target vs stock+moe | vs rep2+moe |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, folder in _MEMORY_SCALE.items():
+        replay = json.loads((root / folder / "replay.json").read_text())
+        target = json.loads((root / folder / "to_target_memory24.json").read_text())
+        zipf = replay["settings"]["trace"]["zipf"]
+        for ep, rows in target["results"].items():
+            base, rep = rows["stock+moe"], rows["rep2+moe"]
+            for name in _MEMORY_ARMS:
+                row = rows[name]
+                gib = replay["results"][ep][name]["memory_bytes"] / 2**30
+                to_t = row["moe_to_target_vs_stock"]
+                sign = ">" if row["lower_bound"] else ""
+                out.append(
+                    f"| {label} (zipf {zipf:g}) | {ep} | {name} | {gib:.1f} | "
+                    f"{row['memory_bytes_vs_stock'] / base['memory_bytes_vs_stock']:.2f}x | "
+                    f"{row['moe_ms_vs_stock'] / base['moe_ms_vs_stock']:.2f}x | "
+                    f"{sign}{to_t / base['moe_to_target_vs_stock']:.2f}x | "
+                    f"{sign}{to_t / rep['moe_to_target_vs_stock']:.2f}x |"
+                )
+    return "\n".join(out)
 
 
 def _why_from_phases(replay: dict) -> str:
