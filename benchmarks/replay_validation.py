@@ -49,8 +49,9 @@ Time comparisons carry ``host_bound`` where the file's host time to queue the ph
 of its GPU time (there the replay's host floors price it). Not compared (listed in the output
 with the reason): stock layer times (stock runs its experts
 as ``SequentialMLP``, the replay prices a grouped GEMM), scope ``global`` (no replay arm),
-Megatron's MoE-layer recompute (the replay models LRMoE's own ``recompute`` mode only), training
-runs (their routing was not recorded).
+training runs whose routing was not recorded (EP 2). The ``memory_bound.py search`` runs (10
+iterations from initialisation) are compared with reconstructed routing; model_bench's run under
+Megatron's MoE-layer recompute with the replay's ``+moe`` arms.
 
 The traces are committed under ``benchmarks/results/replay_validation/traces`` and read back
 (``--reconstruct`` writes them again); the JSON (``--out``) holds every comparison, its source
@@ -112,6 +113,9 @@ LAYER_BENCH = (
     "gpu_run8/layer_ep2.json",
 )
 REPLICA_BENCH = ("gpu_run4/replica_bench.json", "gpu_run5/replica_bench.json")
+# memory_bound.py search: the 24-layer proxy trained 10 iterations per arm (an H200; the H100
+# search, gpu_run34 call 13, ran on another card than the GEMM table's).
+MEMORY_BOUND = ("gpu_run33/call2/search.json",)
 NOT_COMPARED = {
     "gpu_run5/train_ep2_keep*.log, gpu_run8/train_ep2_keep*.log": "EP 2 training with "
     "--moe-layer-timing: the routing of real text through a trained router was not recorded "
@@ -183,6 +187,13 @@ QUANTITIES = {
     "peak_with_graphs_mib": (
         "peak_mib + graphs_mib (the backward graphs' pool)", "memory: held + largest transient"
     ),
+    "moe_ms_per_iter": (
+        "the MoE layers' time per training iteration (--moe-layer-timing; median of iterations "
+        "4-10 from initialisation)", "(forward + backward) x layers x micro-batches",
+    ),
+    "moe_vs_baseline": (
+        "an arm's MoE time per iteration over the search's baseline arm's", "ratio of the two",
+    ),
     "fwd_peak_rows": ("rows the busiest rank computed in forward", "forward_peak_rows"),
     "bwd_peak_rows": ("kept rows of the busiest rank's backward", "backward_peak_rows"),
 }
@@ -194,7 +205,9 @@ _SEGMENT = re.compile(r"^([^\[\]]+)(?:\[(.*)\])?$")
 
 
 def _matches(item: Any, field: str, want: str) -> bool:
-    value = item.get(field) if isinstance(item, dict) else None
+    value: Any = item
+    for part in field.split("."):  # "arm.name": a field of a field
+        value = value.get(part) if isinstance(value, dict) else None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
             return float(want) == float(value)
@@ -206,7 +219,8 @@ def _matches(item: Any, field: str, want: str) -> bool:
 def lookup(data: Any, key: str) -> Any:
     """The value at ``key`` in a JSON document: ``/``-separated segments, each a field name
     optionally followed by ``[field=value,...]`` selecting the one list element that matches
-    (numbers compared as numbers), e.g. ``rows[keep=0.5]/bwd_ms``.
+    (numbers compared as numbers; ``a.b`` names field b of field a), e.g.
+    ``rows[keep=0.5]/bwd_ms``, ``arms[arm.name=stock+moe]/moe_ms``.
 
     Raises:
         KeyError: A missing field, or a selection that matches no element or several.
@@ -806,6 +820,64 @@ def replica_bench(
 # -- the report --------------------------------------------------------------------------------
 
 
+def search_arm(arm: dict[str, Any]) -> str:
+    """The replay arm of a ``memory_bound.py`` arm: ``keepR`` with its activation mode and
+    ``+moe`` under Megatron's MoE-layer recompute. Full recompute needs no token: the MoE time
+    counts the forward that runs with gradients (the recomputed one) and the backward."""
+    parts = [f"keep{float(arm['keep']):g}"]
+    if arm["activation_mode"] != "save":
+        parts.append(arm["activation_mode"])
+    if arm["recompute"] == "moe":
+        parts.append("moe")
+    return "+".join(parts)
+
+
+def memory_bound(
+    path: str, model: Model, traces: Path, fresh: Optional[set[Path]], cache: dict[str, Any],
+) -> tuple[list[Comparison], list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
+    """Comparisons of one ``memory_bound.py search`` file: each arm's MoE-layer time per
+    training iteration, and over the baseline arm's. The runs are 10 iterations from
+    initialisation, so their routing is the router's on random weights (reconstructed as for
+    model_bench), per micro-batch of ``mbs`` sequences."""
+    file = _rel(path)
+    data = _load(file, cache)
+    proxy, flags = data["proxy"], list(data["proxy_flags"])
+    experts = int(flags[flags.index("--num-experts") + 1])
+    layers, seq, gbs = int(data["layers"]), int(proxy["SEQ_LENGTH"]), int(proxy["GBS"])
+    config = path.removesuffix(".json")
+    out: list[Comparison] = []
+    details: list[dict[str, Any]] = []
+    per_iter: dict[str, float] = {}
+    adders: dict[str, tuple[_Adder, str, str]] = {}  # arm -> (its adder, its key, replay arm)
+    for row in data["arms"]:
+        if row["moe_ms"] is None:  # out of memory
+            continue
+        arm = row["arm"]
+        micro = gbs // int(arm["mbs"])
+        spec = RouterSpec(
+            experts=experts, tokens=int(arm["mbs"]) * seq, layers=layers, ranks=1,
+            topk=QWEN3_30B_A3B_MOE["moe_router_topk"], hidden=QWEN3_30B_A3B_MOE["hidden_size"],
+        )  # fmt: skip
+        directory = router_trace(spec, QWEN3_30B_A3B_MOE["moe_ffn_hidden_size"], traces, fresh)
+        name = search_arm(arm)
+        pred = replay_trace(directory, 1, [name], model, main_grad="fused")[name]
+        per_iter[arm["name"]] = (pred["fwd_ms"] + pred["bwd_ms"]) * layers * micro
+        add = _Adder(out, config, "memory_bound", 1, file, directory)
+        key = f"arms[arm.name={arm['name']}]/moe_ms"
+        add(name, "moe_ms_per_iter", [key], per_iter[arm["name"]], label=arm["name"])
+        adders[arm["name"]] = (add, key, name)
+        details.append({"config": config, "arm": arm["name"], "replay_arm": name,
+                        "trace": _trace_rel(directory), "prediction": pred})  # fmt: skip
+    baseline = data["picks"].get("baseline", "stock+moe")
+    if baseline in adders:
+        base_key = adders[baseline][1]
+        for arm_name, (add, key, name) in adders.items():
+            if arm_name != baseline:
+                ratio = per_iter[arm_name] / per_iter[baseline]
+                add(name, "moe_vs_baseline", [key, base_key], ratio, op="ratio", label=arm_name)
+    return out, [], details
+
+
 def split_of(config: str) -> str:
     """``"training"`` for the comparisons of :data:`TRAINING_RUNS`, else ``"held-out"``."""
     return "training" if config.startswith(TRAINING_RUNS) else "held-out"
@@ -820,6 +892,7 @@ def compare(
     model_files: Sequence[str] = MODEL_BENCH,
     layer_files: Sequence[str] = LAYER_BENCH,
     replica_files: Sequence[str] = REPLICA_BENCH,
+    search_files: Sequence[str] = MEMORY_BOUND,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """``(comparisons, routing checks, replays)`` of the listed files under ``model``
     (``only``: the files whose path holds one of the substrings); comparisons as JSON rows."""
@@ -829,6 +902,7 @@ def compare(
     details: list[dict[str, Any]] = []
     jobs = [(model_bench, f) for f in model_files] + [(layer_bench, f) for f in layer_files]
     jobs += [(replica_bench, f) for f in replica_files]
+    jobs += [(memory_bound, f) for f in search_files]
     for job, path in jobs:
         if only and not any(s in path for s in only):
             continue
@@ -849,13 +923,14 @@ def validate(
     layer_files: Sequence[str] = LAYER_BENCH,
     replica_files: Sequence[str] = REPLICA_BENCH,
     layer: Optional[LayerCosts] = DEFAULT_LAYER_COSTS,
+    search_files: Sequence[str] = MEMORY_BOUND,
 ) -> dict[str, Any]:
     """Every comparison of the listed files (``only``: those whose path holds one of the
     substrings) under the model (``layer``: the layer costs, the committed fit by default), and
     the same under the unfitted model of the first validation; returns the JSON payload."""
     model = Model(gemm, network or Network(), layer)
     files = dict(only=only, model_files=model_files, layer_files=layer_files,
-                 replica_files=replica_files)  # fmt: skip
+                 replica_files=replica_files, search_files=search_files)  # fmt: skip
     fresh: Optional[set[Path]] = set() if reconstruct else None
     cache: dict[str, Any] = {}
     rows, checks, details = compare(model, traces, fresh, cache, **files)

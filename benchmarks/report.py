@@ -881,6 +881,22 @@ _MEMORY_ARMS = ("stock+moe", "rep2+moe", "keep0.5+moe", "keep0.5+rep2+moe", "kee
                 "keep0.5+rep2+recompute")
 
 
+def _training_check(root: Path) -> str:
+    """What the replay's validation says of the measured training runs' LRMoE ratios."""
+    data = json.loads((root / RESULTS / "replay_validation" / "validation.json").read_text())
+    rows = [c for c in data["comparisons"] if c["quantity"] == "moe_vs_baseline"]
+    cells = "; ".join(
+        f"{c['label']} {c['measured']:.3f}x measured, {c['predicted']:.3f}x predicted"
+        for c in rows
+        if c["label"] in ("k0.5+moe", "k0.25+moe", "k0.5-recompute")
+    )
+    return (
+        "Caution: in real training (the 24-layer proxy at EP 1, over stock+moe) the replay is "
+        f"optimistic: {cells} (docs/replay.md, validation): read the `+moe` ratios here as "
+        "upper bounds on the gain."
+    )
+
+
 def _memory_at_scale(root: Path) -> str:
     """Where memory binds, at EP 8-64: the replay's arms under Megatron's MoE-layer recompute
     (``+moe``) and LRMoE's memory modes, against ``stock+moe``, with the 24-layer proxy's
@@ -892,7 +908,7 @@ def _memory_at_scale(root: Path) -> str:
         "proxy). `+moe`: Megatron's MoE-layer recompute on an LRMoE arm (the replay's `moe` "
         "token, validated against the measured stack: docs/replay.md); `lean` and `recompute`: "
         "LRMoE's own modes. Time to target with the 24-layer proxy's two seeds (keep 0.5's "
-        "iterations 1.046x keep 1.0's to 1.60).",
+        "iterations 1.046x keep 1.0's to 1.60). " + _training_check(root),
         "",
         _source("replay_target/memory_*", "(the files' commit)",
                 "python -m megatron_lrmoe.replay --synthetic --zipf Z --ep 8 64 --arms stock "

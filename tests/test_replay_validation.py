@@ -224,6 +224,7 @@ def test_core_on_committed_traces_quotes_only_committed_numbers() -> None:
         model_files=("gpu_run32/call2/model_e128_t16384.json",),
         layer_files=(),
         replica_files=("gpu_run5/replica_bench.json",),
+        search_files=(),
     )
     assert payload["format"] == "lrmoe-replay-validation" and payload["target"] == 0.1
     rows = payload["comparisons"]
@@ -271,7 +272,9 @@ def test_committed_validation_json_quotes_only_committed_numbers() -> None:
     payload = json.loads(COMMITTED.read_text(encoding="utf-8"))
     rows = payload["comparisons"]
     assert payload["summary"]["all"]["n"] == len(rows) > 0
-    assert {r["bench"] for r in rows} == {"model_bench", "layer_bench", "replica_bench"}
+    assert {r["bench"] for r in rows} == {
+        "model_bench", "layer_bench", "replica_bench", "memory_bound"
+    }
     for r in rows:
         assert ROW_KEYS <= set(r) and r["split"] == rv.split_of(r["config"])
         assert (REPO / r["routing"] / "rank00000" / "meta.json").is_file()
@@ -288,3 +291,38 @@ def test_committed_validation_json_quotes_only_committed_numbers() -> None:
         mine = [r for r in rows if r["split"] == split]
         assert payload[name]["all"]["n"] == len(mine)
         assert payload[name]["all"]["within_target"] == sum(r["within_target"] for r in mine)
+
+
+def test_memory_bound_search_prices_each_arm_per_training_iteration() -> None:
+    """The search's arms as replay arms (activation mode, ``+moe`` under Megatron's MoE
+    recompute, nothing for full recompute), each priced per iteration as (forward + backward)
+    x layers x micro-batches on the reconstructed routing of its micro-batch, and each arm over
+    the baseline's; every measured number read from the committed file."""
+    moe = {"keep": 1.0, "activation_mode": "save", "recompute": "moe"}
+    assert rv.search_arm(moe) == "keep1+moe"
+    assert rv.search_arm({"keep": 0.5, "activation_mode": "lean", "recompute": "none"}) == (
+        "keep0.5+lean"
+    )
+    assert rv.search_arm({"keep": 1.0, "activation_mode": "save", "recompute": "full"}) == "keep1"
+    payload = rv.validate(model_files=(), layer_files=(), replica_files=())
+    rows = payload["comparisons"]
+    assert {r["bench"] for r in rows} == {"memory_bound"}
+    assert all(r["split"] == "held-out" for r in rows)
+    _assert_read_from_committed_files(rows)
+    per_iter = {r["label"]: r for r in rows if r["quantity"] == "moe_ms_per_iter"}
+    # Seven arms ran; the one out of memory (stock) has no time.
+    assert set(per_iter) == {"stock+moe", "k0.5+moe", "k0.25+moe", "stock-mbs8", "stock+full",
+                             "k0.5-recompute", "stock-mbs8+moe"}  # fmt: skip
+    details = {d["arm"]: d for d in payload["replays"]}
+    for label, micro in (("stock+moe", 1), ("stock-mbs8", 2)):
+        pred = details[label]["prediction"]
+        want = (pred["fwd_ms"] + pred["bwd_ms"]) * 24 * micro
+        assert per_iter[label]["predicted"] == pytest.approx(want)
+    assert "t8192" in details["stock-mbs8"]["trace"] and "t16384" in details["stock+moe"]["trace"]
+    phases = details["stock+moe"]["prediction"]["phase_ms"]
+    assert phases["moe_recompute"] == pytest.approx(sum(phases[p] for p in rv.FORWARD))
+    ratio = {r["label"]: r for r in rows if r["quantity"] == "moe_vs_baseline"}
+    assert "stock+moe" not in ratio and len(ratio) == 6
+    assert ratio["k0.5+moe"]["predicted"] == pytest.approx(
+        per_iter["k0.5+moe"]["predicted"] / per_iter["stock+moe"]["predicted"]
+    )
