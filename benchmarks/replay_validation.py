@@ -116,6 +116,12 @@ REPLICA_BENCH = ("gpu_run4/replica_bench.json", "gpu_run5/replica_bench.json")
 # memory_bound.py search: the 24-layer proxy trained 10 iterations per arm (an H200; the H100
 # search, gpu_run34 call 13, ran on another card than the GEMM table's).
 MEMORY_BOUND = ("gpu_run33/call2/search.json",)
+# Searches whose --moe-layer-timing left out gradient-free forwards (the timer before 1d4ee1f):
+# under full recompute they timed the recomputed forward and the backward, not the first
+# forward. (Megatron's MoE-layer recompute checkpoints inside MoELayer.forward: the layer's
+# forward runs once with gradients on and its backward holds the recomputation, so every timer
+# counts both forwards, as the replay's +moe arms price them.)
+WITH_GRAD_FORWARD_ONLY = ("gpu_run33/",)
 NOT_COMPARED = {
     "gpu_run5/train_ep2_keep*.log, gpu_run8/train_ep2_keep*.log": "EP 2 training with "
     "--moe-layer-timing: the routing of real text through a trained router was not recorded "
@@ -838,7 +844,8 @@ def memory_bound(
     """Comparisons of one ``memory_bound.py search`` file: each arm's MoE-layer time per
     training iteration, and over the baseline arm's. The runs are 10 iterations from
     initialisation, so their routing is the router's on random weights (reconstructed as for
-    model_bench), per micro-batch of ``mbs`` sequences."""
+    model_bench), per micro-batch of ``mbs`` sequences. The forwards priced are those the run's
+    timer counted (:data:`WITH_GRAD_FORWARD_ONLY`)."""
     file = _rel(path)
     data = _load(file, cache)
     proxy, flags = data["proxy"], list(data["proxy_flags"])
@@ -861,7 +868,10 @@ def memory_bound(
         directory = router_trace(spec, QWEN3_30B_A3B_MOE["moe_ffn_hidden_size"], traces, fresh)
         name = search_arm(arm)
         pred = replay_trace(directory, 1, [name], model, main_grad="fused")[name]
-        per_iter[arm["name"]] = (pred["fwd_ms"] + pred["bwd_ms"]) * layers * micro
+        # Full recompute: the first, gradient-free forward is a call of its own, timed only by
+        # a timer that counts such forwards (+moe arms price their second one in bwd_ms).
+        full = arm["recompute"] == "full" and not path.startswith(WITH_GRAD_FORWARD_ONLY)
+        per_iter[arm["name"]] = ((1 + full) * pred["fwd_ms"] + pred["bwd_ms"]) * layers * micro
         add = _Adder(out, config, "memory_bound", 1, file, directory)
         key = f"arms[arm.name={arm['name']}]/moe_ms"
         add(name, "moe_ms_per_iter", [key], per_iter[arm["name"]], label=arm["name"])
