@@ -785,18 +785,23 @@ _SKEWS = {
 def _validation_counts(root: Path) -> str:
     """The replay validation's comparisons within its target, per split (validation.json)."""
     data = json.loads((root / RESULTS / "replay_validation" / "validation.json").read_text())
-    parts = []
-    for split, label in (("training", "training"), ("held-out", "held-out")):
-        rows = [c for c in data["comparisons"] if c["split"] == split]
-        parts.append(f"{sum(c['within_target'] for c in rows)} of {len(rows)} {label}")
+    parts = [
+        f"{data[key]['all']['within_target']} of {data[key]['all']['n']} {label}"
+        for key, label in (("summary_training", "training"), ("summary_held_out", "held-out"))
+    ]
     return f"{' and '.join(parts)} comparisons within {data['target'] * 100:g} %"
 
 
-def _to_target_cell(row: Optional[dict]) -> str:
-    if row is None or row["moe_to_target_vs_stock"] is None:
+def _bounded(row: Optional[dict], value: Optional[float]) -> str:
+    """A ratio of a to-target row, ``>`` before it where the row's iterations are a lower
+    bound (a run that never reached the target); ``-`` without one."""
+    if row is None or value is None:
         return "-"
-    sign = ">" if row["lower_bound"] else ""
-    return f"{sign}{row['moe_to_target_vs_stock']:.2f}x"
+    return f"{'>' if row['lower_bound'] else ''}{value:.2f}x"
+
+
+def _to_target_cell(row: Optional[dict]) -> str:
+    return _bounded(row, row and row["moe_to_target_vs_stock"])
 
 
 def _iteration_line(data: dict, label: str) -> str:
@@ -858,15 +863,12 @@ def section_replay_at_scale(root: Path) -> str:
     for ep, rows in proxy4["results"].items():
         deep = memory24["results"].get(ep, {})
         for name, row in rows.items():
-            vs_rep = row.get("moe_to_target_vs_replicas")
-            sign = ">" if row["lower_bound"] else ""
             out.append(
                 f"| {ep} | {name} | {row['kept_fraction']:.2f} | {row['moe_ms']:.0f} | "
                 f"{row['moe_ms_vs_stock']:.2f}x | {row['memory_bytes_vs_stock']:.2f}x / "
                 f"{row['network_bytes_vs_stock']:.2f}x | {_to_target_cell(row)} / "
                 f"{_to_target_cell(deep.get(name))} | "
-                + (f"{sign}{vs_rep:.2f}x" if vs_rep is not None else "-")
-                + " |"
+                f"{_bounded(row, row.get('moe_to_target_vs_replicas'))} |"
             )
     return "\n".join(
         out + ["", _why_from_phases(replay), "", _skew_table(root), "", _memory_at_scale(root)]
@@ -931,13 +933,12 @@ def _memory_at_scale(root: Path) -> str:
                 row = rows[name]
                 gib = replay["results"][ep][name]["memory_bytes"] / 2**30
                 to_t = row["moe_to_target_vs_stock"]
-                sign = ">" if row["lower_bound"] else ""
                 out.append(
                     f"| {label} (zipf {zipf:g}) | {ep} | {name} | {gib:.1f} | "
                     f"{row['memory_bytes_vs_stock'] / base['memory_bytes_vs_stock']:.2f}x | "
                     f"{row['moe_ms_vs_stock'] / base['moe_ms_vs_stock']:.2f}x | "
-                    f"{sign}{to_t / base['moe_to_target_vs_stock']:.2f}x | "
-                    f"{sign}{to_t / rep['moe_to_target_vs_stock']:.2f}x |"
+                    f"{_bounded(row, to_t / base['moe_to_target_vs_stock'])} | "
+                    f"{_bounded(row, to_t / rep['moe_to_target_vs_stock'])} |"
                 )
     return "\n".join(out)
 
