@@ -638,7 +638,7 @@ def section_time_to_target(root: Path) -> str:
             f"target ({looser['target']:.2f}, for scale) it needs {loose['moe_s_to_target']:.2f}x "
             f"the MoE-layer time and {loose['wall_s_to_target']:.2f}x the wall time.",
         ]
-    out += ["", "One seed per arm: whether the gap holds over seeds is the next measurement."]
+    out += ["", "One seed per arm on this card; a second seed, on a real 80 GB card, follows."]
     out += ["", _real_card_check(root)]
     return "\n".join(out)
 
@@ -804,14 +804,19 @@ def _to_target_cell(row: Optional[dict]) -> str:
     return _bounded(row, row and row["moe_to_target_vs_stock"])
 
 
-def _iteration_line(data: dict, label: str) -> str:
+def _iteration_line(data: dict, label: str, noise: str) -> str:
+    """One curve set's iteration ratios, with its seeds, keep 1.0's own spread over them and
+    the noise of its validation set (``noise``)."""
     parts = []
     for keep, ratio in data["iteration_ratios"].items():
         sign = ">" if ratio["lower_bound"] else ""
         per = ", ".join(f"{v:.2f}" for v in ratio["per_seed"].values())
         parts.append(f"keep {keep} {sign}{ratio['ratio']:.3f}x (seeds: {per})")
-    seeds = len(data["runs"]["1.0"])
-    return (f"- {label}, target {data['settings']['target']:g}, {seeds} seed(s): "
+    base = data["runs"]["1.0"]
+    seeds = ", ".join(str(r["seed"]) for r in base)
+    spread = [r["iteration"] for r in base]
+    return (f"- {label}, target {data['settings']['target']:g}, seeds {seeds} (keep 1.0 reached "
+            f"it in {min(spread):.0f}-{max(spread):.0f} iterations over them; {noise}): "
             + "; ".join(parts) + ".")
 
 
@@ -845,10 +850,12 @@ def section_replay_at_scale(root: Path) -> str:
         "Iterations to the target over keep 1.0, summed over the paired seeds (each seed's own "
         "ratio after it):",
         "",
-        _iteration_line(proxy4, "the 4-layer Qwen3 proxy (the training sections above)"),
+        _iteration_line(proxy4, "the 4-layer Qwen3 proxy (the training sections above)",
+                        "its validation set's noise not measured: 8 batches per evaluation"),
         _iteration_line(memory24, "the 24-layer proxy where memory binds (the time-to-target "
                         "section above; a looser target than its declared ones, which seed "
-                        "1234's keep 0.5 did not reach in 300 iterations)"),
+                        "1234's keep 0.5 did not reach in 300 iterations)",
+                        "validation-set standard error 0.5 %"),
         "",
         _source("replay_target", "(the files' commit)",
                 "python -m megatron_lrmoe.replay ... --out replay.json; python "
