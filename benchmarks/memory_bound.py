@@ -225,6 +225,7 @@ class Run:
     evaluate: bool
     evaluations: int = 4
     gpu_gib: Optional[float] = None
+    extra_flags: tuple[str, ...] = ()
 
     def env(self) -> dict[str, str]:
         env = dict(PROXY)
@@ -253,7 +254,7 @@ class Run:
         flags = [*PROXY_FLAGS, *self.arm.flags(), "--split", SPLIT]
         if self.evaluate:
             flags += ["--full-validation", *EVAL_FLAGS]
-        return flags
+        return flags + list(self.extra_flags)
 
     def command(self) -> list[str]:
         return ["bash", str(LAUNCH), *self.flags()]
@@ -371,7 +372,8 @@ def search(args: argparse.Namespace) -> dict:
             print(f"kept {arm.name} (in {path})")
             continue
         run = Run(arm, args.seeds[0], args.search_iters, args.out / "search" / f"{file_stem(arm.name)}.log",
-                  args.cap_gib, args.layers, evaluate=False, gpu_gib=args.gpu_gib)
+                  args.cap_gib, args.layers, evaluate=False, gpu_gib=args.gpu_gib,
+                  extra_flags=tuple(shlex.split(args.megatron_args)))
         parsed = launch(run, args.timeout_s, args.dry_run)
         if parsed is not None:
             done[arm.name] = search_row(arm, parsed)
@@ -383,7 +385,8 @@ def search(args: argparse.Namespace) -> dict:
 def _write_search(path: Path, args: argparse.Namespace, done: dict[str, dict]) -> dict:
     rows = list(done.values())
     result = {"cap_gib": args.cap_gib, "gpu_gib": args.gpu_gib, "layers": args.layers, "proxy": PROXY,
-              "proxy_flags": list(PROXY_FLAGS), "arms": rows, "picks": picks(rows)}
+              "proxy_flags": list(PROXY_FLAGS), "megatron_args": args.megatron_args, "arms": rows,
+              "picks": picks(rows)}
     path.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -409,7 +412,8 @@ def converge(args: argparse.Namespace) -> None:
                 print(f"kept {log} (finished)")
                 continue
             run = Run(arm, seed, args.iters, log, args.cap_gib, args.layers, evaluate=True,
-                      evaluations=args.evaluations, gpu_gib=args.gpu_gib)
+                      evaluations=args.evaluations, gpu_gib=args.gpu_gib,
+                      extra_flags=tuple(shlex.split(args.megatron_args)))
             parsed = launch(run, args.timeout_s, args.dry_run)
             if parsed is not None:
                 print(json.dumps(train_logs.summary(parsed, None)), flush=True)
@@ -588,6 +592,10 @@ def parser() -> argparse.ArgumentParser:
                    help="report: target validation loss (default: 1 %% above the baseline's mean "
                    "final validation loss)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per launch")
+    p.add_argument("--megatron-args", default="",
+                   help="search, converge: more Megatron flags for every launch, one string (e.g. "
+                   "the profiler's: \"--profile --use-pytorch-profiler --profile-step-start 10 "
+                   "--profile-step-end 12 --tensorboard-dir DIR/tb\")")
     p.add_argument("--redo", action="store_true",
                    help="search: run every arm again (default: keep the arms in search.json)")
     p.add_argument("--dry-run", action="store_true", help="print the launch commands only")

@@ -268,6 +268,21 @@ def test_dry_run_prints_one_launch_per_arm(tmp_path: Path) -> None:
     assert not (tmp_path / "search.json").exists()
 
 
+
+def test_megatron_args_reach_every_launch(tmp_path: Path) -> None:
+    """``--megatron-args`` (e.g. the profiler's flags) ends every launch's command line, split
+    as a shell would, after the arm's own flags."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "memory_bound.py"), "converge", "--out",
+         str(tmp_path), "--dry-run", "--arms", "stock+moe", "--seeds", "7",
+         "--megatron-args", "--profile --tensorboard-dir '/tmp/a b/tb'"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    (line,) = proc.stdout.splitlines()
+    assert "--recompute-modules core_attn moe" in line
+    assert line.split(" > ")[0].endswith("--profile --tensorboard-dir '/tmp/a b/tb'")
+
+
 # -- the report --------------------------------------------------------------------------------
 
 
