@@ -20,9 +20,9 @@ for ARM in ${ARMS:-stock+moe k0.5+moe}; do
   prof="--profile --use-pytorch-profiler --profile-step-start 10 --profile-step-end 12 --tensorboard-dir $W/prof_$S/tb"
   timeout 240 python3 benchmarks/memory_bound.py search --out $W/mb_$S $LIMIT --layers 24 --arms $ARM --search-iters 14 \
     --megatron-args "$prof" --timeout-s 230 > $W/search_$S.out 2>&1; echo "$ARM rc=$? $(tail -1 $W/search_$S.out | cut -c1-300)" | tee -a $OUT/run.log
-  cp $W/mb_$S/search/*.log $OUT/ 2>/dev/null
   traces+=("$W/prof_$S/torch_profile/rank-0.json.gz"); names+=("$S")
 done
 ls -la $W/prof_*/torch_profile | tee -a $OUT/run.log
+tar czf $OUT/logs.tgz -C $W $(cd $W && ls -d mb_* search_*.out)
 timeout 200 python3 benchmarks/trace_summary.py "${traces[@]}" --names "${names[@]}" --top 60 --out $OUT/trace_summary.json > $OUT/trace_summary.txt 2>&1
 echo "trace_summary rc=$?" | tee -a $OUT/run.log; head -c 6000 $OUT/trace_summary.txt
