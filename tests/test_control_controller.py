@@ -272,6 +272,41 @@ def test_auto_mode_picks_the_first_mode_the_budget_does_not_trim() -> None:
     assert plan.activation_mode == "save"
 
 
+
+def test_lean_budget_holds_the_router_gradient_rows() -> None:
+    """lean's exact router gradient holds every computed pair's gradient row and fc2 input
+    gradient (H + F) before the kept pairs' backward (tests/test_costs.py measures them): the
+    memory budget holds the larger of the two, and where the router rows alone overflow it no
+    quota fits (``unmet_budgets``); auto then takes another mode."""
+    counts = np.full((4, 8), 25, dtype=np.int64)  # 200 pairs computed per rank, balanced
+    lean = LRMoEConfig(keep_ratio=0.2, activation_mode="lean")  # 40 kept per rank
+    memory = plan_call(counts, 0, lean, COST, check=True).memory
+    router = 200 * COST.router_bytes("lean")
+    assert router == 200 * (64 + 32) * 2 and router > 40 * COST.backward_bytes("lean")
+    assert torch.equal(memory.router_bytes, torch.full((4,), router))
+    fixed = int(memory.saved_bytes.max())
+    assert fixed == 200 * COST.expert_saved_bytes("lean")
+    assert torch.equal(memory.budgeted_bytes, torch.full((4,), fixed + router))
+    # Exactly the router rows' room: every pair of the quota is kept.
+    fits = plan_call(counts, 0, dataclasses.replace(lean, memory_budget_bytes=fixed + router),
+                     COST, check=True)  # fmt: skip
+    assert fits.kept_pairs == 160 and not fits.binding_budgets and not fits.unmet_budgets
+    # One byte less: the kept pairs would fit (their rows are smaller) but the router's do not.
+    short = dataclasses.replace(lean, memory_budget_bytes=fixed + router - 1)
+    plan = plan_call(counts, 0, short, COST, check=True)
+    assert plan.kept_pairs == 0 and plan.unmet_budgets == ("memory",)
+    # The start-up check counts them in lean's minimum; auto prefers recompute, which fits.
+    assert minimum_memory_bytes(lean, COST, 200) == fixed + router
+    with pytest.raises(ValueError, match=str(fixed + router)):
+        check_budgets(short, COST, 200, "decoder.1.mlp", ep_size=4)
+    auto = plan_call(counts, 0, dataclasses.replace(short, activation_mode="auto"), COST,
+                     check=True)  # fmt: skip
+    assert auto.activation_mode == "recompute" and auto.kept_pairs > 0
+    assert not auto.unmet_budgets and int(auto.memory.budgeted_bytes.max()) <= fixed + router - 1
+    # Keep 1.0 runs the exact path: no router rows.
+    exact = plan_call(counts, 0, LRMoEConfig(activation_mode="lean"), COST)
+    assert int(exact.memory.router_bytes.max()) == 0
+
 def test_start_up_check_names_the_budget_and_its_minimum() -> None:
     need = minimum_memory_bytes(LRMoEConfig(keep_ratio=0.5), COST, 1024)
     assert need == 1024 * (COST.expert_saved_bytes("save") + COST.row_bytes)

@@ -64,14 +64,31 @@ def costs_worker(rank: int, world: int) -> dict:
         "recompute_keep1": LRMoEConfig(activation_mode="recompute"),  # the exact path
     }
     variants["lean"] = LRMoEConfig(keep_ratio=0.5, activation_mode="lean")
-    for name, config in variants.items():
-        lrmoe.lrmoe_config = config
-        stats = []
-        handle = lrmoe.add_stats_listener(lambda _n, s: stats.append(s))
-        saved = _saved_bytes(lrmoe, x)
-        handle.remove()
-        computed = stats[-1].forward_rows  # pairs this rank's experts computed
-        result[name] = (saved, computed)
+    # lean's router gradient: the gradient rows and fc2's input gradient of every computed pair,
+    # measured where both are live (the one fc2 input-gradient GEMM of the trimmed backward).
+    from megatron_lrmoe.op import trimmed
+
+    router_rows: list[int] = []
+    real_mm = trimmed.grouped_mm_nn
+
+    def spy_mm(rows: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out = real_mm(rows, *args, **kwargs)
+        router_rows.append(rows.numel() * rows.element_size() + out.numel() * out.element_size())
+        return out
+
+    trimmed.grouped_mm_nn = spy_mm
+    try:
+        for name, config in variants.items():
+            lrmoe.lrmoe_config = config
+            stats = []
+            handle = lrmoe.add_stats_listener(lambda _n, s: stats.append(s))
+            saved = _saved_bytes(lrmoe, x)
+            handle.remove()
+            computed = stats[-1].forward_rows  # pairs this rank's experts computed
+            result[name] = (saved, computed)
+    finally:
+        trimmed.grouped_mm_nn = real_mm
+    result["router_rows"] = router_rows  # lean's call alone runs that GEMM
     cost = CostModel.from_config(cfg)
     result["model"] = {
         "stock": cost.stock_saved_bytes,
@@ -81,6 +98,9 @@ def costs_worker(rank: int, world: int) -> dict:
         "source_recompute": cost.source_saved_bytes("recompute", keeps_all=False),
         "expert_lean": cost.expert_saved_bytes("lean"),
         "source_lean": cost.source_saved_bytes("lean", keeps_all=False),
+        "router_lean": cost.router_bytes("lean"),
+        "router_other": [cost.router_bytes(m) for m in ("save", "recompute")]
+        + [cost.router_bytes("lean", keeps_all=True)],
         "row": cost.row_bytes,
     }
     result["pairs"] = pairs
@@ -115,5 +135,9 @@ def test_cost_model_matches_saved_bytes(ep: int) -> None:
         extra = res["recompute"][0] - model["source_recompute"] * pairs
         rows = model["expert_lean"] * computed
         assert rows <= saved <= rows + extra + 8 * pairs, (where, "lean", res)
+        # lean's router-gradient rows, live before the kept pairs' backward: exactly the model's
+        # bytes per computed pair (the budget holds them, control/costs.py), and only in lean.
+        assert res["router_rows"] == [model["router_lean"] * computed], (where, "router", res)
+        assert model["router_other"] == [0, 0, 0]
         # The reference the memory goal is measured against is stock's larger footprint.
         assert res["stock"] > res["keep1"][0] / pairs

@@ -417,6 +417,11 @@ class Assignment:
         """``[P]`` budgeted bytes no quota changes: replicas, saved activations, source rows."""
         return self.cost.replica_bytes * self.replicas_per_rank + self.saved_memory(keeps_all)
 
+    def router_memory(self, keeps_all: bool) -> np.ndarray:
+        """``[P]`` lean's router-gradient rows of every computed pair (0 in other modes), live
+        before the kept pairs' backward: the budget holds the larger of the two."""
+        return self.cost.router_bytes(self.mode, keeps_all) * self.forward_rank_load
+
     def saved_memory(self, keeps_all: bool) -> np.ndarray:
         """``[P]`` saved activations: expert side per computed pair, source side per sent pair.
         A call that keeps every pair runs the exact path, which saves x and h in every mode; at
@@ -432,13 +437,15 @@ class Assignment:
 
     def rank_caps(self, quota: np.ndarray) -> Optional[np.ndarray]:
         """``[P]`` most kept pairs per rank under the budgets (None: unbounded); may be < 0 (then
-        no quota fits). The quota only matters through ``keeps_all``: cached per case."""
+        no quota fits: also where lean's router rows alone overflow what the fixed terms leave).
+        The quota only matters through ``keeps_all``: cached per case."""
         key = (self.memory_budget, self.exchange_budget, self.keeps_all(quota))
         if key not in self._caps:
             caps = None
             if self.memory_budget is not None:
                 left = self.memory_budget - self.fixed_memory(key[2])
                 caps = left // self.cost.backward_bytes(self.mode)
+                caps = np.where(left >= self.router_memory(key[2]), caps, -1)
             if self.exchange_budget is not None:
                 room = self.exchange_budget // self.cost.exchange_bytes(self.mode)
                 caps = np.full(self.num_sources, room) if caps is None else np.minimum(caps, room)
@@ -678,9 +685,10 @@ class Assignment:
 
     def broken_budget(self, plan: Backward) -> str:
         if self.memory_budget is not None:
-            used = (
-                self.fixed_memory(self.keeps_all(plan.quota))
-                + self.cost.backward_bytes(self.mode) * plan.rank_load
+            keeps_all = self.keeps_all(plan.quota)
+            used = self.fixed_memory(keeps_all) + np.maximum(
+                self.cost.backward_bytes(self.mode) * plan.rank_load,
+                self.router_memory(keeps_all),
             )
             if int(used.max(initial=0)) > self.memory_budget:
                 return "memory"

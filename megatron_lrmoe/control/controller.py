@@ -99,9 +99,9 @@ def minimum_memory_bytes(
     the mean ``pairs_per_rank`` rows (the best any placement can do).
 
     It is what no quota can remove: saved activations (save mode; without x at ``ep_size`` 1,
-    where the trimmed path reads it from the layer input) and source-side rows (z, and the token
-    rows in recompute mode). With ``activation_mode="auto"`` the cheaper mode counts. An unknown
-    ``ep_size`` counts as EP > 1 (the larger).
+    where the trimmed path reads it from the layer input), source-side rows (z, and the token
+    rows in recompute mode) and lean's router-gradient rows. With ``activation_mode="auto"``
+    the cheaper mode counts. An unknown ``ep_size`` counts as EP > 1 (the larger).
     """
     local_tokens = ep_size == 1
     return min(
@@ -109,6 +109,7 @@ def minimum_memory_bytes(
         * (
             cost.expert_saved_bytes(mode, local_tokens)
             + cost.source_saved_bytes(mode, keeps_all=False)
+            + cost.router_bytes(mode)
         )
         for mode in _modes(lrmoe)
     )
@@ -186,6 +187,7 @@ def _memory_plan(call: BudgetSearch, plan: Backward) -> MemoryPlan:
         replicas,
         saved,
         cost.backward_bytes(mode, call.keeps_all(plan.quota)) * plan.rank_load,
+        call.router_memory(call.keeps_all(plan.quota)),
         cost.forward_buffer_bytes * call.forward_rank_load,
         exchange * call.sent_rows(plan),
         exchange * plan.rank_load,

@@ -15,7 +15,7 @@ and sends (megatron_lrmoe/op.py) at the granularity of rows; per-pair scalars (r
 | ... every pair kept (exact path) | pair | gradient row (H) + 2F + dh (F1) + dx (H): nothing gathered | (not used) |
 | backward exchange | kept pair | gradient row (H) | gradient + token row (2H) |
 | forward token buffers (reported only) | pair computed in forward | x in (H) + z out (H) | same |
-| lean's router gradient (not budgeted) | pair computed in forward | - | lean: gradient row + fc2 input-gradient row (H + F), before the kept rows' backward (below its working bytes at keep >= 0.3 in Qwen3's shape) |
+| lean's router gradient | pair computed in forward, unless every pair is kept | - | lean: gradient row + fc2 input-gradient row (H + F), before the kept rows' backward (the budget holds the larger of the two; in Qwen3's shape the kept rows' above keep 0.262) |
 
 At EP 1 the trimmed ``save`` path reads x from the layer input (which the router saves anyway)
 instead of saving it: there the expert side holds h alone (``local_tokens``). The exact path
@@ -156,6 +156,16 @@ class CostModel:
         else:
             elements = 3 * h + 2 * f1 + 2 * f
         return elements * self.activation_bytes
+
+    def router_bytes(self, mode: str, keeps_all: bool = False) -> int:
+        """Working bytes per computed pair of ``lean``'s router gradient ``<W2^T g, a>``: the
+        pair's gradient row (H) and its fc2 input gradient (F), live at once at the expert
+        side before the kept pairs' backward starts (``op/trimmed.py``, ``_lean_router_grad``).
+        No quota removes them. 0 in the other modes and when every pair is kept (the exact
+        path takes the router gradient from saved rows)."""
+        if mode != "lean" or keeps_all:
+            return 0
+        return (self.hidden_size + self.ffn_hidden_size) * self.activation_bytes
 
     def exchange_bytes(self, mode: str) -> int:
         """Bytes per kept pair in the backward's gradient exchange (the largest one)."""

@@ -193,14 +193,18 @@ class CallPlan:
 class MemoryPlan:
     """Planned bytes per GPU (``[P]`` int64 each) next to fixed ownership's (stock Megatron).
 
-    Budgeted (``memory_budget_bytes``): ``replica_bytes + saved_bytes + backward_bytes``.
-    Reported: ``forward_buffer_bytes`` (received rows and returned outputs in forward) and the
-    backward gradient exchange per rank. ``stock_*``: no replicas, every pair kept, save mode.
+    Budgeted (``memory_budget_bytes``): ``replica_bytes + saved_bytes`` and the larger of
+    ``backward_bytes`` (the kept pairs' working rows) and ``router_bytes`` (``lean``'s
+    router-gradient rows of every computed pair, freed before the kept pairs' backward; 0 in
+    the other modes). Reported: ``forward_buffer_bytes`` (received rows and returned outputs in
+    forward) and the backward gradient exchange per rank. ``stock_*``: no replicas, every pair
+    kept, save mode.
     """
 
     replica_bytes: torch.Tensor
     saved_bytes: torch.Tensor
     backward_bytes: torch.Tensor
+    router_bytes: torch.Tensor
     forward_buffer_bytes: torch.Tensor
     exchange_sent_bytes: torch.Tensor
     exchange_recv_bytes: torch.Tensor
@@ -212,8 +216,13 @@ class MemoryPlan:
 
     @property
     def budgeted_bytes(self) -> torch.Tensor:
-        """``[P]`` what the memory budget limits: replicas + saved activations + backward."""
-        return self.replica_bytes + self.saved_bytes + self.backward_bytes
+        """``[P]`` what the memory budget limits: replicas + saved activations + the larger
+        of the backward's working rows and lean's router-gradient rows."""
+        return (
+            self.replica_bytes
+            + self.saved_bytes
+            + torch.maximum(self.backward_bytes, self.router_bytes)
+        )
 
     @property
     def total_bytes(self) -> torch.Tensor:
@@ -236,6 +245,7 @@ class MemoryPlan:
             "replica_bytes": int(self.replica_bytes.max()),
             "saved_bytes": int(self.saved_bytes.max()),
             "backward_bytes": int(self.backward_bytes.max()),
+            "router_bytes": int(self.router_bytes.max()),
             "forward_buffer_bytes": int(self.forward_buffer_bytes.max()),
             "budgeted_bytes": int(self.budgeted_bytes.max()),
             "total_bytes": int(self.total_bytes.max()),

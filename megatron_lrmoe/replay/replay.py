@@ -399,12 +399,11 @@ def price_call(
         )
     else:
         held = memory.replica_bytes.numpy() + memory.saved_bytes.numpy()
-        transient = np.maximum(
-            memory.backward_bytes.numpy(), memory.forward_buffer_bytes.numpy()
-        )
-        if lean:  # the router gradient's gradient and product rows of every computed pair
-            lean_rows = (cost.hidden_size + cost.ffn_hidden_size) * cost.activation_bytes
-            transient = np.maximum(transient, lean_rows * a.sum(axis=0))
+        # lean's router-gradient rows of every computed pair: 0 in the other modes
+        transient = np.maximum.reduce(
+            [memory.backward_bytes.numpy(), memory.forward_buffer_bytes.numpy(),
+             memory.router_bytes.numpy()]
+        )  # fmt: skip
     if moe_recompute:  # the checkpointed input; the rest lives during this layer's backward
         if topk is None:
             raise ValueError(
