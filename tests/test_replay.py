@@ -806,6 +806,8 @@ def test_two_stage_trace_reads_as_the_unsplit_model(pipeline_run) -> None:
     stage0, stage1 = (read_trace(directory / "pipeline", rank=r) for r in (0, 2))
     assert (stage0.meta["pipeline_rank"], stage1.meta["pipeline_rank"]) == (0, 1)
     assert stage0.meta["pipeline_size"] == 2 and stage1.meta["ep_ranks"] == [2, 3]
+    # Megatron's [tensor, context, data]-parallel ranks: both stages' writers see data rank 0.
+    assert stage0.meta["data_coords"] == stage1.meta["data_coords"] == [0, 0, 0]
     assert stage0.layers == [1] and stage1.layers == [2]
     assert merged.meta["stages"] == [
         {"pipeline_rank": 0, "ranks": [0], "layers": [1]},

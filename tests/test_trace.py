@@ -246,6 +246,35 @@ def test_ep_groups_one_or_side_by_side(tmp_path) -> None:
         read_trace(tmp_path, ep_group="first")
 
 
+
+def test_stages_pair_their_ep_groups_by_data_coords(tmp_path) -> None:
+    """A rank order other than Megatron's default (e.g. ``--use-tp-pp-dp-mapping``) can list
+    stage 1's groups in another order than stage 0's: with ``data_coords`` (the recording rank's
+    tensor-, context- and data-parallel ranks) the reader pairs the groups that saw the same
+    micro-batches, not the ones of the same rank order. A group recorded on all its ranks
+    reads from its EP rank 0, whatever its global rank."""
+    c = {r: _counts(2, 2, 4, seed=r) for r in range(8)}
+    layout = (  # rank, stage, EP group's ranks, data-parallel rank
+        (0, 0, [0, 1], 0), (2, 0, [2, 3], 1), (6, 1, [6, 7], 0), (5, 1, [5, 4], 1),
+    )
+    for rank, stage, ep, dp in layout:
+        _stage(tmp_path, rank, stage, [1 + stage], [0, 1], c[rank], ep_ranks=ep,
+               data_coords=[0, 0, dp], ep_rank=0)  # fmt: skip
+    _stage(tmp_path, 4, 1, [2], [0, 1], c[4], ep_ranks=[5, 4], data_coords=[0, 0, 2], ep_rank=1)
+    group0, group1 = read_trace(tmp_path), read_trace(tmp_path, ep_group=1)
+    assert [s["ranks"] for s in group0.meta["stages"]] == [[0], [6]]  # rank order: [0], [5]
+    assert [s["ranks"] for s in group1.meta["stages"]] == [[2], [5]]  # EP rank 0, not rank 4
+    assert np.array_equal(group0.counts, np.stack([c[0][0], c[6][0], c[0][1], c[6][1]]))
+    # Stages whose groups sit at different data positions saw different micro-batches.
+    other = tmp_path / "other"
+    for rank, stage, ep, dp in layout:
+        _stage(other, rank, stage, [1 + stage], [0, 1], c[rank], ep_ranks=ep,
+               data_coords=[0, 0, dp + (rank == 5)])  # fmt: skip
+    with pytest.raises(ValueError, match=r"different data positions \{0: \[\[0, 0, 0\], \[0, 0, "
+                       r"1\]\], 1: \[\[0, 0, 0\], \[0, 0, 2\]\]\}.*rank="):
+        read_trace(other)
+    assert read_trace(other, rank=5).meta["data_coords"] == [0, 0, 2]
+
 def test_traces_without_pipeline_keys_read_as_before(tmp_path) -> None:
     """Rank directories without pipeline keys: one stage, each directory an EP group; the
     default reads the lowest rank, as it is, in the order its calls ran."""
@@ -302,11 +331,12 @@ def test_merge_refusals_name_the_value_and_the_fix(tmp_path) -> None:
 def test_recorder_writes_the_pipeline_position(tmp_path) -> None:
     recorder = TraceRecorder(
         [_Layer(5), _Layer(6)], tmp_path, rank=4, pipeline_rank=1, pipeline_size=2,
-        ep_ranks=[4, 5],
+        ep_ranks=[4, 5], data_coords=[0, 1, 2],
     )  # fmt: skip
     recorder.close()
     meta = read_trace(tmp_path, rank=4).meta
     assert (meta["pipeline_rank"], meta["pipeline_size"], meta["ep_rank"]) == (1, 2, 0)
     assert meta["ep_ranks"] == [4, 5] and meta["layers"] == [5, 6]
+    assert meta["data_coords"] == [0, 1, 2]
     with pytest.raises(ValueError, match=r"pipeline_rank \(2\) must lie in \[0, pipeline_size"):
         TraceRecorder([_Layer(1)], tmp_path / "b", rank=0, pipeline_rank=2, pipeline_size=2)

@@ -16,7 +16,8 @@ one sub-directory named by its global rank::
 ``meta.json`` may carry more keys (``topk``, ``hidden_size``, ``ffn_hidden_size``, ``gated``,
 ``activation_bytes``, ``param_bytes``: the layer's shape, for the replay's cost model;
 ``layers``, ``every``; and where the writer sits in the run: ``pipeline_rank``,
-``pipeline_size``, ``ep_rank``, ``ep_ranks``, the global ranks of its EP group). Each
+``pipeline_size``, ``ep_rank``, ``ep_ranks``, the global ranks of its EP group, and
+``data_coords``, its tensor-, context- and data-parallel ranks). Each
 chunk holds whole calls in the order they ran: ``layer`` is Megatron's 1-based layer number
 (global: with the pipeline offset), ``call`` the layer's forward call counter (calls made with
 gradients enabled; the k-th call of every layer belongs to the k-th micro-batch forward, which
@@ -29,9 +30,11 @@ the caller only copies counts. A reader refuses other formats and newer versions
 Reading a run (:func:`read_trace` without ``rank``): every pipeline stage's recording ranks
 write into the same directory, each its stage's layers. The reader groups the rank directories
 by ``pipeline_rank`` and, within a stage, by EP group (``ep_ranks``; groups ordered by their
-lowest rank, which in Megatron's rank order pairs group g of every stage with the same data-
-parallel replicas, so the same micro-batches), takes one EP group (``ep_group``; the lowest
-rank's copy where ``all_ranks=True`` recorded it several times) or all of them side by side,
+recording rank's ``data_coords``, its tensor-, context- and data-parallel ranks, which pair
+group g of every stage with the same micro-batches whatever Megatron's rank order; traces
+without them by their lowest rank, which does so in Megatron's default order), takes one EP
+group (``ep_group``; the lowest EP rank's copy where ``all_ranks=True`` recorded it several
+times) or all of them side by side,
 and merges the stages' calls into one pass of all layers per call index. The stages must agree
 on everything but their layers: pipeline size, shapes, calls, steps; a missing stage or a layer
 recorded twice is refused. A directory without these keys (written before they existed) reads
@@ -341,8 +344,9 @@ def read_trace(
     With ``rank`` given, that rank's directory alone (one stage, one EP group), its calls in
     the order they ran. Else the directory is read as one run (see the module docstring's
     *Reading a run*): per pipeline stage (``meta.json``'s ``pipeline_rank``) the EP group
-    ``ep_group`` (groups ordered by their lowest global rank; of an EP group recorded on
-    several ranks, ``all_ranks=True``, the lowest rank's copy), the stages' calls merged into
+    ``ep_group`` (groups ordered by their recording rank's ``data_coords``, else by their
+    lowest global rank; of an EP group recorded on several ranks, ``all_ranks=True``, the
+    lowest EP rank's copy), the stages' calls merged into
     one pass of every recorded layer per call index, sorted by (call, layer). ``ep_group="all"``
     puts every group's sources side by side: ``[C, G p, E]``, the micro-batch of all G groups'
     ranks as one EP group of ``G p`` sources. A trace without pipeline keys (recorded before
@@ -409,7 +413,10 @@ def _where(meta: dict[str, Any]) -> str:
 def _stage_grid(
     directory: Path, found: list[tuple[Path, dict[str, Any]]], stages_without_moe: Sequence[int]
 ) -> dict[int, list[tuple[Path, dict[str, Any]]]]:
-    """``stage -> [(path, meta) per EP group]``, groups by lowest global rank, checked."""
+    """``stage -> [(path, meta) per EP group]``, checked. Groups in the order of their
+    recording ranks' ``data_coords`` where every directory has them (the same micro-batches
+    in every stage whatever Megatron's rank order), else of their lowest global rank; of a
+    group recorded on several ranks, its lowest EP rank's copy."""
     first = found[0][1]
     for _, meta in found[1:]:
         for key in _SAME_KEYS:
@@ -422,7 +429,7 @@ def _stage_grid(
                 )
     stages = int(first.get("pipeline_size", 1))
     by_stage: dict[int, dict[tuple[int, ...], tuple[Path, dict[str, Any]]]] = {}
-    for path, meta in found:  # ascending rank: an EP group's lowest recording rank wins
+    for path, meta in found:  # ascending rank: of equal EP ranks the lowest rank wins
         stage = int(meta.get("pipeline_rank", 0))
         if not 0 <= stage < stages:
             raise ValueError(
@@ -430,7 +437,9 @@ def _stage_grid(
                 f"({stages}); the trace's meta.json is damaged"
             )
         key = tuple(int(r) for r in meta.get("ep_ranks", [meta["rank"]]))
-        by_stage.setdefault(stage, {}).setdefault(key, (path, meta))
+        group = by_stage.setdefault(stage, {})
+        if key not in group or int(meta.get("ep_rank", 0)) < int(group[key][1].get("ep_rank", 0)):
+            group[key] = (path, meta)
     missing = sorted(set(range(stages)) - set(by_stage) - {int(s) for s in stages_without_moe})
     if missing:
         raise ValueError(
@@ -439,7 +448,13 @@ def _stage_grid(
             "rankNNNNN directory into it, or, for a stage that holds no LRMoE layer, pass "
             "stages_without_moe / --stages-without-moe"
         )
-    grid = {s: [g[k] for k in sorted(g)] for s, g in sorted(by_stage.items())}
+    coords = all("data_coords" in m for g in by_stage.values() for _, m in g.values())
+    grid = {
+        s: sorted(g.values(), key=lambda e: tuple(e[1]["data_coords"]))
+        if coords
+        else [g[k] for k in sorted(g)]
+        for s, g in sorted(by_stage.items())
+    }
     sizes = {s: len(g) for s, g in grid.items()}
     if len(set(sizes.values())) > 1:
         raise ValueError(
@@ -447,6 +462,17 @@ def _stage_grid(
             f"groups {sizes} (stage: groups); a recording rank's directory is missing (copy "
             "it in) or read one rank with rank= / --rank"
         )
+    if coords:
+        positions = {s: [m["data_coords"] for _, m in g] for s, g in grid.items()}
+        if len({str(p) for p in positions.values()}) > 1:
+            raise ValueError(
+                f"read_trace: the pipeline stages of {directory} recorded EP groups at "
+                f"different data positions {positions} (stage: [tensor, context, data]-"
+                "parallel ranks of each group's recording rank), so no group of one stage "
+                "saw another's micro-batches; record with the default EP rank 0 writers (no "
+                "all_ranks), copy every stage's directories in, or read one rank with rank= / "
+                "--rank"
+            )
     return grid
 
 

@@ -63,8 +63,13 @@ class TraceRecorder:
             reader merges the stages of a run into one model).
         pipeline_size: The run's pipeline-parallel size.
         ep_ranks: The global ranks of these layers' EP group, in EP rank order (``meta.json``'s
-            ``ep_ranks``: the reader pairs the EP groups of the stages by them); None leaves
-            the key out (the reader then takes each rank directory for its own group).
+            ``ep_ranks``); None leaves the key out (the reader then takes each rank directory
+            for its own group).
+        data_coords: This rank's tensor-, context- and data-parallel ranks (``meta.json``'s
+            ``data_coords``): the same on the recording rank of every stage's EP group that
+            sees the same micro-batches, whatever Megatron's rank order, so the reader pairs
+            the stages' EP groups by them; None leaves the key out (the reader then pairs them
+            by rank order, Megatron's default tp-cp-ep-dp-pp).
 
     Raises:
         ValueError: No layers, layers of different EP sizes or expert counts, ``every < 1``,
@@ -82,6 +87,7 @@ class TraceRecorder:
         pipeline_rank: int = 0,
         pipeline_size: int = 1,
         ep_ranks: Optional[Sequence[int]] = None,
+        data_coords: Optional[Sequence[int]] = None,
     ) -> None:
         if not layers:
             raise ValueError("TraceRecorder: no LRMoE layers to record")
@@ -118,6 +124,8 @@ class TraceRecorder:
         }
         if ep_ranks is not None:
             meta["ep_ranks"] = [int(r) for r in ep_ranks]
+        if data_coords is not None:
+            meta["data_coords"] = [int(r) for r in data_coords]
         self.every = int(every)
         self.step = -1
         self.writer = TraceWriter(
@@ -164,6 +172,20 @@ def _megatron_pipeline() -> tuple[int, int]:
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_world_size(),
     )
+
+
+def _megatron_data_coords() -> Optional[list[int]]:
+    """``[tensor, context, data]``-parallel ranks from Megatron's parallel state (None when it
+    is not initialised): what identifies an EP group's micro-batches across pipeline stages."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return [
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_context_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    ]
 
 
 def install_trace_recorder(
@@ -224,6 +246,7 @@ def install_trace_recorder(
         pipeline_rank=stage if pipeline_rank is None else pipeline_rank,
         pipeline_size=stages if pipeline_size is None else pipeline_size,
         ep_ranks=torch.distributed.get_process_group_ranks(ep_group) if distributed else [rank],
+        data_coords=_megatron_data_coords(),
     )
     atexit.register(recorder.close)
     logger.info(
