@@ -354,7 +354,8 @@ _PROXY = (
     "micro-batch, the weight gradients accumulated into `main_grad`, `sample` selection. "
     "The MoE layers are a small part of this proxy's iteration (compare the MoE ms/iter and "
     "s/iter columns; attention without flash kernels, the 151936-word output layer and the "
-    f"optimizer take the rest), which bounds what they can save of it. Target validation loss {TARGET_LOSS}; \"from it 2\" leaves out "
+    f"optimizer take the rest), which bounds what they can save of it. Target validation loss "
+    f"{TARGET_LOSS}; \"from it 2\" leaves out "
     "iteration 1 (Triton compiling into a cold cache)."
 )
 
@@ -470,7 +471,9 @@ _SEARCH = _RUN33 / "call2" / "search.json"
 _RECOMPUTE = [_RUN33 / "call1" / f"model_recompute_{r}.json" for r in ("none", "moe")]
 _RECOMPUTE_LABELS = {"none": "none (every layer keeps its activations)",
                      "moe": "Megatron's MoE-layer recompute"}
-_RECOMPUTE_TEXT = {"none": "attention scores", "moe": "attention scores, MoE layer", "full": "every layer"}
+_RECOMPUTE_TEXT = {
+    "none": "attention scores", "moe": "attention scores, MoE layer", "full": "every layer"
+}
 
 
 def _arm_setting(arm: dict) -> str:
@@ -1056,7 +1059,9 @@ def results_md(root: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument(
         "run", type=Path, nargs="*", help="benchmarks/results/gpu_run* folders or train_*.log files"
     )

@@ -272,7 +272,9 @@ def gather_sum(
     # A zero row stands in for empty slots.
     padded = torch.cat([rows, rows.new_zeros((1, rows.shape[1]))])
     safe = torch.where(index < 0, rows.shape[0], index)
-    scale_padded = None if scale is None else torch.cat([scale.to(wide), scale.new_zeros(1, dtype=wide)])
+    scale_padded = (
+        None if scale is None else torch.cat([scale.to(wide), scale.new_zeros(1, dtype=wide)])
+    )
     for lo in range(0, num_out, CHUNK_ROWS):
         hi = lo + CHUNK_ROWS
         acc = torch.zeros((safe[lo:hi].shape[0], rows.shape[1]), dtype=wide, device=rows.device)

@@ -187,7 +187,8 @@ def _gather_sum_body(
             x = x * scale[:, None]
         acc = acc + x
     dst = out_rows[:, None] * out_stride + offs_h[None, :]
-    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_h[None, :])
+    store_mask = mask_m[:, None] & mask_h[None, :]
+    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 def _gather_sum_kernel(
@@ -264,7 +265,8 @@ def _pack_pairs_body(
     dst = offs_m.to(tl.int64)[:, None]
     g = tl.load(g_ptr + tok[:, None] * g_stride + offs_h[None, :], mask=mask, other=0.0)
     y = g.to(tl.float32) * scale[:, None]
-    tl.store(g_out_ptr + dst * g_out_stride + offs_h[None, :], y.to(g_out_ptr.dtype.element_ty), mask=mask)
+    g_dst = g_out_ptr + dst * g_out_stride + offs_h[None, :]
+    tl.store(g_dst, y.to(g_out_ptr.dtype.element_ty), mask=mask)
     if HAS_X:
         x = tl.load(x_ptr + tok[:, None] * x_stride + offs_h[None, :], mask=mask, other=0.0)
         tl.store(x_out_ptr + dst * x_out_stride + offs_h[None, :], x, mask=mask)

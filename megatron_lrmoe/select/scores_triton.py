@@ -225,7 +225,9 @@ def _kernels_for(t: torch.Tensor) -> SimpleNamespace:
 # --------------------------------------------------------------------------------------------
 
 
-def row_norms_triton(g: torch.Tensor, x: torch.Tensor, *, block_h: int | None = None) -> torch.Tensor:
+def row_norms_triton(
+    g: torch.Tensor, x: torch.Tensor, *, block_h: int | None = None
+) -> torch.Tensor:
     """``[2, T]`` fp32: the L2 norm of every row of ``g`` (row 0) and of ``x`` (row 1), one pass.
 
     Args:

@@ -142,7 +142,9 @@ def token_norms(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x: ``[T, H]`` input rows.
     """
     if g.dim() != 2 or g.shape != x.shape:
-        raise ValueError(f"token_norms: g {tuple(g.shape)} and x {tuple(x.shape)} must be one [T, H]")
+        raise ValueError(
+            f"token_norms: g {tuple(g.shape)} and x {tuple(x.shape)} must be one [T, H]"
+        )
     if (
         use_triton(g, x)
         and g.dtype in triton_common.KERNEL_DTYPES
