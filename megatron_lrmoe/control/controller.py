@@ -179,15 +179,15 @@ def _memory_plan(call: BudgetSearch, plan: Backward) -> MemoryPlan:
     cost, mode, sent = call.cost, call.mode, call.sent
     own = call.fixed_rank_load
     replicas = cost.replica_bytes * call.replicas_per_rank
-    saved = call.saved_memory(call.keeps_all(plan.quota))
+    keeps_all = call.keeps_all(plan.quota)
     multi = call.num_sources > 1
     exchange = cost.exchange_bytes(mode) if multi else 0
     row = cost.row_bytes if multi else 0
     arrays = [
         replicas,
-        saved,
-        cost.backward_bytes(mode, call.keeps_all(plan.quota)) * plan.rank_load,
-        call.router_memory(call.keeps_all(plan.quota)),
+        call.saved_memory(keeps_all),
+        cost.backward_bytes(mode, keeps_all) * plan.rank_load,
+        call.router_memory(keeps_all),
         cost.forward_buffer_bytes * call.forward_rank_load,
         exchange * call.sent_rows(plan),
         exchange * plan.rank_load,
